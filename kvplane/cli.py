@@ -1,0 +1,113 @@
+"""`kvplane`: one command, a subcommand per job. Each subcommand imports its own module
+lazily, so `kvplane bench` does not pay for the router's imports and vice versa."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvplane.config import Settings, load_settings
+from kvplane.logsetup import configure_logging
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML configuration file")
+    parser.add_argument("--index", choices=["memory", "redis", "redis-cluster"])
+    parser.add_argument("--redis-url")
+    parser.add_argument("--grpc-port", type=int)
+    parser.add_argument("--http-port", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--lease-s", type=float)
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", choices=["text", "json"])
+
+
+_FLAG_TO_SETTING = {
+    "index": ("index", "backend"),
+    "redis_url": ("index", "redis_url"),
+    "grpc_port": ("control_plane", "grpc_port"),
+    "http_port": ("http", "port"),
+    "block_size": ("control_plane", "block_size"),
+    "lease_s": ("control_plane", "lease_s"),
+    "log_level": ("logging", "level"),
+    "log_format": ("logging", "format"),
+}
+
+
+def _settings_from(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, dict[str, Any]] = {}
+    for flag, (section, name) in _FLAG_TO_SETTING.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.setdefault(section, {})[name] = value
+    return load_settings(args.config, overrides)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from router.app import serve
+
+    settings = _settings_from(args)
+    configure_logging(settings.logging)
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from router.demo import run_demo
+
+    settings = _settings_from(args)
+    configure_logging(settings.logging)
+    return asyncio.run(run_demo(settings))
+
+
+def _run_bench_index(args: argparse.Namespace) -> int:
+    from benchmarks.index import run_index_benchmark
+
+    return run_index_benchmark(
+        json_path=args.json,
+        redis_url=args.redis_url,
+        entries=args.entries,
+        workers=args.workers,
+        lookups=args.lookups,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvplane", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    router = commands.add_parser("router", help="run the router and control plane")
+    _add_settings_flags(router)
+    router.set_defaults(handler=_run_router)
+
+    demo = commands.add_parser("demo", help="start a control plane and show it at work")
+    _add_settings_flags(demo)
+    demo.set_defaults(handler=_run_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks that print their figures")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    index = bench_kinds.add_parser("index", help="block keys and location index")
+    index.add_argument("--json", type=Path, help="also write the figures here")
+    index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    index.add_argument("--entries", type=int, default=10_000_000)
+    index.add_argument("--workers", type=int, default=64)
+    index.add_argument("--lookups", type=int, default=2000)
+    index.set_defaults(handler=_run_bench_index)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""kvplane's configuration: one typed model, read from a TOML file, the environment and
+command-line flags, in rising priority.
+
+Environment variables are `KVPLANE_<SECTION>__<FIELD>`, for example
+`KVPLANE_INDEX__BACKEND=redis` or `KVPLANE_CONTROL_PLANE__LEASE_S=3`. The defaults run a
+single router on one machine with nothing else installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kvplane.keys import SCHEME_VERSION
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IndexSettings(_Section):
+    backend: Literal["memory", "redis", "redis-cluster"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = Field(default="kvp", pattern=r"^[A-Za-z0-9._-]{1,32}$")
+    max_entries: int = Field(default=20_000_000, ge=1)
+
+
+class ControlPlaneSettings(_Section):
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = Field(default=50051, ge=0, le=65535)
+    block_size: int = Field(default=16, ge=1, le=65536)
+    key_scheme_version: int = SCHEME_VERSION
+    lease_s: float = Field(default=5.0, gt=0)
+    max_batch_events: int = Field(default=4096, ge=1)
+    max_batch_blocks: int = Field(default=65536, ge=1)
+    max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    agent_token: SecretStr | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # set: agents must present a certificate (mTLS)
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> ControlPlaneSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        return self
+
+
+class HttpSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+
+class LoggingSettings(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVPLANE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    index: IndexSettings = IndexSettings()
+    control_plane: ControlPlaneSettings = ControlPlaneSettings()
+    http: HttpSettings = HttpSettings()
+    logging: LoggingSettings = LoggingSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = _config_file.get()
+        if config_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+
+_config_file: ContextVar[Path | None] = ContextVar("kvplane_config_file", default=None)
+
+
+def load_settings(
+    config_file: Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Settings:
+    """Settings from `config_file` (TOML), then `KVPLANE_*`, then `overrides` (flags).
+
+    `overrides` is nested like the file (`{"index": {"backend": "redis"}}`); a flag the
+    user did not give must be left out rather than passed as None.
+    """
+    if config_file is not None and not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist")
+    token = _config_file.set(config_file)
+    try:
+        return Settings(**dict(overrides or {}))
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+
+class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_CODE_UNSPECIFIED: _ClassVar[RejectCode]
+    REJECT_CODE_UNAUTHENTICATED: _ClassVar[RejectCode]
+    REJECT_CODE_INVALID_MESSAGE: _ClassVar[RejectCode]
+    REJECT_CODE_NOT_REGISTERED: _ClassVar[RejectCode]
+    REJECT_CODE_STALE_INCARNATION: _ClassVar[RejectCode]
+    REJECT_CODE_INCOMPATIBLE: _ClassVar[RejectCode]
+    REJECT_CODE_BATCH_TOO_LARGE: _ClassVar[RejectCode]
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+TIER_REMOTE: Tier
+REJECT_CODE_UNSPECIFIED: RejectCode
+REJECT_CODE_UNAUTHENTICATED: RejectCode
+REJECT_CODE_INVALID_MESSAGE: RejectCode
+REJECT_CODE_NOT_REGISTERED: RejectCode
+REJECT_CODE_STALE_INCARNATION: RejectCode
+REJECT_CODE_INCOMPATIBLE: RejectCode
+REJECT_CODE_BATCH_TOO_LARGE: RejectCode
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "kv_events", "load", "drain")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    kv_events: KvEvents
+    load: Load
+    drain: Drain
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("ack", "resync", "reject")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    ack: Ack
+    resync: Resync
+    reject: Reject
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "base_url", "model", "block_size", "key_scheme_version", "kv_capacity_blocks", "engine_kind", "engine_version", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEY_SCHEME_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: int
+    base_url: str
+    model: str
+    block_size: int
+    key_scheme_version: int
+    kv_capacity_blocks: int
+    engine_kind: str
+    engine_version: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., key_scheme_version: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engine_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class BlocksStored(_message.Message):
+    __slots__ = ("parent_key", "keys", "first_position", "tier")
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    parent_key: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    first_position: int
+    tier: Tier
+    def __init__(self, parent_key: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., first_position: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("keys", "tier")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    tier: Tier
+    def __init__(self, keys: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlocksStored
+    removed: BlocksRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("sequence", "events")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_usage: float
+    timestamp_ms: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+
+class Resync(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Reject(_message.Message):
+    __slots__ = ("code", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: RejectCode
+    reason: str
+    def __init__(self, code: _Optional[_Union[RejectCode, str]] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The location index: which worker holds which block (see base.py for the contract)."""

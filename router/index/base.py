@@ -1,0 +1,183 @@
+"""The location index contract: which live worker holds which block, and on which tier.
+
+Every backend (router/index/memory.py, router/index/redis.py) implements LocationIndex
+and passes the one conformance suite in tests/index/. The index also keeps each
+worker's registration, incarnation and lease, because router replicas that share a
+backend must agree on who is alive.
+
+Semantics every backend keeps:
+- Fencing. Each worker has one current incarnation. register() with a higher one
+  replaces the record and drops every entry of the old one; any call carrying a lower
+  incarnation than the current one raises StaleIncarnation and changes nothing.
+- Leases. register() and renew() set the lease to now + lease_s. Once the lease has
+  run out the worker is dead: lookup() ignores it at once, workers() reports it as
+  dead, and purge_expired() (or the backend's own expiry) removes it and its entries.
+- Batches. apply() applies a batch's events in order, all of them or none.
+- Lookups walk the request's keys from the first and, per live worker, stop at the
+  first key the worker does not hold: the longest consecutive matched prefix.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives; values equal the wire enum, lower is faster."""
+
+    DEVICE = 1
+    HOST = 2
+    DISK = 3
+    REMOTE = 4
+
+
+class WorkerState(enum.Enum):
+    LIVE = "live"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+MAX_POSITION = 2**16 - 1
+"""Deepest block position an entry records exactly; deeper ones are stored at this
+depth (only eviction order reads it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """A chained run of newly cached blocks; see BlocksStored in the proto."""
+
+    keys: Sequence[int]
+    tier: Tier
+    first_position: int = 0
+    parent_key: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    keys: Sequence[int]
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker says about itself when it registers."""
+
+    worker_id: str
+    incarnation: int
+    base_url: str
+    model: str
+    block_size: int
+    kv_capacity_blocks: int = 0
+    engine_kind: str = ""
+    engine_version: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    info: WorkerInfo
+    state: WorkerState
+    lease_remaining_s: float
+    entries: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """One worker's longest consecutive matched prefix for a lookup.
+
+    by_tier counts the matched blocks per tier; a block held on several tiers counts
+    once, on its fastest.
+    """
+
+    worker_id: str
+    incarnation: int
+    blocks: int
+    by_tier: Mapping[Tier, int]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    keys: int  # distinct block keys
+    entries: int  # (key, worker, tier) locations
+    workers: int  # registered workers, dead ones not yet purged included
+    bytes: int  # the backend's own estimate of the memory it uses
+
+
+class LocationIndexError(Exception):
+    """Base of the index's errors."""
+
+
+class StaleIncarnation(LocationIndexError):
+    def __init__(self, worker_id: str, incarnation: int, current: int) -> None:
+        super().__init__(
+            f"worker {worker_id!r}: incarnation {incarnation} is older than the current "
+            f"incarnation {current}"
+        )
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.current = current
+
+
+class UnknownWorker(LocationIndexError):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id!r} is not registered (or its lease ran out)")
+        self.worker_id = worker_id
+
+
+class IndexUnavailable(LocationIndexError):
+    """The backend cannot be reached; callers degrade (e.g. to load-only routing)."""
+
+
+class LocationIndex(Protocol):
+    async def register(self, info: WorkerInfo, lease_s: float) -> None:
+        """Record a worker's incarnation and start its lease.
+
+        The same incarnation again refreshes the lease and keeps the entries (a
+        reconnect); a higher one drops the old incarnation's entries first; a lower one
+        raises StaleIncarnation.
+        """
+
+    async def renew(
+        self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
+    ) -> None:
+        """Extend the lease (the heartbeat); draining marks the worker as draining.
+
+        Raises UnknownWorker when the worker is not registered or its lease already ran
+        out (it must register again), StaleIncarnation for an older incarnation. A
+        lease_s of 0 ends the lease now.
+        """
+
+    async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
+        """Apply one batch in order, whole or not at all.
+
+        Raises UnknownWorker or StaleIncarnation (applying nothing). Removing a key the
+        worker does not hold is a no-op; storing one it holds already is too.
+        """
+
+    async def drop_worker(self, worker_id: str) -> None:
+        """Forget the worker and all its entries (no-op when unknown)."""
+
+    async def purge_expired(self) -> list[str]:
+        """Drop every worker whose lease ran out; return their ids."""
+
+    async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
+        """Longest consecutive prefix of `keys` per live worker that matched one block
+        or more (draining workers included, dead ones never)."""
+
+    async def workers(self) -> list[WorkerStatus]:
+        """Every registered worker, dead ones not yet purged included."""
+
+    async def stats(self) -> IndexStats: ...
+
+    async def close(self) -> None: ...

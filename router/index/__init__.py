@@ -1,1 +1,21 @@
 """The location index: which worker holds which block (see base.py for the contract)."""
+
+from __future__ import annotations
+
+from kvplane.config import IndexSettings
+from router.index.base import LocationIndex
+from router.index.memory import MemoryLocationIndex
+
+
+def open_index(settings: IndexSettings) -> LocationIndex:
+    """The backend the settings name; Redis is imported only when asked for."""
+    if settings.backend == "memory":
+        return MemoryLocationIndex(max_entries=settings.max_entries)
+    from router.index.redis import RedisLocationIndex
+
+    return RedisLocationIndex.from_url(
+        settings.redis_url,
+        cluster=settings.backend == "redis-cluster",
+        prefix=settings.redis_prefix,
+        max_entries=settings.max_entries,
+    )

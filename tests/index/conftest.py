@@ -1,0 +1,67 @@
+"""`make_index`: one fixture that builds every LocationIndex backend, so each test in
+this folder runs against the in-memory index, Redis and Redis Cluster alike."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from router.index.base import LocationIndex
+from router.index.memory import MemoryLocationIndex
+from router.index.redis import RedisLocationIndex
+
+IndexFactory = Callable[..., Awaitable[LocationIndex]]
+
+BACKENDS = ["memory", "redis", "redis-cluster"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncIterator[IndexFactory]:
+    created: list[LocationIndex] = []
+    prefix = f"kvptest-{uuid.uuid4().hex[:10]}"
+    url = None
+    if backend == "redis":
+        url = request.getfixturevalue("redis_url")
+    elif backend == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+
+    async def factory(*, max_entries: int | None = None) -> LocationIndex:
+        index: LocationIndex
+        if backend == "memory":
+            index = MemoryLocationIndex(max_entries=max_entries)
+        else:
+            assert url is not None
+            index = RedisLocationIndex.from_url(
+                url,
+                cluster=backend == "redis-cluster",
+                prefix=prefix,
+                max_entries=max_entries,
+            )
+        created.append(index)
+        return index
+
+    yield factory
+    for index in created:
+        await index.close()
+    if url is not None:
+        await _delete_prefix(url, backend == "redis-cluster", prefix)
+
+
+async def _delete_prefix(url: str, cluster: bool, prefix: str) -> None:
+    client: aioredis.Redis | RedisCluster
+    client = RedisCluster.from_url(url) if cluster else aioredis.Redis.from_url(url)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        for key in keys:
+            await client.delete(key)
+    finally:
+        await client.aclose()

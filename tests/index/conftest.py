@@ -12,7 +12,6 @@ from redis.asyncio.cluster import RedisCluster
 
 from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
-from router.index.redis import RedisLocationIndex
 
 IndexFactory = Callable[..., Awaitable[LocationIndex]]
 
@@ -39,6 +38,8 @@ async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncItera
         if backend == "memory":
             index = MemoryLocationIndex(max_entries=max_entries)
         else:
+            from router.index.redis import RedisLocationIndex
+
             assert url is not None
             index = RedisLocationIndex.from_url(
                 url,
@@ -53,10 +54,10 @@ async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncItera
     for index in created:
         await index.close()
     if url is not None:
-        await _delete_prefix(url, backend == "redis-cluster", prefix)
+        await delete_prefix(url, backend == "redis-cluster", prefix)
 
 
-async def _delete_prefix(url: str, cluster: bool, prefix: str) -> None:
+async def delete_prefix(url: str, cluster: bool, prefix: str) -> None:
     client: aioredis.Redis | RedisCluster
     client = RedisCluster.from_url(url) if cluster else aioredis.Redis.from_url(url)
     try:

@@ -73,6 +73,7 @@ def _run_bench_index(args: argparse.Namespace) -> int:
         entries=args.entries,
         workers=args.workers,
         lookups=args.lookups,
+        redis_entries=args.redis_entries,
     )
 
 
@@ -92,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     index = bench_kinds.add_parser("index", help="block keys and location index")
     index.add_argument("--json", type=Path, help="also write the figures here")
-    index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    index.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="Redis to measure (empty: skip the Redis backend)",
+    )
+    index.add_argument("--redis-entries", type=int, default=1_000_000)
     index.add_argument("--entries", type=int, default=10_000_000)
     index.add_argument("--workers", type=int, default=64)
     index.add_argument("--lookups", type=int, default=2000)

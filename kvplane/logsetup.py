@@ -26,9 +26,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        entry.update(
-            (k, v) for k, v in record.__dict__.items() if k not in _STANDARD_ATTRIBUTES
-        )
+        entry.update((k, v) for k, v in record.__dict__.items() if k not in _STANDARD_ATTRIBUTES)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
@@ -39,9 +37,7 @@ def configure_logging(settings: LoggingSettings) -> None:
     if settings.format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level)

@@ -137,15 +137,9 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
     processes: list[subprocess.Popen[bytes]] = []
     try:
         for port in ports:
-            processes.append(
-                _start_server(
-                    workdir / f"redis-cluster-{port}",
-                    port,
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "5000",
-                )  # fmt: skip
-            )
+            cluster_flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            cluster_flags += ["--cluster-node-timeout", "5000"]
+            processes.append(_start_server(workdir / f"redis-cluster-{port}", port, *cluster_flags))
         subprocess.run(
             [_binary("redis-cli"), "--cluster", "create"]
             + [f"127.0.0.1:{port}" for port in ports]

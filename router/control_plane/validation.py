@@ -169,20 +169,18 @@ def parse_kv_events(message: pb.KvEvents, limits: Limits) -> list[KvEvent] | Rej
             pb.REJECT_CODE_BATCH_TOO_LARGE,
             f"{len(message.events)} events in one batch; at most {limits.max_batch_events}",
         )
-    blocks = sum(
-        len(event.stored.keys) + len(event.removed.keys) for event in message.events
-    )  # an unset field reads as empty, so each event counts only its own keys
-    if blocks > limits.max_batch_blocks:
-        return Rejection(
-            pb.REJECT_CODE_BATCH_TOO_LARGE,
-            f"{blocks} blocks in one batch; at most {limits.max_batch_blocks}",
-        )
     events: list[KvEvent] = []
     for position, wire_event in enumerate(message.events):
         event = _parse_event(wire_event)
         if isinstance(event, Rejection):
             return _invalid(f"event {position}: {event.reason}")
         events.append(event)
+    blocks = batch_blocks(events)
+    if blocks > limits.max_batch_blocks:
+        return Rejection(
+            pb.REJECT_CODE_BATCH_TOO_LARGE,
+            f"{blocks} blocks in one batch; at most {limits.max_batch_blocks}",
+        )
     return events
 
 

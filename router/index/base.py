@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class Tier(enum.IntEnum):
@@ -92,12 +92,12 @@ class WorkerStatus:
     entries: int
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):
     """One worker's longest consecutive matched prefix for a lookup.
 
     by_tier counts the matched blocks per tier; a block held on several tiers counts
-    once, on its fastest.
+    once, on its fastest. (A NamedTuple: lookups build one per matching worker, and
+    this is the cheapest immutable record to build.)
     """
 
     worker_id: str

@@ -1,22 +1,22 @@
 """The embedded location index: everything in this process, nothing else to run.
 
-Layout, chosen for the lookup walk:
-- one table per tier, block key -> packed int: (mask of worker slots) << DEPTH_BITS | depth.
-  Every live worker gets a slot (a bit), so one walk over the request's keys narrows
-  the mask of candidate workers with a single AND per key, however many workers match.
-- per worker and tier, the set of keys it holds, so dropping a worker touches only its
-  own entries.
-- a histogram of entries by depth, so eviction can find the deepest entries without
-  sorting anything.
+Storage is a BlockTable (block_table.py): one row per distinct block key, with a bit per
+worker slot per tier. Every registered worker owns a slot; this module decides who is
+alive (leases, incarnations), applies event batches and evicts when over budget.
+
+A lookup ANDs the holder masks of the request's keys cumulatively: the first key where
+a worker's bit drops out is where its consecutive prefix ends, for all workers at once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from router.index.base import (
     MAX_POSITION,
@@ -33,10 +33,10 @@ from router.index.base import (
     WorkerState,
     WorkerStatus,
 )
+from router.index.block_table import BlockTable, Masks, Slots
 
-DEPTH_BITS = 16
-_DEPTH_MASK = (1 << DEPTH_BITS) - 1
-_PURGE_CHUNK = 50_000  # entries dropped between two yields to the event loop
+T = TypeVar("T", bound=np.generic)
+_TIERS = list(Tier)  # table tier i is _TIERS[i]; fastest first
 _EVICT_HEADROOM = 0.9  # evict down to this share of max_entries, so eviction is rare
 
 
@@ -46,11 +46,46 @@ class _Worker:
     slot: int
     lease_deadline: float
     draining: bool = False
-    keys: dict[Tier, set[int]] = field(default_factory=lambda: {tier: set() for tier in Tier})
+    entries: int = 0
+    word: int = field(init=False)
+    bit: np.uint64 = field(init=False)
 
-    @property
-    def entries(self) -> int:
-        return sum(len(keys) for keys in self.keys.values())
+    def __post_init__(self) -> None:
+        self.word, bit = divmod(self.slot, 64)
+        self.bit = np.uint64(1 << bit)
+
+
+@dataclass(frozen=True, slots=True)
+class _Live:
+    """The live workers and their slot mask, valid until the first lease runs out."""
+
+    workers: dict[int, _Worker]  # by slot
+    mask: Masks  # (words,) uint64
+    valid_until: float
+
+
+Keys = npt.NDArray[np.uint64]
+Depths = npt.NDArray[np.uint32]
+_NO_KEYS: Keys = np.zeros(0, dtype=np.uint64)
+_NO_DEPTHS: Depths = np.zeros(0, dtype=np.uint32)
+
+# A run of a batch, converted to arrays: (kind, tier index, keys, depths).
+_Prepared = tuple[type[KvEvent], int, Keys, Depths]
+
+
+def _concat(arrays: list[npt.NDArray[T]], empty: npt.NDArray[T]) -> npt.NDArray[T]:
+    if not arrays:
+        return empty
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _as_keys(keys: Sequence[int]) -> Keys:
+    if isinstance(keys, np.ndarray):
+        return keys.astype(np.uint64, copy=False)
+    try:
+        return np.fromiter(keys, dtype=np.uint64, count=len(keys))
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError("block keys must be unsigned 64-bit integers") from None
 
 
 class MemoryLocationIndex:
@@ -66,12 +101,12 @@ class MemoryLocationIndex:
             raise ValueError("max_entries must be positive")
         self._max_entries = max_entries
         self._clock = clock
-        self._tables: dict[Tier, dict[int, int]] = {tier: {} for tier in Tier}
+        self._table = BlockTable(len(_TIERS))
+        self._tier_entries = [0] * len(_TIERS)
         self._workers: dict[str, _Worker] = {}
         self._slot_owner: list[_Worker | None] = []
         self._free_slots: list[int] = []
-        self._entries_at_depth = [0] * (MAX_POSITION + 1)
-        self._entries = 0
+        self._live: _Live | None = None
 
     # -- workers ---------------------------------------------------------------------
 
@@ -79,18 +114,17 @@ class MemoryLocationIndex:
         current = self._workers.get(info.worker_id)
         if current is not None:
             if info.incarnation < current.info.incarnation:
-                raise StaleIncarnation(
-                    info.worker_id, info.incarnation, current.info.incarnation
-                )
+                raise StaleIncarnation(info.worker_id, info.incarnation, current.info.incarnation)
             if info.incarnation == current.info.incarnation and self._is_live(current):
                 current.info = info
                 current.lease_deadline = self._clock() + lease_s
+                self._live = None
                 return
-            await self._drop(current)
-        worker = _Worker(info=info, slot=self._take_slot(), lease_deadline=0.0)
-        worker.lease_deadline = self._clock() + lease_s
+            self._drop(current)
+        worker = _Worker(info=info, slot=self._take_slot(), lease_deadline=self._clock() + lease_s)
         self._slot_owner[worker.slot] = worker
         self._workers[info.worker_id] = worker
+        self._live = None
 
     async def renew(
         self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
@@ -98,16 +132,17 @@ class MemoryLocationIndex:
         worker = self._live_worker(worker_id, incarnation)
         worker.lease_deadline = self._clock() + lease_s
         worker.draining = worker.draining or draining
+        self._live = None
 
     async def drop_worker(self, worker_id: str) -> None:
         worker = self._workers.get(worker_id)
         if worker is not None:
-            await self._drop(worker)
+            self._drop(worker)
 
     async def purge_expired(self) -> list[str]:
         expired = [w for w in self._workers.values() if not self._is_live(w)]
         for worker in expired:
-            await self._drop(worker)
+            self._drop(worker)
         return [w.info.worker_id for w in expired]
 
     async def workers(self) -> list[WorkerStatus]:
@@ -145,77 +180,110 @@ class MemoryLocationIndex:
         if self._free_slots:
             return self._free_slots.pop()
         self._slot_owner.append(None)
+        self._table.ensure_worker_slots(len(self._slot_owner))
         return len(self._slot_owner) - 1
 
-    async def _drop(self, worker: _Worker) -> None:
-        # Unlink first: from here on the worker scores nothing and takes no writes, so
-        # its key sets stay untouched while the purge yields to other tasks.
+    def _drop(self, worker: _Worker) -> None:
         if self._workers.get(worker.info.worker_id) is worker:
             del self._workers[worker.info.worker_id]
-        removed = 0
-        for tier, keys in worker.keys.items():
-            while keys:
-                self._remove_entry(self._tables[tier], worker, keys.pop())
-                removed += 1
-                if removed % _PURGE_CHUNK == 0:
-                    await asyncio.sleep(0)
+        self._clear(worker)
         self._slot_owner[worker.slot] = None
         self._free_slots.append(worker.slot)
+        self._live = None
+
+    def _live_view(self) -> _Live:
+        now = self._clock()
+        if self._live is not None and now < self._live.valid_until:
+            return self._live
+        live = {w.slot: w for w in self._workers.values() if w.lease_deadline > now}
+        mask = np.zeros(self._table.words, dtype=np.uint64)
+        for worker in live.values():
+            mask[worker.word] |= worker.bit
+        valid_until = min((w.lease_deadline for w in live.values()), default=float("inf"))
+        self._live = _Live(live, mask, valid_until)
+        return self._live
 
     # -- events ----------------------------------------------------------------------
 
     async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
         worker = self._live_worker(worker_id, incarnation)
+        for kind, tier, keys, depths in self._prepare(events):
+            if kind is BlocksStored:
+                self._store(worker, tier, keys, depths)
+            elif kind is BlocksRemoved:
+                self._remove(worker, tier, keys)
+            else:
+                self._clear(worker)
+        if self._max_entries is not None and self._entries() > self._max_entries:
+            await self._evict(self._entries() - int(self._max_entries * _EVICT_HEADROOM))
+
+    @staticmethod
+    def _prepare(events: Sequence[KvEvent]) -> list[_Prepared]:
+        """Convert a batch to arrays (failing before anything is applied) and merge
+        consecutive events of the same kind and tier: the table's cost is per call,
+        not per key, and merging keeps the batch's order where it matters."""
+        runs: list[tuple[type[KvEvent], int, list[Keys], list[Depths]]] = []
         for event in events:
+            if isinstance(event, AllBlocksCleared):
+                runs.append((AllBlocksCleared, 0, [], []))
+                continue
+            tier = _TIERS.index(event.tier)
+            keys = _as_keys(event.keys)
             if isinstance(event, BlocksStored):
-                self._store(worker, event)
-            elif isinstance(event, BlocksRemoved):
-                table = self._tables[event.tier]
-                held = worker.keys[event.tier]
-                for key in event.keys:
-                    if key in held:
-                        held.discard(key)
-                        self._remove_entry(table, worker, key)
-            elif isinstance(event, AllBlocksCleared):
-                for tier, keys in worker.keys.items():
-                    table = self._tables[tier]
-                    while keys:
-                        self._remove_entry(table, worker, keys.pop())
-        if self._max_entries is not None and self._entries > self._max_entries:
-            await self._evict(self._entries - int(self._max_entries * _EVICT_HEADROOM))
+                first = event.first_position
+                positions = np.arange(first, first + keys.size, dtype=np.int64)
+                depths = np.minimum(positions, MAX_POSITION).astype(np.uint32)
+            else:
+                depths = _NO_DEPTHS
+            kind = type(event)
+            if runs and runs[-1][0] is kind and runs[-1][1] == tier:
+                runs[-1][2].append(keys)
+                runs[-1][3].append(depths)
+            else:
+                runs.append((kind, tier, [keys], [depths]))
+        return [
+            (kind, tier, _concat(keys, _NO_KEYS), _concat(depths, _NO_DEPTHS))
+            for kind, tier, keys, depths in runs
+        ]
 
-    def _store(self, worker: _Worker, event: BlocksStored) -> None:
-        table = self._tables[event.tier]
-        held = worker.keys[event.tier]
-        bit = 1 << (worker.slot + DEPTH_BITS)
-        entries_at_depth = self._entries_at_depth
-        depth = event.first_position
-        added = 0
-        for key in event.keys:
-            packed = table.get(key)
-            if packed is None:
-                table[key] = bit | min(depth, MAX_POSITION)
-                entries_at_depth[min(depth, MAX_POSITION)] += 1
-                held.add(key)
-                added += 1
-            elif not packed & bit:
-                table[key] = packed | bit
-                entries_at_depth[packed & _DEPTH_MASK] += 1
-                held.add(key)
-                added += 1
-            depth += 1
-        self._entries += added
+    def _store(
+        self,
+        worker: _Worker,
+        tier: int,
+        keys: npt.NDArray[np.uint64],
+        depths: npt.NDArray[np.uint32],
+    ) -> None:
+        if not keys.size:
+            return
+        slots = self._table.find_or_insert(keys, depths)
+        holders = self._table.holders(tier)  # after the insert: growing replaces it
+        new = np.unique(slots[(holders[slots, worker.word] & worker.bit) == 0])
+        holders[new, worker.word] |= worker.bit
+        worker.entries += new.size
+        self._tier_entries[tier] += new.size
 
-    def _remove_entry(self, table: dict[int, int], worker: _Worker, key: int) -> None:
-        """Clear the worker's bit on a key the caller has taken out of its key set."""
-        packed = table[key]
-        remaining = packed & ~(1 << (worker.slot + DEPTH_BITS))
-        if remaining >> DEPTH_BITS:
-            table[key] = remaining
-        else:
-            del table[key]
-        self._entries_at_depth[packed & _DEPTH_MASK] -= 1
-        self._entries -= 1
+    def _remove(self, worker: _Worker, tier: int, keys: npt.NDArray[np.uint64]) -> None:
+        found = self._table.find(keys)
+        holders = self._table.holders(tier)
+        slots = np.unique(found.slots[found.present])
+        slots = slots[(holders[slots, worker.word] & worker.bit) != 0]
+        self._release(worker, tier, slots)
+
+    def _clear(self, worker: _Worker) -> None:
+        for tier in range(len(_TIERS)):
+            if self._tier_entries[tier]:
+                holders = self._table.holders(tier)
+                self._release(worker, tier, np.flatnonzero(holders[:, worker.word] & worker.bit))
+
+    def _release(self, worker: _Worker, tier: int, slots: Slots) -> None:
+        """Clear the worker's bit on `slots` (which it holds) and free emptied rows."""
+        self._table.holders(tier)[slots, worker.word] &= ~worker.bit
+        worker.entries -= slots.size
+        self._tier_entries[tier] -= slots.size
+        self._table.release_unheld(slots)
+
+    def _entries(self) -> int:
+        return sum(self._tier_entries)
 
     async def _evict(self, count: int) -> None:
         """Remove at least `count` entries: dead workers' first, then the deepest."""
@@ -223,120 +291,88 @@ class MemoryLocationIndex:
         await self.purge_expired()
         if count <= 0:
             return
-        # The shallowest depth such that entries at it or deeper cover `count`.
-        threshold, deeper = MAX_POSITION, 0
-        while threshold > 0 and deeper + self._entries_at_depth[threshold] < count:
-            deeper += self._entries_at_depth[threshold]
-            threshold -= 1
-        for tier, table in self._tables.items():
-            victims = []
-            for key, packed in table.items():
-                if packed & _DEPTH_MASK >= threshold:
-                    victims.append(key)
-                    count -= (packed >> DEPTH_BITS).bit_count()
-                    if count <= 0:
-                        break
-            for key in victims:
-                for worker in self._owners(table[key]):
-                    worker.keys[tier].discard(key)
-                    self._remove_entry(table, worker, key)
-            if count <= 0:
-                return
-
-    def _owners(self, packed: int) -> Iterable[_Worker]:
-        mask = packed >> DEPTH_BITS
-        while mask:
-            low = mask & -mask
-            owner = self._slot_owner[low.bit_length() - 1]
-            if owner is not None:
-                yield owner
-            mask ^= low
+        occupied = self._table.occupied_slots()
+        per_slot = np.zeros(occupied.size, dtype=np.int64)
+        for tier in range(len(_TIERS)):
+            if self._tier_entries[tier]:
+                per_slot += np.bitwise_count(self._table.holders(tier)[occupied]).sum(
+                    axis=1, dtype=np.int64
+                )
+        depth = self._table.depth(occupied)
+        # Entries at each depth, then the shallowest depth whose deeper entries cover count.
+        at_depth = np.bincount(depth, weights=per_slot)
+        deeper_or_equal = np.cumsum(at_depth[::-1])[::-1]
+        threshold = int(np.flatnonzero(deeper_or_equal >= count).max(initial=0))
+        victims = occupied[depth > threshold]
+        taken = int(per_slot[depth > threshold].sum())
+        if taken < count:  # take what is missing from the threshold depth itself
+            at_threshold = np.flatnonzero(depth == threshold)
+            enough = np.searchsorted(np.cumsum(per_slot[at_threshold]), count - taken) + 1
+            victims = np.concatenate([victims, occupied[at_threshold[:enough]]])
+        for worker in self._slot_owner:
+            if worker is None:
+                continue
+            for tier in range(len(_TIERS)):
+                if self._tier_entries[tier]:
+                    holders = self._table.holders(tier)
+                    held = victims[(holders[victims, worker.word] & worker.bit) != 0]
+                    self._release(worker, tier, held)
 
     # -- lookups ---------------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
-        now = self._clock()
-        live_mask = 0
-        for worker in self._workers.values():
-            if worker.lease_deadline > now:
-                live_mask |= 1 << worker.slot
-        tables = [(tier, table) for tier, table in self._tables.items() if table]
-        if not live_mask or not keys or not tables:
+        live = self._live_view()
+        tiers = [t for t in range(len(_TIERS)) if self._tier_entries[t]]
+        if not live.workers or not len(keys) or not tiers:
             return {}
-        # (length, workers that matched exactly `length` blocks) pairs, as the walk
-        # narrows the candidate mask.
-        ends: list[tuple[int, int]] = []
-        mask = live_mask
-        if len(tables) == 1:
-            get = tables[0][1].get
-            for position, key in enumerate(keys):
-                held = get(key, 0) >> DEPTH_BITS & mask
-                if held != mask:
-                    ends.append((position, mask ^ held))
-                    mask = held
-                    if not mask:
-                        break
-        else:
-            getters = [table.get for _, table in tables]
-            for position, key in enumerate(keys):
-                held = 0
-                for get in getters:
-                    held |= get(key, 0) >> DEPTH_BITS
-                held &= mask
-                if held != mask:
-                    ends.append((position, mask ^ held))
-                    mask = held
-                    if not mask:
-                        break
-        if mask:
-            ends.append((len(keys), mask))
-
+        found = self._table.find(_as_keys(keys))
+        held = self._table.holders(tiers[0]).take(found.slots, axis=0)
+        for tier in tiers[1:]:
+            held |= self._table.holders(tier).take(found.slots, axis=0)
+        held &= live.mask
+        held[~found.present] = 0
+        # Row i: the live workers holding keys 0..i. A worker's prefix ends at the first
+        # row its bit is missing from; rows where nothing drops out are skipped.
+        still = np.bitwise_and.accumulate(held, axis=0)
+        lengths = (np.flatnonzero((still[1:] != still[:-1]).any(axis=1)) + 1).tolist()
+        groups = [(length, still[length - 1] & ~still[length]) for length in lengths]
+        if still[-1].any():
+            groups.append((len(keys), still[-1]))
         matches: dict[str, PrefixMatch] = {}
-        for length, workers_mask in ends:
-            if length == 0:
-                continue
-            for worker in self._owners(workers_mask << DEPTH_BITS):
+        for length, ended in groups:
+            shared_counts = {_TIERS[tiers[0]]: length} if len(tiers) == 1 else None
+            for slot in np.flatnonzero(
+                np.unpackbits(ended.view(np.uint8), bitorder="little")
+            ).tolist():
+                worker = live.workers[slot]
                 matches[worker.info.worker_id] = PrefixMatch(
-                    worker_id=worker.info.worker_id,
-                    incarnation=worker.info.incarnation,
-                    blocks=length,
-                    by_tier=self._count_by_tier(tables, worker, keys[:length]),
+                    worker.info.worker_id,
+                    worker.info.incarnation,
+                    length,
+                    shared_counts or self._count_by_tier(worker, tiers, found.slots[:length]),
                 )
         return matches
 
-    @staticmethod
-    def _count_by_tier(
-        tables: list[tuple[Tier, dict[int, int]]], worker: _Worker, keys: Sequence[int]
-    ) -> dict[Tier, int]:
-        if len(tables) == 1:
-            return {tables[0][0]: len(keys)}
+    def _count_by_tier(self, worker: _Worker, tiers: list[int], slots: Slots) -> dict[Tier, int]:
         counts: dict[Tier, int] = {}
-        for key in keys:
-            tier = next(t for t in Tier if key in worker.keys[t])
-            counts[tier] = counts.get(tier, 0) + 1
+        counted = np.zeros(slots.size, dtype=np.bool_)
+        for tier in tiers:  # fastest first: a block counts once, on its fastest tier
+            on_tier = (self._table.holders(tier)[slots, worker.word] & worker.bit) != 0
+            fresh = on_tier & ~counted
+            if fresh.any():
+                counts[_TIERS[tier]] = int(fresh.sum())
+            counted |= on_tier
         return counts
 
     # -- introspection ---------------------------------------------------------------
 
     async def stats(self) -> IndexStats:
-        tables = [table for table in self._tables.values() if table]
-        keys = len(tables[0]) if len(tables) == 1 else len(set().union(*tables))
         return IndexStats(
-            keys=keys,
-            entries=self._entries,
+            keys=self._table.used,
+            entries=self._entries(),
             workers=len(self._workers),
-            bytes=self._estimate_bytes(),
+            bytes=self._table.nbytes(),
         )
-
-    def _estimate_bytes(self) -> int:
-        # Container sizes are exact; the int objects are estimated at their usual size
-        # (a 64-bit key: 36 bytes, a packed mask: 28 + 4 per 30 bits), not walked.
-        total = sum(sys.getsizeof(table) for table in self._tables.values())
-        mask_int_size = 28 + 4 * ((len(self._slot_owner) + DEPTH_BITS) // 30 + 1)
-        total += sum(len(table) for table in self._tables.values()) * (36 + mask_int_size)
-        for worker in self._workers.values():
-            total += sum(sys.getsizeof(keys) for keys in worker.keys.values())
-        return total
 
     async def close(self) -> None:
         return None

@@ -333,6 +333,20 @@ async def test_many_workers_share_one_walk(make_index: IndexFactory):
     assert {w: m.blocks for w, m in matches.items()} == {f"w{n}": n for n in range(1, 40)}
 
 
+async def test_more_workers_than_one_mask_word(make_index: IndexFactory):
+    index = await make_index()
+    prompt = chain(26, 3)
+    for n in range(130):
+        await index.register(info(f"w{n}"), LEASE)
+    await index.apply("w129", 1, [stored(prompt)])
+    await index.apply("w64", 1, [stored(prompt[:2])])
+    await index.apply("w0", 1, [stored(prompt[:1])])
+
+    matches = await index.lookup(prompt)
+
+    assert {w: m.blocks for w, m in matches.items()} == {"w129": 3, "w64": 2, "w0": 1}
+
+
 async def test_max_entries_evicts_the_deepest_blocks(make_index: IndexFactory):
     index = await make_index(max_entries=100)
     await index.register(info("a"), LEASE)

@@ -92,15 +92,15 @@ def test_bad_tokens_are_refused(tokens: list[object], message: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {"model": "", "block_size": 16},
-        {"model": "m", "block_size": 0},
-        {"model": "m", "block_size": 16, "scheme_version": SCHEME_VERSION + 1},
+        ({"model": "", "block_size": 16}, "model must not be empty"),
+        ({"model": "m", "block_size": 0}, "block_size must be in"),
+        ({"model": "m", "block_size": 16, "scheme_version": SCHEME_VERSION + 1}, "not supported"),
     ],
 )
-def test_bad_namespaces_are_refused(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+def test_bad_namespaces_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         KeyNamespace(**kwargs)  # type: ignore[arg-type]
 
 

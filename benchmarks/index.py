@@ -1,0 +1,271 @@
+"""`kvplane bench index`: block-key hashing and the location index, in figures.
+
+The fleet it builds: `workers` workers, each holding whole 512-block prompts (8,192
+tokens in blocks of 16). Every prompt opens with one of a few shared 32-block system
+prompts, so a lookup starts with every worker matching and narrows from there, the hard
+case for the walk. Lookups mix prompts that are cached somewhere (full and partial
+hits) with prompts that share only a system prompt.
+
+Memory is measured as the growth of the process's resident set while the index fills,
+divided by the entries; the keys are generated on the fly so the index holds the only
+reference to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import random
+import statistics
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvplane.keys import KeyNamespace, block_keys
+from router.index.base import BlocksStored, LocationIndex, Tier, WorkerInfo
+from router.index.memory import MemoryLocationIndex
+
+PROMPT_BLOCKS = 512
+SYSTEM_BLOCKS = 32
+SYSTEM_PROMPTS = 8
+EVENT_BLOCKS = 64  # blocks per BlocksStored, as an engine step announces them
+BATCH_EVENTS = 8  # events per KvEvents batch
+LEASE_S = 3600.0
+_pack_pair = struct.Struct("<QQ").pack
+
+
+@dataclass(frozen=True)
+class IndexFigures:
+    entries: int
+    workers: int
+    apply_entries_per_s: float
+    lookup_p50_us: float
+    lookup_p99_us: float
+    bytes_per_entry: float
+
+
+def prompt_keys(prompt: int) -> list[int]:
+    """The 512 keys of prompt number `prompt`: a shared system prompt, then its own."""
+    system = prompt % SYSTEM_PROMPTS
+    keys = [xxhash.xxh3_64_intdigest(_pack_pair(system, j)) for j in range(SYSTEM_BLOCKS)]
+    keys += [
+        xxhash.xxh3_64_intdigest(_pack_pair(SYSTEM_PROMPTS + prompt, j))
+        for j in range(SYSTEM_BLOCKS, PROMPT_BLOCKS)
+    ]
+    return keys
+
+
+def placement(entries: int, workers: int, seed: int) -> dict[int, list[int]]:
+    """Which prompts each worker holds: about entries / 512 placements, some prompts on
+    more than one worker, as a cache-aware router leaves a fleet."""
+    rng = random.Random(seed)
+    # A worker's system-prompt blocks are entries once, however many prompts use them.
+    own_blocks = PROMPT_BLOCKS - SYSTEM_BLOCKS
+    per_worker = max(1, (entries // workers - SYSTEM_PROMPTS * SYSTEM_BLOCKS) // own_blocks)
+    distinct = max(per_worker, int(per_worker * workers * 0.8))
+    return {w: rng.sample(range(distinct), per_worker) for w in range(workers)}
+
+
+def _batches(prompts: list[int]) -> Iterator[list[BlocksStored]]:
+    batch: list[BlocksStored] = []
+    for prompt in prompts:
+        keys = prompt_keys(prompt)
+        for start in range(0, PROMPT_BLOCKS, EVENT_BLOCKS):
+            batch.append(
+                BlocksStored(
+                    keys=keys[start : start + EVENT_BLOCKS],
+                    tier=Tier.DEVICE,
+                    first_position=start,
+                    parent_key=keys[start - 1] if start else None,
+                )
+            )
+            if len(batch) == BATCH_EVENTS:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _percentile(samples: list[float], share: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+async def _fill(index: LocationIndex, layout: dict[int, list[int]]) -> tuple[int, float]:
+    """Register every worker and apply its prompts; return entries and seconds spent in
+    apply() alone (key generation excluded)."""
+    applied, seconds = 0, 0.0
+    for worker, prompts in layout.items():
+        info = WorkerInfo(f"worker-{worker}", 1, f"http://w{worker}:8000", "bench", 16)
+        await index.register(info, LEASE_S)
+        for batch in _batches(prompts):
+            started = time.perf_counter()
+            await index.apply(info.worker_id, 1, batch)
+            seconds += time.perf_counter() - started
+            applied += sum(len(event.keys) for event in batch)
+    return applied, seconds
+
+
+async def _lookups(
+    index: LocationIndex, layout: dict[int, list[int]], count: int, seed: int
+) -> list[float]:
+    rng = random.Random(seed + 1)
+    held = [prompt for prompts in layout.values() for prompt in prompts]
+    unseen = max(held) + 1
+    requests: list[list[int]] = []
+    for n in range(count):
+        kind = n % 3
+        if kind == 0:  # a prompt cached on some worker
+            requests.append(prompt_keys(rng.choice(held)))
+        elif kind == 1:  # its first part, then a new turn
+            keys = prompt_keys(rng.choice(held))
+            cut = rng.randrange(SYSTEM_BLOCKS, PROMPT_BLOCKS)
+            requests.append(keys[:cut] + prompt_keys(unseen + n)[cut:])
+        else:  # only the system prompt is shared
+            requests.append(prompt_keys(unseen + n))
+    for keys in requests[:20]:  # warm caches and connections
+        await index.lookup(keys)
+    samples = []
+    for keys in requests:
+        started = time.perf_counter_ns()
+        await index.lookup(keys)
+        samples.append((time.perf_counter_ns() - started) / 1000)
+    return samples
+
+
+async def measure_index(
+    index: LocationIndex,
+    *,
+    entries: int,
+    workers: int,
+    lookups: int,
+    seed: int,
+    memory_bytes: int | None = None,
+) -> IndexFigures:
+    layout = placement(entries, workers, seed)
+    resident_before = _resident_bytes()
+    applied, seconds = await _fill(index, layout)
+    if memory_bytes is None:
+        memory_bytes = _resident_bytes() - resident_before
+    stats = await index.stats()
+    samples = await _lookups(index, layout, lookups, seed)
+    return IndexFigures(
+        entries=stats.entries,
+        workers=workers,
+        apply_entries_per_s=applied / seconds,
+        lookup_p50_us=statistics.median(samples),
+        lookup_p99_us=_percentile(samples, 0.99),
+        bytes_per_entry=memory_bytes / max(1, stats.entries),
+    )
+
+
+def measure_keys_8k_prompt_us(repeats: int = 2000) -> float:
+    rng = random.Random(7)
+    tokens = [rng.randrange(128_256) for _ in range(8192)]
+    namespace = KeyNamespace(model="bench", block_size=16)
+    block_keys(tokens, namespace)
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter_ns()
+        block_keys(tokens, namespace)
+        samples.append((time.perf_counter_ns() - started) / 1000)
+    return statistics.median(samples)
+
+
+async def _measure_redis(
+    url: str, *, entries: int, workers: int, lookups: int, seed: int
+) -> IndexFigures:
+    import redis.asyncio as aioredis
+
+    from router.index.redis import RedisLocationIndex
+
+    prefix = f"kvpbench-{uuid.uuid4().hex[:8]}"
+    admin = aioredis.Redis.from_url(url)
+    index = RedisLocationIndex.from_url(url, cluster=False, prefix=prefix, max_entries=None)
+    try:
+        used_before = int((await admin.info("memory"))["used_memory"])
+        layout = placement(entries, workers, seed)
+        applied, seconds = await _fill(index, layout)
+        used_after = int((await admin.info("memory"))["used_memory"])
+        stats = await index.stats()
+        samples = await _lookups(index, layout, lookups, seed)
+        return IndexFigures(
+            entries=stats.entries,
+            workers=workers,
+            apply_entries_per_s=applied / seconds,
+            lookup_p50_us=statistics.median(samples),
+            lookup_p99_us=_percentile(samples, 0.99),
+            bytes_per_entry=(used_after - used_before) / max(1, stats.entries),
+        )
+    finally:
+        for worker in range(workers):
+            await index.drop_worker(f"worker-{worker}")
+        async for key in admin.scan_iter(match=f"{prefix}:*", count=1000):
+            await admin.delete(key)
+        await index.close()
+        await admin.aclose()
+
+
+def _print_table(report: dict[str, object]) -> None:
+    print(
+        f"block keys, 8,192-token prompt (512 blocks of 16): {report['keys_8k_prompt_us']:.1f} µs"
+    )
+    header = f"{'backend':<8} {'entries':>11} {'workers':>7} {'apply/s':>12} "
+    header += f"{'lookup p50':>11} {'lookup p99':>11} {'bytes/entry':>11}"
+    print(header)
+    for name in ("memory", "redis"):
+        figures = report.get(name)
+        if not isinstance(figures, dict):
+            continue
+        print(
+            f"{name:<8} {figures['entries']:>11,} {figures['workers']:>7} "
+            f"{figures['apply_entries_per_s']:>12,.0f} "
+            f"{figures['lookup_p50_us']:>9.1f}µs {figures['lookup_p99_us']:>9.1f}µs "
+            f"{figures['bytes_per_entry']:>11.1f}"
+        )
+
+
+def run_index_benchmark(
+    *,
+    json_path: Path | None,
+    redis_url: str | None,
+    entries: int,
+    workers: int,
+    lookups: int,
+    redis_entries: int,
+    seed: int = 1,
+) -> int:
+    report: dict[str, object] = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "keys_8k_prompt_us": measure_keys_8k_prompt_us(),
+    }
+    memory = asyncio.run(
+        measure_index(
+            MemoryLocationIndex(), entries=entries, workers=workers, lookups=lookups, seed=seed
+        )
+    )
+    report["memory"] = asdict(memory)
+    if redis_url:
+        report["redis"] = asdict(
+            asyncio.run(
+                _measure_redis(
+                    redis_url, entries=redis_entries, workers=workers, lookups=lookups, seed=seed
+                )
+            )
+        )
+    _print_table(report)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0

@@ -1,0 +1,364 @@
+"""The ControlPlane.Connect stream: what the router does with each agent message.
+
+gRPC runs every stream in its own task and this module handles one message at a time
+per stream, so a stream's messages are applied in the order they were sent. Decisions
+come from the pure functions in validation.py and workers.py; this module only does
+the I/O they call for (index calls, replies) and keeps the view and metrics current.
+
+Outcomes, as proto/kvplane/v1/control_plane.proto defines them:
+- Ack: after a Register (the sequence to resume after) and after every KvEvents batch
+  that was applied or was a duplicate. Load and Drain get no reply.
+- Resync: the worker's entries are gone (sequence gap, or its lease ran out). The
+  stream stays open for a Register of a higher incarnation; messages still in flight
+  from the old one are ignored until then.
+- Reject: the message was not applied. The Reject is written, then the stream ends
+  with the gRPC status that matches the code (UNAUTHENTICATED, INVALID_ARGUMENT, ...),
+  and nothing more is read from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+
+from kvplane.config import ControlPlaneSettings
+from kvplane.v1 import control_plane_pb2 as pb
+from router.control_plane.validation import (
+    Limits,
+    Rejection,
+    SequenceVerdict,
+    authenticate,
+    batch_blocks,
+    classify_sequence,
+    decode_agent_message,
+    parse_kv_events,
+    parse_load,
+    parse_register,
+)
+from router.control_plane.workers import (
+    RegisterVerdict,
+    WorkerRecord,
+    WorkerView,
+    classify_register,
+    needs_renewal,
+)
+from router.index.base import (
+    LocationIndex,
+    LocationIndexError,
+    StaleIncarnation,
+    UnknownWorker,
+    WorkerState,
+)
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+CONNECT_METHOD = f"/{SERVICE_NAME}/Connect"
+
+_STATUS_FOR_REJECT: dict[int, grpc.StatusCode] = {
+    pb.REJECT_CODE_UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    pb.REJECT_CODE_INVALID_MESSAGE: grpc.StatusCode.INVALID_ARGUMENT,
+    pb.REJECT_CODE_NOT_REGISTERED: grpc.StatusCode.FAILED_PRECONDITION,
+    pb.REJECT_CODE_STALE_INCARNATION: grpc.StatusCode.FAILED_PRECONDITION,
+    pb.REJECT_CODE_INCOMPATIBLE: grpc.StatusCode.FAILED_PRECONDITION,
+    pb.REJECT_CODE_BATCH_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+Reply = pb.ControlMessage | Rejection | None
+Context = grpc.aio.ServicerContext[bytes, pb.ControlMessage]
+
+
+class ResyncCause(enum.Enum):
+    SEQUENCE_GAP = "sequence_gap"
+    LEASE_EXPIRED = "lease_expired"
+
+
+def _ack(sequence: int) -> pb.ControlMessage:
+    return pb.ControlMessage(ack=pb.Ack(sequence=sequence))
+
+
+class ControlPlaneService:
+    def __init__(
+        self,
+        index: LocationIndex,
+        view: WorkerView,
+        metrics: RouterMetrics,
+        settings: ControlPlaneSettings,
+    ) -> None:
+        self.index = index
+        self.view = view
+        self.metrics = metrics
+        self.limits = Limits.from_settings(settings)
+        self.lease_s = settings.lease_s
+        token = settings.agent_token
+        self._token = None if token is None else token.get_secret_value()
+        self._stream_ids = itertools.count(1)
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        # Requests arrive as raw bytes (no request_deserializer) and are parsed in
+        # connect(), so bytes that are no AgentMessage get a Reject like any other bad
+        # message instead of gRPC's bare INTERNAL status.
+        handler: grpc.RpcMethodHandler[bytes, pb.ControlMessage]
+        handler = grpc.stream_stream_rpc_method_handler(
+            self.connect, response_serializer=pb.ControlMessage.SerializeToString
+        )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Connect": handler})
+
+    async def connect(self, requests: AsyncIterator[bytes], context: Context) -> None:
+        rejection = authenticate(context.invocation_metadata(), self._token)
+        if rejection is not None:
+            await self._reject(context, rejection, worker_id=None)
+            return
+        stream = _Stream(self, next(self._stream_ids))
+        self.metrics.streams.inc()
+        try:
+            async for data in requests:
+                reply = await stream.handle(data)
+                if isinstance(reply, Rejection):
+                    await self._reject(context, reply, worker_id=stream.worker_id)
+                    return
+                if reply is not None:
+                    await context.write(reply)
+        except LocationIndexError as error:
+            # Nothing of the failed message was applied (apply is all or nothing), so
+            # the agent reconnects later and resumes from the Ack it gets then.
+            log.warning(
+                "worker %s: location index failed (%s); closing the stream",
+                stream.worker_id,
+                type(error).__name__,
+            )
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details("the location index is unavailable; reconnect later")
+        except Exception:
+            log.exception("worker %s: unexpected error; closing the stream", stream.worker_id)
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details("internal error in the control plane")
+        finally:
+            self.metrics.streams.dec()
+            await stream.end()
+
+    async def _reject(self, context: Context, rejection: Rejection, worker_id: str | None) -> None:
+        self.metrics.rejects.labels(reason=rejection.label).inc()
+        log.info("worker %s rejected: %s (%s)", worker_id, rejection.label, rejection.reason)
+        await context.write(
+            pb.ControlMessage(reject=pb.Reject(code=rejection.code, reason=rejection.reason))
+        )
+        context.set_code(_STATUS_FOR_REJECT[rejection.code])
+        context.set_details(rejection.reason)
+
+
+class _Stream:
+    """One agent stream. It speaks for at most one worker; `registered` is False before
+    the first Register and again after a Resync, until the next Register."""
+
+    def __init__(self, service: ControlPlaneService, stream_id: int) -> None:
+        self.service = service
+        self.index = service.index
+        self.view = service.view
+        self.metrics = service.metrics
+        self.id = stream_id
+        self.worker_id: str | None = None
+        self.incarnation = 0
+        self.registered = False
+
+    async def handle(self, data: bytes) -> Reply:
+        message = decode_agent_message(data)
+        if isinstance(message, Rejection):
+            return message
+        if message.WhichOneof("body") == "register":
+            return await self._register(message.register)
+        if self.worker_id is None:
+            return Rejection(pb.REJECT_CODE_NOT_REGISTERED, "the first message must be Register")
+        if not self.registered:
+            # Sent before the agent read our Resync; that incarnation is gone.
+            return None
+        record = self._own_record()
+        if not isinstance(record, WorkerRecord):
+            return record
+        if message.HasField("kv_events"):
+            return await self._kv_events(message.kv_events, record)
+        if message.HasField("load"):
+            return await self._load(message.load, record)
+        return await self._drain(record)
+
+    def _own_record(self) -> WorkerRecord | pb.ControlMessage | Rejection:
+        """The worker's record while this stream still speaks for the registered
+        incarnation; otherwise the reply that says why it no longer does."""
+        assert self.worker_id is not None
+        record = self.view.get(self.worker_id)
+        if record is None:  # dead so long that the view forgot it
+            return self._resync(ResyncCause.LEASE_EXPIRED, "the worker's lease ran out")
+        if record.incarnation != self.incarnation:
+            return Rejection(
+                pb.REJECT_CODE_STALE_INCARNATION,
+                f"incarnation {self.incarnation} was replaced by {record.incarnation}",
+            )
+        if record.stream != self.id:
+            return Rejection(
+                pb.REJECT_CODE_STALE_INCARNATION,
+                "a newer stream registered this incarnation; this one is closed",
+            )
+        return record
+
+    async def _register(self, message: pb.Register) -> Reply:
+        info = parse_register(message, self.service.limits)
+        if isinstance(info, Rejection):
+            return info
+        if self.worker_id is not None and info.worker_id != self.worker_id:
+            return Rejection(
+                pb.REJECT_CODE_INVALID_MESSAGE,
+                f"this stream speaks for worker {self.worker_id}; open another for a second one",
+            )
+        now = time.monotonic()
+        record = self.view.get(info.worker_id)
+        verdict = classify_register(record, info.incarnation, now)
+        if verdict is RegisterVerdict.STALE:
+            assert record is not None
+            return Rejection(
+                pb.REJECT_CODE_STALE_INCARNATION,
+                f"incarnation {info.incarnation} is older than {record.incarnation}",
+            )
+        self.worker_id, self.incarnation = info.worker_id, info.incarnation
+        if verdict is RegisterVerdict.LOST:
+            # The index dropped (or is about to drop) this incarnation's entries; the
+            # agent must send its whole state again under a new incarnation.
+            return self._resync(
+                ResyncCause.LEASE_EXPIRED, f"the lease of incarnation {info.incarnation} ran out"
+            )
+        try:
+            await self.index.register(info, self.service.lease_s)
+        except StaleIncarnation as error:  # a higher one registered through another router
+            return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
+        record = self.view.registered(info, stream=self.id, now=now, lease_s=self.service.lease_s)
+        self.registered = True
+        log.info(
+            "worker %s incarnation %d registered (%s), resuming after sequence %d",
+            info.worker_id,
+            info.incarnation,
+            verdict.value,
+            record.applied,
+        )
+        return _ack(record.applied)
+
+    async def _kv_events(self, message: pb.KvEvents, record: WorkerRecord) -> Reply:
+        events = parse_kv_events(message, self.service.limits)
+        if isinstance(events, Rejection):
+            return events
+        verdict = classify_sequence(message.sequence, record.applied)
+        if verdict is SequenceVerdict.DUPLICATE:
+            self.metrics.duplicate_batches.inc()
+            return _ack(record.applied)
+        if verdict is SequenceVerdict.GAP:
+            await self.index.drop_worker(record.info.worker_id)
+            return self._resync(
+                ResyncCause.SEQUENCE_GAP,
+                f"expected sequence {record.applied + 1}, got {message.sequence}",
+            )
+        if needs_renewal(record, time.monotonic(), self.service.lease_s):
+            failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
+            if failed is not None:
+                return failed
+        started = time.perf_counter()
+        try:
+            await self.index.apply(record.info.worker_id, record.incarnation, events)
+        except (StaleIncarnation, UnknownWorker) as error:
+            return self._index_refused(error)
+        self.metrics.batch_applied(events, time.perf_counter() - started)
+        self.view.applied(
+            record.info.worker_id, record.incarnation, message.sequence, time.monotonic()
+        )
+        log.debug(
+            "worker %s applied sequence %d: %d events, %d blocks",
+            record.info.worker_id,
+            message.sequence,
+            len(events),
+            batch_blocks(events),
+        )
+        return _ack(message.sequence)
+
+    async def _load(self, message: pb.Load, record: WorkerRecord) -> Reply:
+        report = parse_load(message)
+        if isinstance(report, Rejection):
+            return report
+        failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
+        if failed is not None:
+            return failed
+        self.view.load(record.info.worker_id, record.incarnation, report, time.monotonic())
+        if report.timestamp_ms:
+            lag = time.time() - report.timestamp_ms / 1000
+            self.metrics.load_lag_seconds.observe(max(0.0, lag))
+        return None
+
+    async def _drain(self, record: WorkerRecord) -> Reply:
+        failed = await self._renew(record, draining=True)
+        if failed is None:
+            log.info("worker %s incarnation %d draining", record.info.worker_id, record.incarnation)
+        return failed
+
+    async def _renew(self, record: WorkerRecord, *, draining: bool) -> Reply:
+        """Extend the lease; None on success, else the reply that ends the incarnation."""
+        try:
+            await self.index.renew(
+                record.info.worker_id, record.incarnation, self.service.lease_s, draining=draining
+            )
+        except (StaleIncarnation, UnknownWorker) as error:
+            return self._index_refused(error)
+        self.view.renewed(
+            record.info.worker_id,
+            record.incarnation,
+            now=time.monotonic(),
+            lease_s=self.service.lease_s,
+            draining=draining,
+        )
+        return None
+
+    def _index_refused(
+        self, error: StaleIncarnation | UnknownWorker
+    ) -> pb.ControlMessage | Rejection:
+        if isinstance(error, StaleIncarnation):
+            return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
+        # Unknown to the index: the lease ran out and the entries went with it.
+        return self._resync(ResyncCause.LEASE_EXPIRED, "the worker's lease ran out")
+
+    def _resync(self, cause: ResyncCause, detail: str) -> pb.ControlMessage:
+        assert self.worker_id is not None
+        self.view.dead(self.worker_id, time.monotonic())
+        self.view.disconnected(self.worker_id, self.id)
+        self.registered = False
+        self.metrics.resyncs.labels(reason=cause.value).inc()
+        log.info(
+            "worker %s incarnation %d must resync: %s", self.worker_id, self.incarnation, detail
+        )
+        return pb.ControlMessage(resync=pb.Resync(reason=f"{cause.value}: {detail}"))
+
+    async def end(self) -> None:
+        """The stream closed. A draining worker is dropped at once (it said it would
+        leave); any other keeps its entries until its lease runs out, so it can
+        reconnect with the same incarnation and resume."""
+        if self.worker_id is None or not self.registered:
+            return
+        record = self.view.get(self.worker_id)
+        if record is None or record.stream != self.id or record.incarnation != self.incarnation:
+            return  # another stream speaks for the worker now
+        self.view.disconnected(self.worker_id, self.id)
+        if record.state is not WorkerState.DRAINING:
+            log.info("worker %s disconnected; entries kept until the lease ends", self.worker_id)
+            return
+        try:
+            await self.index.drop_worker(self.worker_id)
+        except LocationIndexError as error:
+            log.warning(
+                "worker %s: could not drop the drained worker (%s); its lease will end it",
+                self.worker_id,
+                type(error).__name__,
+            )
+            return
+        self.view.dead(self.worker_id, time.monotonic())
+        log.info("worker %s drained and disconnected; dropped", self.worker_id)

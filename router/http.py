@@ -1,0 +1,79 @@
+"""The router's HTTP side for operators: liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.control_plane.workers import WorkerView
+from router.index.base import IndexStats, LocationIndex
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+INDEX_PROBE_TIMEOUT_S = 2.0
+"""How long a probe or a scrape waits for the index before calling it unreachable."""
+
+
+def create_http_app(
+    *,
+    index: LocationIndex,
+    view: WorkerView,
+    metrics: RouterMetrics,
+    grpc_serving: Callable[[], bool],
+) -> Starlette:
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        index_problem = await _index_problem(index)
+        serving = grpc_serving()
+        ready = serving and index_problem is None
+        body = {
+            "ready": ready,
+            "grpc": "serving" if serving else "not serving",
+            "index": index_problem or "ok",
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        metrics.set_index_stats(await _index_stats(index))
+        metrics.set_worker_counts(view.counts_by_state())
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+        ]
+    )
+
+
+async def _index_problem(index: LocationIndex) -> str | None:
+    """None when the index answers; else what is wrong with it, for the probe's body.
+
+    workers() is the probe because it is one cheap read on every backend, where stats()
+    may count every key."""
+    try:
+        await asyncio.wait_for(index.workers(), INDEX_PROBE_TIMEOUT_S)
+    except TimeoutError:
+        return f"unreachable (no answer within {INDEX_PROBE_TIMEOUT_S:g} s)"
+    except Exception as error:  # whatever the backend raises, the index is not usable
+        return f"unreachable ({type(error).__name__})"
+    return None
+
+
+async def _index_stats(index: LocationIndex) -> IndexStats | None:
+    try:
+        return await asyncio.wait_for(index.stats(), INDEX_PROBE_TIMEOUT_S)
+    except Exception as error:  # a scrape reports the index as down, it does not fail
+        log.warning("index stats unavailable for /metrics (%s)", type(error).__name__)
+        return None

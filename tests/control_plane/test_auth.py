@@ -1,0 +1,180 @@
+"""Agent authentication: bearer token and mutual TLS, over real gRPC."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvplane.v1 import control_plane_pb2 as pb
+from router.app import running_router
+from router.control_plane.client import AgentStream, events_message, register_message
+from tests.control_plane.conftest import (
+    body,
+    make_settings,
+    prompt_keys,
+    router_with_channel,
+    stored,
+    worker,
+)
+
+TOKEN = "t0ken-for-tests"
+
+
+@pytest.mark.parametrize("token", [None, "wrong"], ids=["missing", "wrong"])
+async def test_call_without_the_right_token_is_rejected(token: str | None) -> None:
+    async with router_with_channel(make_settings(agent_token=TOKEN)) as (router, channel):
+        stream = AgentStream(channel, token=token)
+        await stream.send(register_message(worker()))
+        await stream.send(events_message(1, [stored(prompt_keys(1))]))
+
+        reply = await stream.reply()
+
+        assert body(reply) == "reject"
+        assert reply.reject.code == pb.REJECT_CODE_UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await stream.reply()
+        assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert await router.index.workers() == []
+        assert router.workers.get("w1") is None
+
+
+async def test_call_with_the_token_is_served() -> None:
+    async with router_with_channel(make_settings(agent_token=TOKEN)) as (router, channel):
+        stream = AgentStream(channel, token=TOKEN)
+        assert (await stream.request(register_message(worker()))).ack.sequence == 0
+        assert (await stream.request(events_message(1, [stored(prompt_keys(1))]))).ack.sequence == 1
+        assert set(await router.index.lookup(prompt_keys(1))) == {"w1"}
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: bytes
+    server_cert: Path
+    server_key: Path
+    ca_file: Path
+    client_cert: bytes
+    client_key: bytes
+    stranger_cert: bytes  # signed by another CA
+    stranger_key: bytes
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _certificate(
+    name: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    *,
+    ca: bool = False,
+) -> x509.Certificate:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    issuer_name, issuer_key = issuer or (subject, key)
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _pem(certificate: x509.Certificate) -> bytes:
+    return certificate.public_bytes(serialization.Encoding.PEM)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    directory = tmp_path_factory.mktemp("pki")
+    ca_key, other_ca_key = _key(), _key()
+    ca = _certificate("kvplane test CA", ca_key, None, ca=True)
+    other_ca = _certificate("another CA", other_ca_key, None, ca=True)
+    server_key, client_key, stranger_key = _key(), _key(), _key()
+    server = _certificate("router", server_key, (ca.subject, ca_key))
+    client = _certificate("agent", client_key, (ca.subject, ca_key))
+    stranger = _certificate("stranger", stranger_key, (other_ca.subject, other_ca_key))
+    files = {
+        "ca.pem": _pem(ca),
+        "server.pem": _pem(server),
+        "server-key.pem": _pem_key(server_key),
+    }
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return Pki(
+        ca=_pem(ca),
+        server_cert=directory / "server.pem",
+        server_key=directory / "server-key.pem",
+        ca_file=directory / "ca.pem",
+        client_cert=_pem(client),
+        client_key=_pem_key(client_key),
+        stranger_cert=_pem(stranger),
+        stranger_key=_pem_key(stranger_key),
+    )
+
+
+async def _register_over_tls(port: int, credentials: grpc.ChannelCredentials) -> pb.ControlMessage:
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        return await AgentStream(channel).request(register_message(worker()))
+
+
+async def test_mutual_tls(pki: Pki) -> None:
+    settings = make_settings(
+        tls_cert_file=pki.server_cert,
+        tls_key_file=pki.server_key,
+        tls_client_ca_file=pki.ca_file,
+    )
+    async with running_router(settings) as router:
+        trusted = grpc.ssl_channel_credentials(pki.ca, pki.client_key, pki.client_cert)
+        reply = await _register_over_tls(router.grpc_port, trusted)
+        assert reply.ack.sequence == 0
+
+        for credentials in (
+            grpc.ssl_channel_credentials(pki.ca),  # no client certificate
+            grpc.ssl_channel_credentials(pki.ca, pki.stranger_key, pki.stranger_cert),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _register_over_tls(router.grpc_port, credentials)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as plaintext:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await AgentStream(plaintext).request(register_message(worker("w2")))
+        assert [w.info.worker_id for w in await router.index.workers()] == ["w1"]
+
+
+async def test_server_tls_without_client_certificates(pki: Pki) -> None:
+    settings = make_settings(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
+    async with running_router(settings) as router:
+        reply = await _register_over_tls(router.grpc_port, grpc.ssl_channel_credentials(pki.ca))
+        assert reply.ack.sequence == 0

@@ -1,0 +1,232 @@
+"""The pure checks of router/control_plane/validation.py, message by message."""
+
+from __future__ import annotations
+
+import math
+from typing import cast
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvplane.keys import SCHEME_VERSION
+from kvplane.v1 import control_plane_pb2 as pb
+from router.control_plane.client import event_to_wire, events_message, register_message
+from router.control_plane.validation import (
+    MAX_CHAIN_END,
+    Limits,
+    Rejection,
+    SequenceVerdict,
+    authenticate,
+    classify_sequence,
+    parse_kv_events,
+    parse_load,
+    parse_register,
+)
+from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
+from tests.control_plane.conftest import BLOCK_SIZE, worker
+
+LIMITS = Limits(
+    block_size=BLOCK_SIZE,
+    key_scheme_version=SCHEME_VERSION,
+    max_batch_events=8,
+    max_batch_blocks=32,
+)
+
+
+def _register(**fields: object) -> pb.Register:
+    message = register_message(worker()).register
+    for name, value in fields.items():
+        setattr(message, name, value)
+    return message
+
+
+def test_register_becomes_worker_info() -> None:
+    info = worker("pod-7.zone_a:0", 42, kv_capacity_blocks=900, labels={"zone": "a"})
+    assert parse_register(register_message(info).register, LIMITS) == info
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"worker_id": ""}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"worker_id": "x" * 129}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"worker_id": "a/b"}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"incarnation": 0}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"base_url": "ftp://host/"}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"base_url": "http://"}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"base_url": "host:8000"}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"base_url": "http://host:99999"}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"base_url": "http://[::1"}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"model": ""}, pb.REJECT_CODE_INVALID_MESSAGE),
+        ({"block_size": BLOCK_SIZE * 2}, pb.REJECT_CODE_INCOMPATIBLE),
+        ({"key_scheme_version": SCHEME_VERSION + 1}, pb.REJECT_CODE_INCOMPATIBLE),
+    ],
+)
+def test_bad_register(fields: dict[str, object], code: int) -> None:
+    result = parse_register(_register(**fields), LIMITS)
+    assert isinstance(result, Rejection)
+    assert result.code == code
+
+
+def test_longest_worker_id_and_https_are_accepted() -> None:
+    message = _register(worker_id="w" * 128, base_url="https://[::1]:8443/v1")
+    assert not isinstance(parse_register(message, LIMITS), Rejection)
+
+
+def _stored(keys: list[int], **fields: object) -> pb.KvEvent:
+    event = event_to_wire(BlocksStored(keys=keys, tier=Tier.DEVICE))
+    for name, value in fields.items():
+        setattr(event.stored, name, value)
+    return event
+
+
+def _batch(*events: pb.KvEvent, sequence: int = 1) -> pb.KvEvents:
+    return pb.KvEvents(sequence=sequence, events=events)
+
+
+def test_batch_becomes_events_in_order() -> None:
+    events: list[KvEvent] = [
+        BlocksStored(keys=[1, 2], tier=Tier.HOST),
+        BlocksStored(keys=[3], tier=Tier.DISK, first_position=2, parent_key=2),
+        BlocksRemoved(keys=[1], tier=Tier.HOST),
+        AllBlocksCleared(),
+        BlocksStored(keys=[9], tier=Tier.REMOTE, first_position=5, parent_key=0),
+    ]
+    assert parse_kv_events(events_message(3, events).kv_events, LIMITS) == events
+
+
+@pytest.mark.parametrize(
+    ("batch", "code", "reason"),
+    [
+        (_batch(sequence=0), pb.REJECT_CODE_INVALID_MESSAGE, "sequence"),
+        (_batch(*[_stored([1])] * 9), pb.REJECT_CODE_BATCH_TOO_LARGE, "9 events"),
+        (
+            _batch(
+                _stored(list(range(20))),
+                pb.KvEvent(removed=pb.BlocksRemoved(keys=[1] * 13, tier=pb.TIER_HOST)),
+            ),
+            pb.REJECT_CODE_BATCH_TOO_LARGE,
+            "33 blocks",
+        ),
+        (_batch(_stored([1], tier=pb.TIER_UNSPECIFIED)), pb.REJECT_CODE_INVALID_MESSAGE, "tier 0"),
+        (_batch(_stored([1], tier=9)), pb.REJECT_CODE_INVALID_MESSAGE, "tier 9"),
+        (
+            _batch(pb.KvEvent(removed=pb.BlocksRemoved(keys=[1], tier=cast(pb.Tier, 7)))),
+            pb.REJECT_CODE_INVALID_MESSAGE,
+            "tier 7",
+        ),
+        (_batch(_stored([1], first_position=3)), pb.REJECT_CODE_INVALID_MESSAGE, "parent_key"),
+        (_batch(_stored([1], parent_key=5)), pb.REJECT_CODE_INVALID_MESSAGE, "parent_key"),
+        (_batch(_stored([])), pb.REJECT_CODE_INVALID_MESSAGE, "without keys"),
+        (
+            _batch(pb.KvEvent(removed=pb.BlocksRemoved(tier=pb.TIER_HOST))),
+            pb.REJECT_CODE_INVALID_MESSAGE,
+            "without keys",
+        ),
+        (_batch(_stored([1]), pb.KvEvent()), pb.REJECT_CODE_INVALID_MESSAGE, "event 1"),
+        (
+            _batch(_stored([1, 2], parent_key=1, first_position=MAX_CHAIN_END - 1)),
+            pb.REJECT_CODE_INVALID_MESSAGE,
+            "chain positions",
+        ),
+    ],
+)
+def test_bad_batch(batch: pb.KvEvents, code: int, reason: str) -> None:
+    result = parse_kv_events(batch, LIMITS)
+    assert isinstance(result, Rejection)
+    assert result.code == code
+    assert reason in result.reason
+
+
+def test_batch_at_the_limits_is_accepted() -> None:
+    batch = _batch(*[_stored([i, i + 100, i + 200, i + 300]) for i in range(8)])
+    parsed = parse_kv_events(batch, LIMITS)
+    assert not isinstance(parsed, Rejection)
+    assert len(parsed) == 8
+    last = _batch(_stored([1], parent_key=1, first_position=MAX_CHAIN_END - 1))
+    assert not isinstance(parse_kv_events(last, LIMITS), Rejection)
+
+
+_keys = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=4)
+_tiers = st.sampled_from(list(Tier))
+_events = st.one_of(
+    st.builds(BlocksStored, keys=_keys, tier=_tiers),
+    st.builds(
+        BlocksStored,
+        keys=_keys,
+        tier=_tiers,
+        first_position=st.integers(1, 2**20),
+        parent_key=st.integers(0, 2**64 - 1),
+    ),
+    st.builds(BlocksRemoved, keys=_keys, tier=_tiers),
+    st.just(AllBlocksCleared()),
+)
+
+
+@given(sequence=st.integers(1, 2**64 - 1), events=st.lists(_events, max_size=8))
+def test_every_valid_batch_survives_the_wire(sequence: int, events: list[KvEvent]) -> None:
+    wire = pb.KvEvents.FromString(events_message(sequence, events).kv_events.SerializeToString())
+    assert parse_kv_events(wire, LIMITS) == events
+
+
+@pytest.mark.parametrize("usage", [math.nan, math.inf, -math.inf, -0.01, 1.01])
+def test_bad_kv_usage(usage: float) -> None:
+    result = parse_load(pb.Load(running=1, kv_usage=usage))
+    assert isinstance(result, Rejection)
+    assert result.code == pb.REJECT_CODE_INVALID_MESSAGE
+
+
+@pytest.mark.parametrize("usage", [0.0, 0.5, 1.0])
+def test_load_report(usage: float) -> None:
+    report = parse_load(pb.Load(running=4, waiting=2, kv_usage=usage, timestamp_ms=17))
+    assert not isinstance(report, Rejection)
+    assert (report.running, report.waiting, report.kv_usage, report.timestamp_ms) == (
+        4,
+        2,
+        usage,
+        17,
+    )
+
+
+@pytest.mark.parametrize(
+    ("metadata", "ok"),
+    [
+        ((("authorization", "Bearer s3cret"),), True),
+        ((("authorization", "bearer s3cret"),), True),
+        ((("user-agent", "x"), ("authorization", b"Bearer s3cret")), True),
+        ((("authorization", "Bearer wrong"),), False),
+        ((("authorization", "Bearer s3cret-and-more"),), False),
+        ((("authorization", "Basic s3cret"),), False),
+        ((("authorization", "Bearer "),), False),
+        ((), False),
+        (None, False),
+    ],
+)
+def test_bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None, ok: bool) -> None:
+    result = authenticate(metadata, "s3cret")
+    if ok:
+        assert result is None
+    else:
+        assert isinstance(result, Rejection)
+        assert result.code == pb.REJECT_CODE_UNAUTHENTICATED
+        assert result.label == "unauthenticated"
+
+
+def test_no_token_configured_lets_every_call_in() -> None:
+    assert authenticate(None, None) is None
+
+
+@pytest.mark.parametrize(
+    ("sequence", "last", "verdict"),
+    [
+        (1, 0, SequenceVerdict.NEXT),
+        (6, 5, SequenceVerdict.NEXT),
+        (5, 5, SequenceVerdict.DUPLICATE),
+        (1, 5, SequenceVerdict.DUPLICATE),
+        (7, 5, SequenceVerdict.GAP),
+        (2, 0, SequenceVerdict.GAP),
+    ],
+)
+def test_sequence_verdict(sequence: int, last: int, verdict: SequenceVerdict) -> None:
+    assert classify_sequence(sequence, last) is verdict

@@ -256,7 +256,7 @@ class _Stream:
             self.metrics.duplicate_batches.inc()
             return _ack(record.applied)
         if verdict is SequenceVerdict.GAP:
-            await self.index.drop_worker(record.info.worker_id)
+            await self.index.drop_worker(record.info.worker_id, record.incarnation)
             return self._resync(
                 ResyncCause.SEQUENCE_GAP,
                 f"expected sequence {record.applied + 1}, got {message.sequence}",
@@ -352,7 +352,7 @@ class _Stream:
             log.info("worker %s disconnected; entries kept until the lease ends", self.worker_id)
             return
         try:
-            await self.index.drop_worker(self.worker_id)
+            await self.index.drop_worker(self.worker_id, self.incarnation)
         except LocationIndexError as error:
             log.warning(
                 "worker %s: could not drop the drained worker (%s); its lease will end it",

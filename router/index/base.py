@@ -165,8 +165,13 @@ class LocationIndex(Protocol):
         worker does not hold is a no-op; storing one it holds already is too.
         """
 
-    async def drop_worker(self, worker_id: str) -> None:
-        """Forget the worker and all its entries (no-op when unknown)."""
+    async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
+        """Forget the worker and all its entries (no-op when unknown).
+
+        With an incarnation, only while that is still the worker's current one: a router
+        acting on an old stream must not drop the newer incarnation another router has
+        registered since.
+        """
 
     async def purge_expired(self) -> list[str]:
         """Drop every worker whose lease ran out; return their ids."""

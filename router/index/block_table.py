@@ -144,99 +144,64 @@ class BlockTable:
         return Found(slots, matches.ravel().take(offsets.candidates + first))
 
     def find_or_insert(self, keys: Keys, depths: npt.NDArray[np.uint32]) -> Slots:
-        """Slots of `keys`, inserting the missing ones with their depth. Duplicates in
-        `keys` get the same slot (and the first one's depth)."""
+        """Slots of `keys` (distinct), inserting the missing ones with their depth."""
         found = self.find(keys)
         if found.present.all():
             return found.slots
         missing = np.flatnonzero(~found.present)
-        new_keys, first, inverse = np.unique(keys[missing], return_index=True, return_inverse=True)
         generation = self._generation
-        if self._used + new_keys.size > _MAX_LOAD * self.capacity:
-            self._grow(self._used + new_keys.size)
-        new_slots = self._insert(new_keys, depths[missing][first])
+        if self._used + missing.size > _MAX_LOAD * self.capacity:
+            self._grow(self._used + missing.size)
+        new_slots = self._insert(keys[missing], depths[missing])
         if self._generation != generation:
-            # Growing moved every key: the slots found before are stale.
-            return self.find(keys).slots
+            return self.find(keys).slots  # growing moved every key found before
         slots = found.slots.copy()
-        slots[missing] = new_slots[inverse]
+        slots[missing] = new_slots
         return slots
 
     def _insert(self, keys: Keys, depths: npt.NDArray[np.uint32]) -> Slots:
-        while True:
-            slots = self._try_insert(keys)
-            if slots is not None:
-                self._depth[slots] = depths
-                self._used += keys.size
-                return slots
-            self._grow(self.capacity)  # a bucket pair was full: rare; double
+        """Place distinct keys known to be absent; return their slots.
 
-    def _try_insert(self, keys: Keys) -> Slots | None:
-        """Place keys known to be absent; None (and nothing written) if one can't fit."""
-        choices = self._buckets_of(keys)
-        free_1 = self._free_counts(choices[:, 0])
-        free_2 = self._free_counts(choices[:, 1])
-        preferred = np.where(free_1 >= free_2, 0, 1)
-        slots = np.full(keys.size, -1, dtype=np.intp)
+        In rounds: each pending key takes the first free slot of the emptier of its two
+        buckets, one key wins each contested slot, the others go again. A key whose two
+        buckets are both full doubles the table (rare below the load limit).
+        """
+        generation = self._generation
+        slots = np.empty(keys.size, dtype=np.intp)
         pending = np.arange(keys.size)
-        written: list[Slots] = []
-        for choice_of in (preferred, 1 - preferred):
-            if not pending.size:
-                break
-            buckets = choices[pending, choice_of[pending]]
-            placed = self._place(buckets, keys[pending])
-            ok = placed >= 0
-            slots[pending[ok]] = placed[ok]
-            written.append(placed[ok])
-            pending = pending[~ok]
-        if pending.size:
-            for done in written:  # undo, so a retry after growing starts clean
-                self._flat_keys[done] = self._sentinels[done // BUCKET_SLOTS]
-            return None
+        while pending.size:
+            buckets = self._buckets_of(keys[pending])
+            free = self._keys.take(buckets, axis=0) == self._sentinels.take(buckets)[:, :, None]
+            counts = free.sum(axis=2)
+            if not counts.any(axis=1).all():
+                self._grow(self.capacity + 1)
+                continue
+            rows = np.arange(pending.size)
+            choice = (counts[:, 1] > counts[:, 0]).astype(np.intp)
+            candidate = buckets[rows, choice] * BUCKET_SLOTS + free[rows, choice].argmax(axis=1)
+            claimed, winners = np.unique(candidate, return_index=True)
+            placed = pending[winners]
+            self._flat_keys[claimed] = keys[placed]
+            self._depth[claimed] = depths[placed]
+            slots[placed] = claimed
+            self._used += claimed.size
+            pending = np.delete(pending, winners)
+        if self._generation != generation:
+            return self.find(keys).slots  # a growth moved the keys placed before it
         return slots
 
-    def _free_counts(self, buckets: Slots) -> npt.NDArray[np.intp]:
-        free: npt.NDArray[np.intp] = (self._keys[buckets] == self._sentinels[buckets, None]).sum(
-            axis=1
-        )
-        return free
-
-    def _place(self, buckets: Slots, keys: Keys) -> Slots:
-        """Write each key into a free slot of its bucket; -1 where the bucket is full.
-        Keys sharing a bucket take its free slots in turn (rank within the bucket)."""
-        order = np.argsort(buckets, kind="stable")
-        sorted_buckets = buckets[order]
-        group_start = np.searchsorted(sorted_buckets, sorted_buckets, side="left")
-        rank = np.empty(keys.size, dtype=np.intp)
-        rank[order] = np.arange(keys.size) - group_start
-        free = self._keys[buckets] == self._sentinels[buckets, None]
-        nth_free = (np.cumsum(free, axis=1) == (rank + 1)[:, None]) & free
-        fits = nth_free.view(np.uint64).ravel() != 0
-        placed = np.full(keys.size, -1, dtype=np.intp)
-        placed[fits] = buckets[fits] * BUCKET_SLOTS + nth_free[fits].argmax(axis=1)
-        self._flat_keys[placed[fits]] = keys[fits]
-        return placed
-
     def _grow(self, needed: int) -> None:
+        """Reallocate with enough buckets for `needed` keys and insert them all again."""
         self._generation += 1
         occupied = self.occupied_slots()
-        keys = self._flat_keys[occupied].copy()
-        depths = self._depth[occupied].copy()
-        holders = [h[occupied].copy() for h in self._holders]
-        bucket_bits = self._bucket_bits
-        while (
-            needed > _MAX_LOAD * (1 << (bucket_bits + 3)) * 0.999
-            or bucket_bits == self._bucket_bits
-        ):
+        keys = self._flat_keys[occupied]
+        depths = self._depth[occupied]
+        holders = [tier_holders[occupied] for tier_holders in self._holders]
+        bucket_bits = self._bucket_bits + 1
+        while needed > _MAX_LOAD * BUCKET_SLOTS * (1 << bucket_bits):
             bucket_bits += 1
-        while True:
-            self._allocate(bucket_bits)
-            slots = self._try_insert(keys)
-            if slots is not None:
-                break
-            bucket_bits += 1
-        self._used = keys.size
-        self._depth[slots] = depths
+        self._allocate(bucket_bits)
+        slots = self._insert(keys, depths)
         for tier, tier_holders in enumerate(holders):
             self._holders[tier][slots] = tier_holders
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +34,6 @@ from router.index.base import (
 )
 from router.index.block_table import BlockTable, Masks, Slots
 
-T = TypeVar("T", bound=np.generic)
 _TIERS = list(Tier)  # table tier i is _TIERS[i]; fastest first
 _EVICT_HEADROOM = 0.9  # evict down to this share of max_entries, so eviction is rare
 
@@ -66,17 +64,10 @@ class _Live:
 
 Keys = npt.NDArray[np.uint64]
 Depths = npt.NDArray[np.uint32]
-_NO_KEYS: Keys = np.zeros(0, dtype=np.uint64)
 _NO_DEPTHS: Depths = np.zeros(0, dtype=np.uint32)
 
 # A run of a batch, converted to arrays: (kind, tier index, keys, depths).
 _Prepared = tuple[type[KvEvent], int, Keys, Depths]
-
-
-def _concat(arrays: list[npt.NDArray[T]], empty: npt.NDArray[T]) -> npt.NDArray[T]:
-    if not arrays:
-        return empty
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _as_keys(keys: Sequence[int]) -> Keys:
@@ -134,9 +125,9 @@ class MemoryLocationIndex:
         worker.draining = worker.draining or draining
         self._live = None
 
-    async def drop_worker(self, worker_id: str) -> None:
+    async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
         worker = self._workers.get(worker_id)
-        if worker is not None:
+        if worker is not None and incarnation in (None, worker.info.incarnation):
             self._drop(worker)
 
     async def purge_expired(self) -> list[str]:
@@ -219,32 +210,35 @@ class MemoryLocationIndex:
 
     @staticmethod
     def _prepare(events: Sequence[KvEvent]) -> list[_Prepared]:
-        """Convert a batch to arrays (failing before anything is applied) and merge
-        consecutive events of the same kind and tier: the table's cost is per call,
-        not per key, and merging keeps the batch's order where it matters."""
-        runs: list[tuple[type[KvEvent], int, list[Keys], list[Depths]]] = []
+        """Convert a batch to arrays (failing before anything is applied), merging
+        consecutive events of the same kind and tier into one run: the table's cost is
+        per call, not per key, and runs keep the batch's order where it matters. Keys
+        within a run are made distinct (the first occurrence's depth wins)."""
+        runs: list[tuple[type[KvEvent], int, list[int], list[int]]] = []
         for event in events:
             if isinstance(event, AllBlocksCleared):
                 runs.append((AllBlocksCleared, 0, [], []))
                 continue
-            tier = _TIERS.index(event.tier)
-            keys = _as_keys(event.keys)
+            kind, tier = type(event), _TIERS.index(event.tier)
+            if not runs or runs[-1][0] is not kind or runs[-1][1] != tier:
+                runs.append((kind, tier, [], []))
+            runs[-1][2].extend(event.keys)
             if isinstance(event, BlocksStored):
                 first = event.first_position
-                positions = np.arange(first, first + keys.size, dtype=np.int64)
-                depths = np.minimum(positions, MAX_POSITION).astype(np.uint32)
+                runs[-1][3].extend(range(first, first + len(event.keys)))
+        prepared: list[_Prepared] = []
+        for kind, tier, keys, positions in runs:
+            if kind is BlocksStored:
+                # Later duplicates overwrite earlier ones, so reversing keeps the first.
+                first_positions = dict(zip(reversed(keys), reversed(positions), strict=True))
+                depths = np.minimum(
+                    np.fromiter(first_positions.values(), np.int64, len(first_positions)),
+                    MAX_POSITION,
+                ).astype(np.uint32)
+                prepared.append((kind, tier, _as_keys(list(first_positions)), depths))
             else:
-                depths = _NO_DEPTHS
-            kind = type(event)
-            if runs and runs[-1][0] is kind and runs[-1][1] == tier:
-                runs[-1][2].append(keys)
-                runs[-1][3].append(depths)
-            else:
-                runs.append((kind, tier, [keys], [depths]))
-        return [
-            (kind, tier, _concat(keys, _NO_KEYS), _concat(depths, _NO_DEPTHS))
-            for kind, tier, keys, depths in runs
-        ]
+                prepared.append((kind, tier, _as_keys(list(dict.fromkeys(keys))), _NO_DEPTHS))
+        return prepared
 
     def _store(
         self,
@@ -257,7 +251,7 @@ class MemoryLocationIndex:
             return
         slots = self._table.find_or_insert(keys, depths)
         holders = self._table.holders(tier)  # after the insert: growing replaces it
-        new = np.unique(slots[(holders[slots, worker.word] & worker.bit) == 0])
+        new = slots[(holders[slots, worker.word] & worker.bit) == 0]
         holders[new, worker.word] |= worker.bit
         worker.entries += new.size
         self._tier_entries[tier] += new.size
@@ -265,7 +259,7 @@ class MemoryLocationIndex:
     def _remove(self, worker: _Worker, tier: int, keys: npt.NDArray[np.uint64]) -> None:
         found = self._table.find(keys)
         holders = self._table.holders(tier)
-        slots = np.unique(found.slots[found.present])
+        slots = found.slots[found.present]
         slots = slots[(holders[slots, worker.word] & worker.bit) != 0]
         self._release(worker, tier, slots)
 

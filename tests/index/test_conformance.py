@@ -299,6 +299,19 @@ async def test_drop_worker_forgets_it(make_index: IndexFactory):
         await index.apply("a", 1, [stored(prompt)])
 
 
+async def test_drop_for_an_old_incarnation_keeps_the_new_one(make_index: IndexFactory):
+    index = await make_index()
+    prompt = chain(27, 2)
+    await index.register(info("a", 1), LEASE)
+    await index.register(info("a", 2), LEASE)
+    await index.apply("a", 2, [stored(prompt)])
+    await index.drop_worker("a", 1)
+
+    assert (await index.lookup(prompt))["a"].incarnation == 2
+    await index.drop_worker("a", 2)
+    assert await index.workers() == []
+
+
 async def test_registration_is_reported(make_index: IndexFactory):
     index = await make_index()
     await index.register(info("a", 7), LEASE)

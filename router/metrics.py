@@ -81,6 +81,13 @@ class RouterMetrics:
         self.apply_seconds = Histogram(
             "kvplane_apply_seconds", "Time to apply one batch", buckets=_APPLY_BUCKETS, registry=r
         )
+        self.event_lag_seconds = Histogram(
+            "kvplane_event_lag_seconds",
+            "Time from the engine publishing a KV event batch to the index applying it "
+            "(agent's clock against this router's: includes clock skew)",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         self.load_lag_seconds = Histogram(
             "kvplane_load_lag_seconds",
             "Receipt time minus the agent's Load timestamp (includes clock skew)",

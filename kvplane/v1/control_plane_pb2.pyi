@@ -125,12 +125,14 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KvEvents(_message.Message):
-    __slots__ = ("sequence", "events")
+    __slots__ = ("sequence", "events", "timestamp_ms")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
-    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+    timestamp_ms: int
+    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms")

@@ -105,7 +105,11 @@ def event_to_wire(event: KvEvent) -> pb.KvEvent:
 
 def events_message(sequence: int, events: Iterable[KvEvent]) -> pb.AgentMessage:
     return pb.AgentMessage(
-        kv_events=pb.KvEvents(sequence=sequence, events=[event_to_wire(e) for e in events])
+        kv_events=pb.KvEvents(
+            sequence=sequence,
+            events=[event_to_wire(e) for e in events],
+            timestamp_ms=time.time_ns() // 1_000_000,
+        )
     )
 
 

@@ -114,6 +114,11 @@ class ControlPlaneService:
     async def connect(self, requests: AsyncIterator[bytes], context: Context) -> None:
         rejection = authenticate(context.invocation_metadata(), self._token)
         if rejection is not None:
+            # Take the agent's first message (unread) before refusing: an agent writes
+            # Register and then reads, and a call that ended before its write reaches
+            # the agent as a bare INTERNAL error instead of this Reject and its reason.
+            async for _ in requests:
+                break
             await self._reject(context, rejection, worker_id=None)
             return
         stream = _Stream(self, next(self._stream_ids))
@@ -271,6 +276,9 @@ class _Stream:
         except (StaleIncarnation, UnknownWorker) as error:
             return self._index_refused(error)
         self.metrics.batch_applied(events, time.perf_counter() - started)
+        if message.timestamp_ms:
+            lag = time.time() - message.timestamp_ms / 1000
+            self.metrics.event_lag_seconds.observe(max(0.0, lag))
         self.view.applied(
             record.info.worker_id, record.incarnation, message.sequence, time.monotonic()
         )

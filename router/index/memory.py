@@ -227,17 +227,18 @@ class MemoryLocationIndex:
                 first = event.first_position
                 runs[-1][3].extend(range(first, first + len(event.keys)))
         prepared: list[_Prepared] = []
-        for kind, tier, keys, positions in runs:
-            if kind is BlocksStored:
+        for run_kind, run_tier, keys, positions in runs:
+            if run_kind is BlocksStored:
                 # Later duplicates overwrite earlier ones, so reversing keeps the first.
                 first_positions = dict(zip(reversed(keys), reversed(positions), strict=True))
                 depths = np.minimum(
                     np.fromiter(first_positions.values(), np.int64, len(first_positions)),
                     MAX_POSITION,
                 ).astype(np.uint32)
-                prepared.append((kind, tier, _as_keys(list(first_positions)), depths))
+                prepared.append((run_kind, run_tier, _as_keys(list(first_positions)), depths))
             else:
-                prepared.append((kind, tier, _as_keys(list(dict.fromkeys(keys))), _NO_DEPTHS))
+                distinct = _as_keys(list(dict.fromkeys(keys)))
+                prepared.append((run_kind, run_tier, distinct, _NO_DEPTHS))
         return prepared
 
     def _store(

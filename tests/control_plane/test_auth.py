@@ -34,10 +34,8 @@ TOKEN = "t0ken-for-tests"
 async def test_call_without_the_right_token_is_rejected(token: str | None) -> None:
     async with router_with_channel(make_settings(agent_token=TOKEN)) as (router, channel):
         stream = AgentStream(channel, token=token)
-        await stream.send(register_message(worker()))
-        await stream.send(events_message(1, [stored(prompt_keys(1))]))
 
-        reply = await stream.reply()
+        reply = await stream.request(register_message(worker()))
 
         assert body(reply) == "reject"
         assert reply.reject.code == pb.REJECT_CODE_UNAUTHENTICATED

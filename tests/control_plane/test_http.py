@@ -83,6 +83,7 @@ async def test_metrics_count_what_the_control_plane_did(
     assert samples[("kvplane_duplicate_batches_total", ())] == 1
     assert samples[("kvplane_apply_seconds_count", ())] == 1
     assert samples[("kvplane_load_lag_seconds_count", ())] == 1
+    assert samples[("kvplane_event_lag_seconds_count", ())] == 1  # the applied batch
     assert samples[("kvplane_resyncs_total", (("reason", "sequence_gap"),))] == 1
     assert samples[("kvplane_rejects_total", (("reason", "not_registered"),))] == 1
     assert samples[("kvplane_workers", (("state", "dead"),))] == 1  # dropped by the gap

@@ -10,6 +10,7 @@ a worker's bit drops out is where its consecutive prefix ends, for all workers a
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,11 +72,11 @@ _Prepared = tuple[type[KvEvent], int, Keys, Depths]
 
 
 def _as_keys(keys: Sequence[int]) -> Keys:
-    if isinstance(keys, np.ndarray):
-        return keys.astype(np.uint64, copy=False)
     try:
-        return np.fromiter(keys, dtype=np.uint64, count=len(keys))
-    except (OverflowError, TypeError, ValueError):
+        # array('Q') refuses anything but ints in range (numpy would parse "7" and
+        # truncate 7.5), and is the fastest way from a list of ints to a buffer.
+        return np.frombuffer(array.array("Q", keys), dtype=np.uint64)
+    except (OverflowError, TypeError):
         raise ValueError("block keys must be unsigned 64-bit integers") from None
 
 

@@ -165,6 +165,25 @@ async def test_apply_for_unknown_worker_raises_and_changes_nothing(make_index: I
     assert await index.lookup(chain(11, 2)) == {}
 
 
+@pytest.mark.parametrize("bad_key", [-1, 2**64, "7"], ids=["negative", "too-large", "string"])
+async def test_a_bad_key_fails_the_whole_batch(make_index: IndexFactory, bad_key: object):
+    index = await make_index()
+    prompt = chain(28, 3)
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [stored(prompt[:1])])
+    batch = [
+        stored(prompt),
+        BlocksRemoved(keys=prompt[:1], tier=Tier.DEVICE),
+        stored([bad_key], first_position=3),  # type: ignore[list-item]
+    ]
+
+    with pytest.raises(ValueError, match="64-bit"):
+        await index.apply("a", 1, batch)
+
+    assert (await index.lookup(prompt))["a"].blocks == 1
+    assert (await index.stats()).entries == 1
+
+
 async def test_new_incarnation_drops_the_old_ones_entries(make_index: IndexFactory):
     index = await make_index()
     old, new = chain(12, 4), chain(13, 4)

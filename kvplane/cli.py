@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvplane.config import Settings, load_settings
 from kvplane.logsetup import configure_logging
 
@@ -107,11 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         result: int = args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        parser.exit(2, f"kvplane: invalid configuration: {problems}\n")
+    except (FileNotFoundError, OSError) as error:  # a missing file, a port in use, ...
+        parser.exit(1, f"kvplane: {error}\n")
     return result
 
 

@@ -1,0 +1,73 @@
+"""Configuration precedence (file < environment < flags) and the CLI's error handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.cli import main
+from kvplane.config import load_settings
+
+
+def write_config(tmp_path: Path) -> Path:
+    path = tmp_path / "kvplane.toml"
+    path.write_text(
+        '[index]\nbackend = "redis"\nmax_entries = 5\n'
+        "[http]\nport = 9000\n"
+        '[control_plane]\nagent_token = "from-file"\n'
+    )
+    return path
+
+
+def test_defaults_run_one_router_with_nothing_else() -> None:
+    settings = load_settings()
+    assert settings.index.backend == "memory"
+    assert (settings.http.host, settings.control_plane.grpc_host) == ("127.0.0.1", "127.0.0.1")
+    assert settings.control_plane.agent_token is None
+
+
+def test_environment_beats_file_and_flags_beat_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_config(tmp_path)
+    monkeypatch.setenv("KVPLANE_HTTP__PORT", "9001")
+    monkeypatch.setenv("KVPLANE_INDEX__MAX_ENTRIES", "6")
+
+    settings = load_settings(path, {"index": {"max_entries": 7}})
+
+    assert settings.index.backend == "redis"  # file only
+    assert settings.http.port == 9001  # environment over file
+    assert settings.index.max_entries == 7  # flag over environment
+    token = settings.control_plane.agent_token
+    assert token is not None and token.get_secret_value() == "from-file"
+    assert "from-file" not in repr(settings)  # secrets stay out of logs
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["router", "--http-port", "99999"], "http.port: Input should be less than or equal"),
+        (["router", "--config", "/nonexistent/kvplane.toml"], "does not exist"),
+        (["router", "--index", "sqlite"], "invalid choice"),
+    ],
+)
+def test_bad_configuration_is_one_clear_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code != 0
+    error = capsys.readouterr().err
+    assert message in error
+    assert "Traceback" not in error
+
+
+def test_unknown_setting_in_a_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text("[index]\nbakend = 'redis'\n")
+    with pytest.raises(SystemExit):
+        main(["router", "--config", str(path)])
+    assert "index.bakend" in capsys.readouterr().err

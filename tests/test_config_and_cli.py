@@ -40,7 +40,8 @@ def test_environment_beats_file_and_flags_beat_both(
     assert settings.http.port == 9001  # environment over file
     assert settings.index.max_entries == 7  # flag over environment
     token = settings.control_plane.agent_token
-    assert token is not None and token.get_secret_value() == "from-file"
+    assert token is not None
+    assert token.get_secret_value() == "from-file"
     assert "from-file" not in repr(settings)  # secrets stay out of logs
 
 

@@ -1,0 +1,629 @@
+"""The location index in Redis or Redis Cluster: one view shared by every router replica.
+
+Each worker is one hash (its record and its entries) named with its id as the hash
+tag, so every script that writes touches one hash slot; a small registry set lists the
+worker ids. Each write is one EVALSHA (fencing, leases on the server's clock, all-or-
+nothing batches); a lookup is one script call per node, over every worker on that node.
+The layout, the scripts, the eviction policy and the round trips: docs/redis-layout.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+import sys
+import time
+from array import array
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any, NamedTuple, assert_never
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+
+from router.index.base import (
+    MAX_POSITION,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    IndexStats,
+    IndexUnavailable,
+    KvEvent,
+    PrefixMatch,
+    StaleIncarnation,
+    Tier,
+    UnknownWorker,
+    WorkerInfo,
+    WorkerState,
+    WorkerStatus,
+)
+
+DEFAULT_GRACE_S = 60.0
+"""How long a worker's keys outlive its lease: a dead worker stays visible (and fenced)
+until purged, and if no router purges it Redis expires its keys after this."""
+
+REGISTRY_REFRESH_S = 0.2
+"""Age after which a lookup or an apply re-reads the worker registry, inside its own
+round trip (the fresh list serves the next call)."""
+
+REGISTRY_MAX_AGE_S = 1.0
+"""Age after which a lookup re-reads the registry before it runs (an extra round trip),
+so no lookup scores from a list older than this."""
+
+EXACT_KEY_COUNT_LIMIT = 200_000
+"""stats() counts distinct keys exactly (every worker's fields read back) while the
+workers hold this many blocks or fewer in all, and estimates from samples above."""
+
+CONNECT_TIMEOUT_S = 1.0
+COMMAND_TIMEOUT_S = 2.0
+
+_EVICT_HEADROOM = 0.9  # evict down to this share of the cap, so eviction is rare
+_EVICT_SAMPLE = 256  # fields per HRANDFIELD round of eviction
+_EVICT_BUDGET = 1024  # most entries one evict call removes: bounds how long it blocks
+_KEY_COUNT_SAMPLE = 32  # fields sampled per worker to estimate the distinct keys
+_MAX_INCARNATION = 2**64  # incarnations are uint64 on the wire
+_STORE, _REMOVE, _CLEAR = 1, 2, 3  # operation codes of an encoded batch (apply.lua)
+_FIRST_BLOCK, _PARENT_KEY, _PARENT_UNKNOWN = 0, 1, 2  # parent kinds of a stored run
+_EVENT_HEADER = struct.Struct("<BBHIB")  # operation, tier, first depth, keys, parent kind
+_MATCH_RECORD = struct.Struct(">IIIII20s")  # per worker in lookup.lua's reply
+_TIERS = tuple(Tier)  # iterating the enum itself is slow
+_KEYS_NEED_BYTESWAP = sys.byteorder == "big"  # keys are stored little-endian everywhere
+
+Command = tuple[Any, ...]
+Client = Redis | RedisCluster
+
+
+class _Script:
+    """A script of redis_scripts/, sent once with SCRIPT LOAD and then called by SHA."""
+
+    def __init__(self, name: str, *, flags: str = "", includes: Sequence[str] = ()) -> None:
+        folder = resources.files("router.index") / "redis_scripts"
+        # A shebang makes Redis check the flags before the script starts: a writing
+        # script is refused whole on an out-of-memory server instead of failing midway.
+        parts = [f"#!lua flags={flags}\n" if flags else "#!lua\n"]
+        parts += [(folder / f"{part}.lua").read_text() for part in ("common", *includes, name)]
+        self.source = "".join(parts)
+        self.sha = hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
+
+    def call(self, keys: Sequence[bytes], *args: bytes | str | int) -> Command:
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
+_REGISTER = _Script("register")
+_RENEW = _Script("renew")
+_APPLY = _Script("apply", includes=["entries"])
+_EVICT = _Script("evict", includes=["entries"])
+_DROP = _Script("drop")
+_PURGE = _Script("purge")
+_ENLIST = _Script("enlist")
+_LOOKUP = _Script("lookup", flags="no-writes,allow-cross-slot-keys")
+_STATUS = _Script("status", flags="no-writes")
+_HOLDERS = _Script("holders", flags="no-writes")
+_SCRIPTS = (_REGISTER, _RENEW, _APPLY, _EVICT, _DROP, _PURGE, _ENLIST, _LOOKUP, _STATUS, _HOLDERS)
+
+
+class _WorkerKey(NamedTuple):
+    name: bytes
+    slot: int  # its cluster hash slot
+
+
+class RedisLocationIndex:
+    """LocationIndex in Redis (a Redis client) or Redis Cluster (a RedisCluster)."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        prefix: str,
+        max_entries: int | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+        exact_key_count_limit: int = EXACT_KEY_COUNT_LIMIT,
+        location: str = "Redis",
+    ) -> None:
+        if max_entries is not None and max_entries < 1:
+            raise ValueError("max_entries must be positive")
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise ValueError(f"invalid key prefix {prefix!r}")
+        self._client = client
+        self._prefix = prefix
+        self._max_entries = max_entries
+        self._grace_ms = round(grace_s * 1000)
+        self._exact_key_count_limit = exact_key_count_limit
+        self._location = location
+        self._registry = f"{prefix}:workers".encode()
+        # The registry as last read (plus workers registered here since), with each
+        # worker's key; _registry_read_at is None until a read succeeds.
+        self._workers: dict[str, _WorkerKey] = {}
+        self._registry_read_at: float | None = None
+        self._registry_reading = False  # so that concurrent calls send one SMEMBERS
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        cluster: bool = False,
+        prefix: str = "kvp",
+        max_entries: int | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> RedisLocationIndex:
+        """Connects lazily: nothing is sent until the first call."""
+        # Fail fast rather than retry for seconds: callers degrade to load-only routing
+        # on IndexUnavailable, which beats waiting.
+        options: dict[str, Any] = {
+            "socket_connect_timeout": CONNECT_TIMEOUT_S,
+            "socket_timeout": COMMAND_TIMEOUT_S,
+            "retry": Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=2),
+        }
+        client: Client
+        if cluster:
+            client = RedisCluster.from_url(url, **options)
+        else:
+            client = Redis.from_url(url, **options)
+        return cls(
+            client,
+            prefix=prefix,
+            max_entries=max_entries,
+            grace_s=grace_s,
+            location=_redacted(url),
+        )
+
+    # -- workers ---------------------------------------------------------------------
+
+    async def register(self, info: WorkerInfo, lease_s: float) -> None:
+        key = self._worker_key(info.worker_id)
+        reply, _ = await self._run(
+            [
+                _REGISTER.call(
+                    (key.name,),
+                    _incarnation(info.incarnation),
+                    round(lease_s * 1_000_000),
+                    self._grace_ms,
+                    _info_to_json(info),
+                ),
+                self._enlist(info.worker_id, lease_s),
+            ]
+        )
+        _check(reply, info.worker_id, info.incarnation)
+        self._workers[info.worker_id] = key
+
+    async def renew(
+        self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
+    ) -> None:
+        # Enlisting again on every heartbeat heals the registry should a concurrent
+        # drop or purge have taken the id out while this incarnation registered.
+        reply, _ = await self._run(
+            [
+                _RENEW.call(
+                    (self._worker_key(worker_id).name,),
+                    _incarnation(incarnation),
+                    round(lease_s * 1_000_000),
+                    self._grace_ms,
+                    "1" if draining else "0",
+                ),
+                self._enlist(worker_id, lease_s),
+            ]
+        )
+        _check(reply, worker_id, incarnation)
+
+    async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
+        expected = "" if incarnation is None else _incarnation(incarnation)
+        key = self._worker_key(worker_id)
+        (dropped,) = await self._run([_DROP.call((key.name,), expected)])
+        if dropped:
+            # A second round trip: the id must stay listed when the drop did not happen.
+            await self._run([("SREM", self._registry, worker_id)])
+            self._workers.pop(worker_id, None)
+
+    async def purge_expired(self) -> list[str]:
+        workers = await self._read_registry()
+        outcomes = await self._run([_PURGE.call((key.name,)) for _, key in workers])
+        purged = [w for (w, _), outcome in zip(workers, outcomes, strict=True) if outcome == 1]
+        # -1: an id without a record (its keys expired, or a drop raced a registration).
+        unlisted = [w for (w, _), outcome in zip(workers, outcomes, strict=True) if outcome != 0]
+        if unlisted:
+            await self._run([("SREM", self._registry, *unlisted)])
+            for worker_id in unlisted:
+                self._workers.pop(worker_id, None)
+        return purged
+
+    async def workers(self) -> list[WorkerStatus]:
+        workers = await self._read_registry()
+        records = await self._run([_STATUS.call((key.name,)) for _, key in workers])
+        return [
+            _status(worker_id, record)
+            for (worker_id, _), record in zip(workers, records, strict=True)
+            if record is not None
+        ]
+
+    def _enlist(self, worker_id: str, lease_s: float) -> Command:
+        ttl_ms = max(0, round(lease_s * 1000)) + self._grace_ms
+        return _ENLIST.call((self._registry,), worker_id, ttl_ms)
+
+    def _worker_key(self, worker_id: str) -> _WorkerKey:
+        """The hash of the worker's record and entries; the hash tag is its id."""
+        key = self._workers.get(worker_id)
+        if key is not None:
+            return key
+        # Ids are validated upstream; a brace here would move the hash tag.
+        if not worker_id or "{" in worker_id or "}" in worker_id:
+            raise ValueError(f"invalid worker id {worker_id!r}")
+        name = f"{self._prefix}:{{{worker_id}}}".encode()
+        return _WorkerKey(name, key_slot(name))
+
+    # -- events ----------------------------------------------------------------------
+
+    async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
+        key = self._worker_key(worker_id)
+        command = _APPLY.call(
+            (key.name,), _incarnation(incarnation), self._grace_ms, _encode_batch(events)
+        )
+        # The cap on a worker's entries depends on how many workers there are; keep that
+        # count fresh without a round trip of its own.
+        refresh = self._max_entries is not None and self._registry_read_due()
+        (reply,) = await self._replies_reading_registry([command], (), refresh)
+        entries = int(_check(self._raise_failure(reply), worker_id, incarnation)[1])
+        if self._max_entries is not None and entries > self._entry_cap():
+            await self._make_room(key)
+
+    def _entry_cap(self) -> int:
+        """Each registered worker's share of max_entries."""
+        assert self._max_entries is not None
+        return max(1, self._max_entries // max(1, len(self._workers)))
+
+    async def _make_room(self, key: _WorkerKey) -> None:
+        """Bring a worker under its share of max_entries: dead workers go first (a
+        purge, which also raises every share), then the worker's deepest blocks."""
+        await self.purge_expired()
+        cap = self._entry_cap()
+        target = int(cap * _EVICT_HEADROOM)
+        limit = cap
+        while True:
+            ((evicted, left),) = await self._run(
+                [_EVICT.call((key.name,), limit, target, _EVICT_SAMPLE, _EVICT_BUDGET)]
+            )
+            if evicted == 0 or left <= target:
+                return
+            limit = target  # started: carry on down to the target
+
+    # -- lookups ---------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
+        if not keys:
+            return {}
+        packed_keys = _pack_keys(keys)
+        if self._registry_older_than(REGISTRY_MAX_AGE_S):
+            await self._read_registry()
+        groups = await self._workers_by_node()
+        commands = [
+            _LOOKUP.call((), packed_keys, *(key.name for _, key in workers))
+            for _, workers in groups
+        ]
+        nodes = [node for node, _ in groups]
+        replies = await self._replies_reading_registry(commands, nodes, self._registry_read_due())
+        matches: dict[str, PrefixMatch] = {}
+        misrouted: list[tuple[str, _WorkerKey]] = []
+        for (_, workers), reply in zip(groups, replies, strict=True):
+            if isinstance(reply, ResponseError) and isinstance(self._client, RedisCluster):
+                # Slots moved since the client last looked: ask per worker, which the
+                # client routes (and follows redirections) by the declared keys.
+                misrouted += workers
+                continue
+            _collect_matches(matches, workers, self._raise_failure(reply))
+        if misrouted:
+            replies = await self._run(
+                [_LOOKUP.call((key.name,), packed_keys) for _, key in misrouted]
+            )
+            for worker, reply in zip(misrouted, replies, strict=True):
+                _collect_matches(matches, [worker], reply)
+        return matches
+
+    async def _workers_by_node(
+        self,
+    ) -> list[tuple[ClusterNode | None, list[tuple[str, _WorkerKey]]]]:
+        """The known workers grouped by the node that holds their keys (one group, for
+        no node in particular, on a single server)."""
+        workers = list(self._workers.items())
+        if not isinstance(self._client, RedisCluster):
+            return [(None, workers)] if workers else []
+        try:
+            await self._client.initialize()  # a no-op once the slot map is known
+        except (RedisError, RedisClusterException, OSError) as error:
+            raise self._unavailable(error) from error
+        slots = self._client.nodes_manager.slots_cache
+        groups: dict[str, tuple[ClusterNode, list[tuple[str, _WorkerKey]]]] = {}
+        for worker in workers:
+            owners = slots.get(worker[1].slot)
+            if not owners:
+                raise IndexUnavailable(
+                    f"{self._location}: no node serves hash slot {worker[1].slot}"
+                )
+            groups.setdefault(owners[0].name, (owners[0], []))[1].append(worker)
+        return list(groups.values())
+
+    # -- the registry ----------------------------------------------------------------
+
+    def _registry_older_than(self, age_s: float) -> bool:
+        read_at = self._registry_read_at
+        return read_at is None or time.monotonic() - read_at > age_s
+
+    def _registry_read_due(self) -> bool:
+        return not self._registry_reading and self._registry_older_than(REGISTRY_REFRESH_S)
+
+    async def _read_registry(self) -> list[tuple[str, _WorkerKey]]:
+        """The registry, read now: (worker id, key) by worker id."""
+        await self._replies_reading_registry([], (), read_registry=True)
+        return sorted(self._workers.items())
+
+    async def _replies_reading_registry(
+        self,
+        commands: Sequence[Command],
+        nodes: Sequence[ClusterNode | None],
+        read_registry: bool,
+    ) -> list[Any]:
+        """_replies() for the commands; with read_registry, the registry is read in the
+        same round trip and remembered."""
+        if not read_registry:
+            return await self._replies(commands, nodes)
+        self._registry_reading = True
+        started = time.monotonic()
+        try:
+            replies = await self._replies(
+                [*commands, ("SMEMBERS", self._registry)], [*nodes, None] if nodes else ()
+            )
+        finally:
+            self._registry_reading = False
+        worker_ids = [member.decode() for member in self._raise_failure(replies.pop())]
+        self._workers = {worker_id: self._worker_key(worker_id) for worker_id in worker_ids}
+        self._registry_read_at = started
+        return replies
+
+    # -- introspection ---------------------------------------------------------------
+
+    async def stats(self) -> IndexStats:
+        workers = await self._read_registry()
+        commands: list[Command] = [("MEMORY USAGE", self._registry)]
+        for _, key in workers:
+            commands += [_STATUS.call((key.name,)), ("MEMORY USAGE", key.name)]
+        replies = await self._run(commands)
+        used_bytes = replies[0] or 0
+        entries = 0
+        holding: list[tuple[bytes, int]] = []  # (worker's key, blocks it holds)
+        recorded = 0
+        for (_, key), record, worker_bytes in zip(
+            workers, replies[1::2], replies[2::2], strict=True
+        ):
+            used_bytes += worker_bytes or 0
+            if record is not None:
+                recorded += 1
+                entries += int(record[3])
+                if int(record[6]):
+                    holding.append((key.name, int(record[6])))
+        if sum(count for _, count in holding) <= self._exact_key_count_limit:
+            distinct = await self._count_distinct_keys([name for name, _ in holding])
+        else:
+            distinct = await self._estimate_distinct_keys(holding)
+        return IndexStats(keys=distinct, entries=entries, workers=recorded, bytes=used_bytes)
+
+    async def _count_distinct_keys(self, worker_keys: list[bytes]) -> int:
+        contents = await self._run([("HGETALL", name) for name in worker_keys])
+        return len(
+            {
+                field
+                for content in contents
+                for field, value in content.items()
+                if _is_block(field) and value[0]  # a mask of 0: a placeholder
+            }
+        )
+
+    async def _estimate_distinct_keys(self, workers: list[tuple[bytes, int]]) -> int:
+        """Sum over workers of (blocks it holds) x (the mean, over a random sample of
+        them, of 1 / the number of workers holding the block): each block counts once."""
+        drawn = await self._run([("HRANDFIELD", name, _KEY_COUNT_SAMPLE) for name, _ in workers])
+        samples = [[field for field in fields if _is_block(field)] for fields in drawn]
+        sampled = list(dict.fromkeys(key for sample in samples for key in sample))
+        # One byte per sampled block per worker: 1 where the worker holds that block.
+        held = await self._run([_HOLDERS.call((name,), b"".join(sampled)) for name, _ in workers])
+        position = {key: i for i, key in enumerate(sampled)}
+        holders = [sum(column) for column in zip(*held, strict=True)]
+        estimate = 0.0
+        for (_, count), sample, mine in zip(workers, samples, held, strict=True):
+            # A sampled block may be a placeholder (see entries.lua), not a held one.
+            shares = [1 / holders[position[key]] for key in sample if mine[position[key]]]
+            if shares:
+                estimate += count * sum(shares) / len(shares)
+        return round(estimate)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    # -- talking to Redis ------------------------------------------------------------
+
+    async def _run(
+        self, commands: Sequence[Command], nodes: Sequence[ClusterNode | None] = ()
+    ) -> list[Any]:
+        """Send the commands as one pipeline: one round trip (in a cluster, one per node,
+        in parallel). Raises IndexUnavailable for anything Redis could not do."""
+        return [self._raise_failure(reply) for reply in await self._replies(commands, nodes)]
+
+    async def _replies(
+        self, commands: Sequence[Command], nodes: Sequence[ClusterNode | None] = ()
+    ) -> list[Any]:
+        """Like _run, but a command that failed has its error as its reply. `nodes`,
+        in a cluster, names the node to run each command on (None: route by key)."""
+        if not commands:
+            return []
+        replies = await self._send(commands, nodes)
+        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            # The server restarted, failed over or flushed its scripts: load them all
+            # (on every primary of a cluster) and run those calls again.
+            await self._load_scripts()
+            again = await self._send(
+                [commands[i] for i in lost], [nodes[i] for i in lost] if nodes else ()
+            )
+            for i, reply in zip(lost, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _send(
+        self, commands: Sequence[Command], nodes: Sequence[ClusterNode | None]
+    ) -> list[Any]:
+        try:
+            if len(commands) == 1:
+                # Alone, a command skips the pipeline's bookkeeping (~0.1 ms a call).
+                return [await self._send_one(commands[0], nodes[0] if nodes else None)]
+            pipeline = self._client.pipeline(transaction=False)
+            for i, command in enumerate(commands):
+                node = nodes[i] if nodes else None
+                if node is None:
+                    pipeline.execute_command(*command)
+                else:
+                    pipeline.execute_command(*command, target_nodes=node)
+            return list(await pipeline.execute(raise_on_error=False))
+        except (RedisError, RedisClusterException, OSError) as error:
+            raise self._unavailable(error) from error
+
+    async def _send_one(self, command: Command, node: ClusterNode | None) -> Any:
+        """The reply, or the error Redis answered with (as a pipeline reports it)."""
+        try:
+            if node is None:
+                return await self._client.execute_command(*command)
+            return await self._client.execute_command(*command, target_nodes=node)
+        except ResponseError as error:
+            return error
+
+    async def _load_scripts(self) -> None:
+        try:
+            for script in _SCRIPTS:
+                await self._client.script_load(script.source)
+        except (RedisError, RedisClusterException, OSError) as error:
+            raise self._unavailable(error) from error
+
+    def _raise_failure(self, reply: Any) -> Any:
+        if isinstance(reply, Exception):
+            raise self._unavailable(reply) from reply
+        return reply
+
+    def _unavailable(self, error: BaseException) -> IndexUnavailable:
+        return IndexUnavailable(
+            f"the location index in {self._location} is unavailable: "
+            f"{type(error).__name__}: {error}"
+        )
+
+
+# -- encoding ------------------------------------------------------------------------
+
+
+def _incarnation(incarnation: int) -> str:
+    """Fixed width, so that the scripts compare incarnations beyond 2^53 exactly."""
+    if not 0 <= incarnation < _MAX_INCARNATION:
+        raise ValueError(f"incarnation {incarnation} is not an unsigned 64-bit integer")
+    return f"{incarnation:020d}"
+
+
+def _pack_keys(keys: Sequence[int]) -> bytes:
+    try:
+        packed = array("Q", keys)  # refuses anything but ints in range
+    except (OverflowError, TypeError):
+        raise ValueError("block keys must be unsigned 64-bit integers") from None
+    if _KEYS_NEED_BYTESWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _encode_batch(events: Sequence[KvEvent]) -> bytes:
+    """The batch as apply.lua reads it; raises, before anything is sent, if it is bad."""
+    parts: list[bytes] = []
+    for event in events:
+        if isinstance(event, BlocksStored):
+            if event.first_position < 0:
+                raise ValueError(f"negative first_position {event.first_position}")
+            depth = min(event.first_position, MAX_POSITION)
+            if event.first_position == 0:
+                parent_kind, parent = _FIRST_BLOCK, b""
+            elif event.parent_key is None:
+                parent_kind, parent = _PARENT_UNKNOWN, b""
+            else:
+                parent_kind, parent = _PARENT_KEY, _pack_keys([event.parent_key])
+            header = _EVENT_HEADER.pack(
+                _STORE, Tier(event.tier), depth, len(event.keys), parent_kind
+            )
+            parts += (header, parent, _pack_keys(event.keys))
+        elif isinstance(event, BlocksRemoved):
+            header = _EVENT_HEADER.pack(_REMOVE, Tier(event.tier), 0, len(event.keys), 0)
+            parts += (header, _pack_keys(event.keys))
+        elif isinstance(event, AllBlocksCleared):
+            parts.append(_EVENT_HEADER.pack(_CLEAR, 0, 0, 0, 0))
+        else:
+            assert_never(event)
+    return b"".join(parts)
+
+
+def _info_to_json(info: WorkerInfo) -> str:
+    # worker_id and incarnation have a key and a field of their own.
+    fields = {
+        field.name: getattr(info, field.name)
+        for field in dataclasses.fields(info)
+        if field.name not in ("worker_id", "incarnation")
+    }
+    fields["labels"] = dict(info.labels)
+    return json.dumps(fields, separators=(",", ":"))
+
+
+def _status(worker_id: str, record: list[Any]) -> WorkerStatus:
+    incarnation, deadline_us, draining, entries, info, now_us, _ = record
+    remaining_s = (int(deadline_us) - int(now_us)) / 1_000_000
+    if remaining_s <= 0:
+        state = WorkerState.DEAD
+    else:
+        state = WorkerState.DRAINING if draining == b"1" else WorkerState.LIVE
+    return WorkerStatus(
+        info=WorkerInfo(worker_id=worker_id, incarnation=int(incarnation), **json.loads(info)),
+        state=state,
+        lease_remaining_s=max(0.0, remaining_s),
+        entries=int(entries),
+    )
+
+
+def _collect_matches(
+    matches: dict[str, PrefixMatch], workers: list[tuple[str, _WorkerKey]], reply: bytes
+) -> None:
+    """Add the matches of one lookup.lua reply (one record per worker, in order)."""
+    records = _MATCH_RECORD.iter_unpack(reply)
+    for (worker_id, _), (blocks, *counts, incarnation) in zip(workers, records, strict=True):
+        if not blocks:
+            continue
+        if counts[0] == blocks:  # the usual case, and the cheapest to build
+            by_tier = {Tier.DEVICE: blocks}
+        else:
+            by_tier = {tier: count for tier, count in zip(_TIERS, counts, strict=True) if count}
+        matches[worker_id] = PrefixMatch(worker_id, int(incarnation), blocks, by_tier)
+
+
+def _check(reply: list[Any], worker_id: str, incarnation: int) -> list[Any]:
+    """The reply of a fenced script, or the error it stands for."""
+    outcome = reply[0]
+    if outcome == b"stale":
+        raise StaleIncarnation(worker_id, incarnation, int(reply[1]))
+    if outcome == b"unknown":
+        raise UnknownWorker(worker_id)
+    return reply
+
+
+def _is_block(field: bytes) -> bool:
+    """Block keys are the 8-byte fields of a worker's hash; its record's fields are not."""
+    return len(field) == 8
+
+
+def _redacted(url: str) -> str:
+    """The URL without credentials, for error messages."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or 'localhost'}:{parts.port or 6379}{parts.path}"

@@ -162,9 +162,10 @@ class BlockTable:
     def _insert(self, keys: Keys, depths: npt.NDArray[np.uint32]) -> Slots:
         """Place distinct keys known to be absent; return their slots.
 
-        In rounds: each pending key takes the first free slot of the emptier of its two
-        buckets, one key wins each contested slot, the others go again. A key whose two
-        buckets are both full doubles the table (rare below the load limit).
+        In rounds: each pending key picks the emptier of its two buckets, and the keys
+        that picked the same bucket take its free slots in turn (by rank). Keys left
+        over go again, when the bucket they picked has filled. A key whose two buckets
+        are both full doubles the table (rare below the load limit).
         """
         generation = self._generation
         slots = np.empty(keys.size, dtype=np.intp)
@@ -178,14 +179,21 @@ class BlockTable:
                 continue
             rows = np.arange(pending.size)
             choice = (counts[:, 1] > counts[:, 0]).astype(np.intp)
-            candidate = buckets[rows, choice] * BUCKET_SLOTS + free[rows, choice].argmax(axis=1)
-            claimed, winners = np.unique(candidate, return_index=True)
-            placed = pending[winners]
+            chosen = buckets[rows, choice]
+            chosen_free = free[rows, choice]
+            order = np.argsort(chosen, kind="stable")
+            ordered = chosen[order]
+            rank = np.empty(pending.size, dtype=np.intp)
+            rank[order] = rows - np.searchsorted(ordered, ordered, side="left")
+            nth_free = (np.cumsum(chosen_free, axis=1) == (rank + 1)[:, None]) & chosen_free
+            fits = nth_free.any(axis=1)
+            claimed = chosen[fits] * BUCKET_SLOTS + nth_free[fits].argmax(axis=1)
+            placed = pending[fits]
             self._flat_keys[claimed] = keys[placed]
             self._depth[claimed] = depths[placed]
             slots[placed] = claimed
             self._used += claimed.size
-            pending = np.delete(pending, winners)
+            pending = pending[~fits]
         if self._generation != generation:
             return self.find(keys).slots  # a growth moved the keys placed before it
         return slots

@@ -59,6 +59,7 @@ class _Live:
     """The live workers and their slot mask, valid until the first lease runs out."""
 
     workers: dict[int, _Worker]  # by slot
+    names: dict[int, tuple[str, int]]  # by slot: (worker id, incarnation), for results
     mask: Masks  # (words,) uint64
     valid_until: float
 
@@ -192,7 +193,8 @@ class MemoryLocationIndex:
         for worker in live.values():
             mask[worker.word] |= worker.bit
         valid_until = min((w.lease_deadline for w in live.values()), default=float("inf"))
-        self._live = _Live(live, mask, valid_until)
+        names = {slot: (w.info.worker_id, w.info.incarnation) for slot, w in live.items()}
+        self._live = _Live(live, names, mask, valid_until)
         return self._live
 
     # -- events ----------------------------------------------------------------------
@@ -336,17 +338,18 @@ class MemoryLocationIndex:
             groups.append((len(keys), still[-1]))
         matches: dict[str, PrefixMatch] = {}
         for length, ended in groups:
-            shared_counts = {_TIERS[tiers[0]]: length} if len(tiers) == 1 else None
-            for slot in np.flatnonzero(
-                np.unpackbits(ended.view(np.uint8), bitorder="little")
-            ).tolist():
-                worker = live.workers[slot]
-                matches[worker.info.worker_id] = PrefixMatch(
-                    worker.info.worker_id,
-                    worker.info.incarnation,
-                    length,
-                    shared_counts or self._count_by_tier(worker, tiers, found.slots[:length]),
-                )
+            ended_slots = np.flatnonzero(np.unpackbits(ended.view(np.uint8), bitorder="little"))
+            if len(tiers) == 1:
+                counts = {_TIERS[tiers[0]]: length}  # shared: every match reads it only
+                for slot in ended_slots.tolist():
+                    worker_id, incarnation = live.names[slot]
+                    matches[worker_id] = PrefixMatch(worker_id, incarnation, length, counts)
+            else:
+                for slot in ended_slots.tolist():
+                    worker = live.workers[slot]
+                    by_tier = self._count_by_tier(worker, tiers, found.slots[:length])
+                    worker_id, incarnation = live.names[slot]
+                    matches[worker_id] = PrefixMatch(worker_id, incarnation, length, by_tier)
         return matches
 
     def _count_by_tier(self, worker: _Worker, tiers: list[int], slots: Slots) -> dict[Tier, int]:

@@ -6,9 +6,9 @@ prompts, so a lookup starts with every worker matching and narrows from there, t
 case for the walk. Lookups mix prompts that are cached somewhere (full and partial
 hits) with prompts that share only a system prompt.
 
-Memory is measured as the growth of the process's resident set while the index fills,
-divided by the entries; the keys are generated on the fly so the index holds the only
-reference to them.
+Memory is the growth, while the index fills, of what the backend uses (the process's
+resident set for the in-process index, Redis' used_memory for Redis) divided by the
+entries; the keys are generated on the fly so the index holds the only reference to them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import statistics
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,11 +92,6 @@ def _batches(prompts: list[int]) -> Iterator[list[BlocksStored]]:
                 batch = []
     if batch:
         yield batch
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
 
 
 def _percentile(samples: list[float], share: float) -> float:
@@ -172,13 +167,13 @@ async def measure_index(
     workers: int,
     lookups: int,
     seed: int,
-    memory_bytes: int | None = None,
+    used_memory: Callable[[], Awaitable[int]],
 ) -> IndexFigures:
+    """Fill `index`, then time lookups; `used_memory` reads the bytes the backend uses."""
     layout = placement(entries, workers, seed)
-    resident_before = _resident_bytes()
+    memory_before = await used_memory()
     applied, seconds = await _fill(index, layout)
-    if memory_bytes is None:
-        memory_bytes = _resident_bytes() - resident_before
+    memory_bytes = await used_memory() - memory_before
     stats = await index.stats()
     samples = await _lookups(index, layout, lookups, seed)
     return IndexFigures(
@@ -205,6 +200,21 @@ def measure_keys_8k_prompt_us(repeats: int = 2000) -> float:
     return statistics.median(samples)
 
 
+async def _measure_memory(*, entries: int, workers: int, lookups: int, seed: int) -> IndexFigures:
+    async def resident_bytes() -> int:
+        # /proc answers from memory at once: nothing here waits on a disk.
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    return await measure_index(
+        MemoryLocationIndex(),
+        entries=entries,
+        workers=workers,
+        lookups=lookups,
+        seed=seed,
+        used_memory=resident_bytes,
+    )
+
+
 async def _measure_redis(
     url: str, *, entries: int, workers: int, lookups: int, seed: int
 ) -> IndexFigures:
@@ -215,21 +225,18 @@ async def _measure_redis(
     prefix = f"kvpbench-{uuid.uuid4().hex[:8]}"
     admin = aioredis.Redis.from_url(url)
     index = RedisLocationIndex.from_url(url, cluster=False, prefix=prefix, max_entries=None)
+
+    async def used_memory() -> int:
+        return int((await admin.info("memory"))["used_memory"])
+
     try:
-        used_before = int((await admin.info("memory"))["used_memory"])
-        layout = placement(entries, workers, seed)
-        applied, seconds = await _fill(index, layout)
-        used_after = int((await admin.info("memory"))["used_memory"])
-        stats = await index.stats()
-        samples = await _lookups(index, layout, lookups, seed)
-        return IndexFigures(
-            entries=stats.entries,
+        return await measure_index(
+            index,
+            entries=entries,
             workers=workers,
-            apply_entries_per_s=applied / seconds,
-            apply_small_batches_per_s=await _small_batches(index, SMALL_BATCHES),
-            lookup_p50_us=statistics.median(samples),
-            lookup_p99_us=_percentile(samples, 0.99),
-            bytes_per_entry=(used_after - used_before) / max(1, stats.entries),
+            lookups=lookups,
+            seed=seed,
+            used_memory=used_memory,
         )
     finally:
         for worker in range(workers):
@@ -274,9 +281,7 @@ def run_index_benchmark(
         "keys_8k_prompt_us": measure_keys_8k_prompt_us(),
     }
     memory = asyncio.run(
-        measure_index(
-            MemoryLocationIndex(), entries=entries, workers=workers, lookups=lookups, seed=seed
-        )
+        _measure_memory(entries=entries, workers=workers, lookups=lookups, seed=seed)
     )
     report["memory"] = asdict(memory)
     if redis_url:

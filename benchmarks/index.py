@@ -200,10 +200,13 @@ def measure_keys_8k_prompt_us(repeats: int = 2000) -> float:
     return statistics.median(samples)
 
 
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
 async def _measure_memory(*, entries: int, workers: int, lookups: int, seed: int) -> IndexFigures:
     async def resident_bytes() -> int:
-        # /proc answers from memory at once: nothing here waits on a disk.
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+        return _resident_bytes()  # /proc answers from memory: nothing waits on a disk
 
     return await measure_index(
         MemoryLocationIndex(),

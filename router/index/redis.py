@@ -9,6 +9,7 @@ The layout, the scripts, the eviction policy and the round trips: docs/redis-lay
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -62,7 +63,8 @@ EXACT_KEY_COUNT_LIMIT = 200_000
 workers hold this many blocks or fewer in all, and estimates from samples above."""
 
 CONNECT_TIMEOUT_S = 1.0
-COMMAND_TIMEOUT_S = 2.0
+ROUND_TRIP_TIMEOUT_S = 2.0
+"""The most one round trip may take, connecting included; then IndexUnavailable."""
 
 _EVICT_HEADROOM = 0.9  # evict down to this share of the cap, so eviction is rare
 _EVICT_SAMPLE = 256  # fields per HRANDFIELD round of eviction
@@ -115,7 +117,11 @@ class _WorkerKey(NamedTuple):
 
 
 class RedisLocationIndex:
-    """LocationIndex in Redis (a Redis client) or Redis Cluster (a RedisCluster)."""
+    """LocationIndex in Redis (a Redis client) or Redis Cluster (a RedisCluster).
+
+    Build it with from_url(); a client passed in directly should have no socket timeout
+    (see from_url) and must not decode responses.
+    """
 
     def __init__(
         self,
@@ -155,11 +161,14 @@ class RedisLocationIndex:
         grace_s: float = DEFAULT_GRACE_S,
     ) -> RedisLocationIndex:
         """Connects lazily: nothing is sent until the first call."""
-        # Fail fast rather than retry for seconds: callers degrade to load-only routing
-        # on IndexUnavailable, which beats waiting.
         options: dict[str, Any] = {
             "socket_connect_timeout": CONNECT_TIMEOUT_S,
-            "socket_timeout": COMMAND_TIMEOUT_S,
+            # No socket timeout: with one, redis-py sends through asyncio.wait_for, which
+            # on Python 3.11 can swallow a cancellation of the calling task (the router
+            # could then not stop its tasks). Each round trip has a deadline of its own.
+            "socket_timeout": None,
+            # Fail fast rather than retry for seconds: callers degrade to load-only
+            # routing on IndexUnavailable, which beats waiting.
             "retry": Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=2),
         }
         client: Client
@@ -270,19 +279,18 @@ class RedisLocationIndex:
         refresh = self._max_entries is not None and self._registry_read_due()
         (reply,) = await self._replies_reading_registry([command], (), refresh)
         entries = int(_check(self._raise_failure(reply), worker_id, incarnation)[1])
-        if self._max_entries is not None and entries > self._entry_cap():
-            await self._make_room(key)
+        if self._max_entries is not None and entries > self._share(self._max_entries):
+            await self._make_room(key, self._max_entries)
 
-    def _entry_cap(self) -> int:
+    def _share(self, max_entries: int) -> int:
         """Each registered worker's share of max_entries."""
-        assert self._max_entries is not None
-        return max(1, self._max_entries // max(1, len(self._workers)))
+        return max(1, max_entries // max(1, len(self._workers)))
 
-    async def _make_room(self, key: _WorkerKey) -> None:
+    async def _make_room(self, key: _WorkerKey, max_entries: int) -> None:
         """Bring a worker under its share of max_entries: dead workers go first (a
         purge, which also raises every share), then the worker's deepest blocks."""
         await self.purge_expired()
-        cap = self._entry_cap()
+        cap = self._share(max_entries)
         target = int(cap * _EVICT_HEADROOM)
         limit = cap
         while True:
@@ -334,7 +342,8 @@ class RedisLocationIndex:
         if not isinstance(self._client, RedisCluster):
             return [(None, workers)] if workers else []
         try:
-            await self._client.initialize()  # a no-op once the slot map is known
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                await self._client.initialize()  # a no-op once the slot map is known
         except (RedisError, RedisClusterException, OSError) as error:
             raise self._unavailable(error) from error
         slots = self._client.nodes_manager.slots_cache
@@ -477,17 +486,18 @@ class RedisLocationIndex:
         self, commands: Sequence[Command], nodes: Sequence[ClusterNode | None]
     ) -> list[Any]:
         try:
-            if len(commands) == 1:
-                # Alone, a command skips the pipeline's bookkeeping (~0.1 ms a call).
-                return [await self._send_one(commands[0], nodes[0] if nodes else None)]
-            pipeline = self._client.pipeline(transaction=False)
-            for i, command in enumerate(commands):
-                node = nodes[i] if nodes else None
-                if node is None:
-                    pipeline.execute_command(*command)
-                else:
-                    pipeline.execute_command(*command, target_nodes=node)
-            return list(await pipeline.execute(raise_on_error=False))
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                if len(commands) == 1:
+                    # Alone, a command skips the pipeline's bookkeeping (~0.1 ms a call).
+                    return [await self._send_one(commands[0], nodes[0] if nodes else None)]
+                pipeline = self._client.pipeline(transaction=False)
+                for i, command in enumerate(commands):
+                    node = nodes[i] if nodes else None
+                    if node is None:
+                        pipeline.execute_command(*command)
+                    else:
+                        pipeline.execute_command(*command, target_nodes=node)
+                return list(await pipeline.execute(raise_on_error=False))
         except (RedisError, RedisClusterException, OSError) as error:
             raise self._unavailable(error) from error
 
@@ -502,8 +512,9 @@ class RedisLocationIndex:
 
     async def _load_scripts(self) -> None:
         try:
-            for script in _SCRIPTS:
-                await self._client.script_load(script.source)
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                for script in _SCRIPTS:
+                    await self._client.script_load(script.source)
         except (RedisError, RedisClusterException, OSError) as error:
             raise self._unavailable(error) from error
 

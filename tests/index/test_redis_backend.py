@@ -33,7 +33,7 @@ from router.index.base import (
     WorkerInfo,
 )
 from router.index.memory import MemoryLocationIndex
-from router.index.redis import REGISTRY_MAX_AGE_S, RedisLocationIndex
+from router.index.redis import REGISTRY_MAX_AGE_S, ROUND_TRIP_TIMEOUT_S, RedisLocationIndex
 from tests.index.conftest import delete_prefix
 from tests.redis_servers import free_port
 
@@ -344,6 +344,41 @@ async def test_an_unreachable_redis_raises_index_unavailable(cluster: bool) -> N
             assert time.monotonic() - started < 5
     finally:
         await index.close()
+
+
+async def test_a_server_that_stops_answering_raises_index_unavailable() -> None:
+    async def accept_and_say_nothing(reader: asyncio.StreamReader, _: asyncio.StreamWriter) -> None:
+        await reader.read()  # holds the connection open until the client goes
+
+    server = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    index = RedisLocationIndex.from_url(f"redis://127.0.0.1:{port}/0", prefix="kvptest-mute")
+    try:
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable):
+            await index.lookup(chain(14, 2))
+        assert time.monotonic() - started < ROUND_TRIP_TIMEOUT_S + 1
+    finally:
+        await index.close()
+        server.close()
+
+
+async def test_a_task_waiting_on_the_index_can_always_be_cancelled(redises: Redises) -> None:
+    """The router stops its tasks by cancelling them: no Redis call may swallow that."""
+    index = redises.index()
+    await index.register(info("a"), LEASE)
+    rng = random.Random(15)
+
+    async def busy() -> None:
+        while True:
+            await index.purge_expired()
+
+    for _ in range(100):
+        task = asyncio.create_task(busy())
+        await asyncio.sleep(rng.random() * 0.005)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1)
+        assert done, "a cancellation was swallowed"
 
 
 async def test_scripts_flushed_from_the_servers_are_loaded_again(cluster: Redises) -> None:

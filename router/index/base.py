@@ -15,6 +15,11 @@ Semantics every backend keeps:
 - Batches. apply() applies a batch's events in order, all of them or none.
 - Lookups walk the request's keys from the first and, per live worker, stop at the
   first key the worker does not hold: the longest consecutive matched prefix.
+- Bounded size. With max_entries, a backend evicts entries of dead workers first, then
+  the deepest blocks. How exactly is the backend's: the memory index evicts globally
+  by depth; Redis caps each worker at its share and evicts sampled deepest blocks.
+- A worker registered through another router replica is seen by lookups within about
+  a second (Redis refreshes its worker list at least that often).
 """
 
 from __future__ import annotations
@@ -181,7 +186,8 @@ class LocationIndex(Protocol):
         or more (draining workers included, dead ones never)."""
 
     async def workers(self) -> list[WorkerStatus]:
-        """Every registered worker, dead ones not yet purged included."""
+        """Every registered worker, dead ones not yet purged included (in no particular
+        order)."""
 
     async def stats(self) -> IndexStats: ...
 

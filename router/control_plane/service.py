@@ -18,6 +18,8 @@ Outcomes, as proto/kvplane/v1/control_plane.proto defines them:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import itertools
 import logging
@@ -71,6 +73,8 @@ _STATUS_FOR_REJECT: dict[int, grpc.StatusCode] = {
     pb.REJECT_CODE_BATCH_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+_REFUSED_FIRST_MESSAGE_WAIT_S = 2.0  # how long a refused call may hold a handler
+
 Reply = pb.ControlMessage | Rejection | None
 Context = grpc.aio.ServicerContext[bytes, pb.ControlMessage]
 
@@ -117,8 +121,10 @@ class ControlPlaneService:
             # Take the agent's first message (unread) before refusing: an agent writes
             # Register and then reads, and a call that ended before its write reaches
             # the agent as a bare INTERNAL error instead of this Reject and its reason.
-            async for _ in requests:
-                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_REFUSED_FIRST_MESSAGE_WAIT_S):
+                    async for _ in requests:
+                        break
             await self._reject(context, rejection, worker_id=None)
             return
         stream = _Stream(self, next(self._stream_ids))
@@ -230,10 +236,10 @@ class _Stream:
                 pb.REJECT_CODE_STALE_INCARNATION,
                 f"incarnation {info.incarnation} is older than {record.incarnation}",
             )
-        self.worker_id, self.incarnation = info.worker_id, info.incarnation
         if verdict is RegisterVerdict.LOST:
             # The index dropped (or is about to drop) this incarnation's entries; the
             # agent must send its whole state again under a new incarnation.
+            self.worker_id, self.incarnation = info.worker_id, info.incarnation
             return self._resync(
                 ResyncCause.LEASE_EXPIRED, f"the lease of incarnation {info.incarnation} ran out"
             )
@@ -241,6 +247,9 @@ class _Stream:
             await self.index.register(info, self.service.lease_s)
         except StaleIncarnation as error:  # a higher one registered through another router
             return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
+        # Only now does this stream speak for the new incarnation: if the index refused
+        # it, end() must still see the incarnation the view records for this stream.
+        self.worker_id, self.incarnation = info.worker_id, info.incarnation
         record = self.view.registered(info, stream=self.id, now=now, lease_s=self.service.lease_s)
         self.registered = True
         log.info(
@@ -312,6 +321,8 @@ class _Stream:
 
     async def _renew(self, record: WorkerRecord, *, draining: bool) -> Reply:
         """Extend the lease; None on success, else the reply that ends the incarnation."""
+        # Taken before the index renews: the view's lease must not outlast the index's.
+        renewed_at = time.monotonic()
         try:
             await self.index.renew(
                 record.info.worker_id, record.incarnation, self.service.lease_s, draining=draining
@@ -321,7 +332,7 @@ class _Stream:
         self.view.renewed(
             record.info.worker_id,
             record.incarnation,
-            now=time.monotonic(),
+            now=renewed_at,
             lease_s=self.service.lease_s,
             draining=draining,
         )

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from kvplane.config import ControlPlaneSettings
 from kvplane.v1 import control_plane_pb2 as pb
 from router.index.base import (
+    MAX_CHAIN_END,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -28,10 +29,6 @@ from router.index.base import (
 )
 
 WORKER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-MAX_CHAIN_END = 2**32 - 1
-"""Largest first_position + len(keys) of a stored run: the next run of the same chain
-starts there, and first_position is a uint32 on the wire."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,12 +49,18 @@ class RegisterVerdict(enum.Enum):
     LOST = "lost"  # the same incarnation, but its lease ran out: its entries are gone
 
 
+RECONNECT_MARGIN_S = 0.5
+"""A reconnect needs at least this much of its lease left: the index checks the lease
+a round trip later than this view does, and a lease that ran out in between would
+have its entries dropped under an Ack that claims they were kept."""
+
+
 def classify_register(record: WorkerRecord | None, incarnation: int, now: float) -> RegisterVerdict:
     if record is None or incarnation > record.incarnation:
         return RegisterVerdict.NEW
     if incarnation < record.incarnation:
         return RegisterVerdict.STALE
-    if record.state is WorkerState.DEAD or record.lease_deadline <= now:
+    if record.state is WorkerState.DEAD or record.lease_deadline <= now + RECONNECT_MARGIN_S:
         return RegisterVerdict.LOST
     return RegisterVerdict.RECONNECT
 

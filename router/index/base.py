@@ -45,6 +45,11 @@ class WorkerState(enum.Enum):
     DEAD = "dead"
 
 
+MAX_CHAIN_END = 2**32 - 1
+"""Largest first_position + len(keys) of a stored run (the next run of the same chain
+starts there, and first_position is a uint32 on the wire); apply() refuses a batch
+with a run outside 0..MAX_CHAIN_END."""
+
 MAX_POSITION = 2**16 - 1
 """Deepest block position an entry records exactly; deeper ones are stored at this
 depth (only eviction order reads it)."""

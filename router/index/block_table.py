@@ -7,8 +7,9 @@ Python loop over a dict pays one by one.
 
 Layout
 - Keys live in buckets of 8 slots (one cache line of uint64). A key may sit in one of
-  two buckets, picked by two multiplicative hashes of the key ("two-choice" hashing),
-  so a lookup reads at most two cache lines per key and the table fills to ~85%.
+  two buckets, picked by two multiplicative hashes of the key with secret random
+  multipliers ("two-choice" hashing), so a lookup reads at most two cache lines per
+  key and the table fills to ~85%.
 - An empty slot holds its bucket's sentinel: a value that hashes to neither of that
   bucket's choices, so it can never equal a key looked up in that bucket. No separate
   occupancy array has to be read.
@@ -18,6 +19,7 @@ Layout
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,7 +28,6 @@ import numpy.typing as npt
 
 _SLOT_BITS = 3
 BUCKET_SLOTS = 1 << _SLOT_BITS  # 8 uint64 keys: one cache line
-_MULTIPLIERS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F], dtype=np.uint64)
 _MAX_LOAD = 0.85
 _INITIAL_BUCKET_BITS = 8
 
@@ -57,6 +58,12 @@ class Found:
 
 class BlockTable:
     def __init__(self, tiers: int, *, bucket_bits: int = _INITIAL_BUCKET_BITS) -> None:
+        # Secret, random odd multipliers: keys come from agents, and with fixed public
+        # ones a handful of chosen keys could share both buckets at every table size,
+        # forcing the table to double again and again.
+        self._multipliers = np.array(
+            [secrets.randbits(64) | 1, secrets.randbits(64) | 1], dtype=np.uint64
+        )
         self._tiers = tiers
         self._words = 1
         self._generation = 0  # bumped whenever growing moves the keys
@@ -96,7 +103,7 @@ class BlockTable:
     def _buckets_of(self, keys: Keys) -> Slots:
         """(n, 2) bucket choices per key."""
         # The shifted products are below 2**bucket_bits: viewing them as intp is exact.
-        return ((keys[:, None] * _MULTIPLIERS) >> self._shift).view(np.intp)
+        return ((keys[:, None] * self._multipliers) >> self._shift).view(np.intp)
 
     @property
     def capacity(self) -> int:
@@ -165,7 +172,8 @@ class BlockTable:
         In rounds: each pending key picks the emptier of its two buckets, and the keys
         that picked the same bucket take its free slots in turn (by rank). Keys left
         over go again, when the bucket they picked has filled. A key whose two buckets
-        are both full doubles the table (rare below the load limit).
+        are both full doubles the table (rare below the load limit, with multipliers
+        nobody outside this process knows).
         """
         generation = self._generation
         slots = np.empty(keys.size, dtype=np.intp)

@@ -14,11 +14,13 @@ import array
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
 
 from router.index.base import (
+    MAX_CHAIN_END,
     MAX_POSITION,
     AllBlocksCleared,
     BlocksRemoved,
@@ -228,6 +230,8 @@ class MemoryLocationIndex:
             runs[-1][2].extend(event.keys)
             if isinstance(event, BlocksStored):
                 first = event.first_position
+                if not 0 <= first <= MAX_CHAIN_END - len(event.keys):
+                    raise ValueError(f"first_position {first} is outside 0..{MAX_CHAIN_END}")
                 runs[-1][3].extend(range(first, first + len(event.keys)))
         prepared: list[_Prepared] = []
         for run_kind, run_tier, keys, positions in runs:
@@ -340,7 +344,7 @@ class MemoryLocationIndex:
         for length, ended in groups:
             ended_slots = np.flatnonzero(np.unpackbits(ended.view(np.uint8), bitorder="little"))
             if len(tiers) == 1:
-                counts = {_TIERS[tiers[0]]: length}  # shared: every match reads it only
+                counts = MappingProxyType({_TIERS[tiers[0]]: length})  # shared, read-only
                 for slot in ended_slots.tolist():
                     worker_id, incarnation = live.names[slot]
                     matches[worker_id] = PrefixMatch(worker_id, incarnation, length, counts)

@@ -30,6 +30,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from router.index.base import (
+    MAX_CHAIN_END,
     MAX_POSITION,
     AllBlocksCleared,
     BlocksRemoved,
@@ -555,8 +556,9 @@ def _encode_batch(events: Sequence[KvEvent]) -> bytes:
     parts: list[bytes] = []
     for event in events:
         if isinstance(event, BlocksStored):
-            if event.first_position < 0:
-                raise ValueError(f"negative first_position {event.first_position}")
+            first = event.first_position
+            if not 0 <= first <= MAX_CHAIN_END - len(event.keys):
+                raise ValueError(f"first_position {first} is outside 0..{MAX_CHAIN_END}")
             depth = min(event.first_position, MAX_POSITION)
             if event.first_position == 0:
                 parent_kind, parent = _FIRST_BLOCK, b""

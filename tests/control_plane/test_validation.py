@@ -13,7 +13,6 @@ from kvplane.keys import SCHEME_VERSION
 from kvplane.v1 import control_plane_pb2 as pb
 from router.control_plane.client import event_to_wire, events_message, register_message
 from router.control_plane.validation import (
-    MAX_CHAIN_END,
     Limits,
     Rejection,
     SequenceVerdict,
@@ -23,7 +22,14 @@ from router.control_plane.validation import (
     parse_load,
     parse_register,
 )
-from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
+from router.index.base import (
+    MAX_CHAIN_END,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    Tier,
+)
 from tests.control_plane.conftest import BLOCK_SIZE, worker
 
 LIMITS = Limits(

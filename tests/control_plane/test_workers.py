@@ -7,6 +7,7 @@ import pytest
 from router.control_plane.validation import LoadReport
 from router.control_plane.workers import (
     DEAD_RETENTION_LEASES,
+    RECONNECT_MARGIN_S,
     RegisterVerdict,
     WorkerRecord,
     WorkerView,
@@ -37,6 +38,14 @@ def _view_with(incarnation: int = 5, now: float = 100.0) -> tuple[WorkerView, Wo
 def test_register_verdict(incarnation: int, now: float, verdict: RegisterVerdict) -> None:
     _, record = _view_with()
     assert classify_register(record, incarnation, now) is verdict
+
+
+def test_reconnect_with_too_little_lease_left_is_lost() -> None:
+    # The index checks the lease a round trip later; a lease about to run out would be
+    # gone by then, with the entries, so the worker resyncs rather than resume.
+    _, record = _view_with(now=100.0)  # lease until 102.0
+    assert classify_register(record, 5, 101.4) is RegisterVerdict.RECONNECT
+    assert classify_register(record, 5, 102.0 - RECONNECT_MARGIN_S) is RegisterVerdict.LOST
 
 
 def test_unknown_worker_is_new_and_a_dead_incarnation_is_lost() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from router.index.base import (
+    MAX_CHAIN_END,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -182,6 +183,23 @@ async def test_a_bad_key_fails_the_whole_batch(make_index: IndexFactory, bad_key
 
     assert (await index.lookup(prompt))["a"].blocks == 1
     assert (await index.stats()).entries == 1
+
+
+@pytest.mark.parametrize("first_position", [-1, MAX_CHAIN_END], ids=["negative", "past-end"])
+async def test_a_bad_position_fails_the_whole_batch(make_index: IndexFactory, first_position: int):
+    index = await make_index()
+    prompt = chain(29, 2)
+    await index.register(info("a"), LEASE)
+    batch = [
+        stored(prompt),
+        BlocksStored(keys=[1, 2], tier=Tier.DEVICE, first_position=first_position, parent_key=3),
+    ]
+
+    with pytest.raises(ValueError, match="first_position"):
+        await index.apply("a", 1, batch)
+
+    assert await index.lookup(prompt) == {}
+    assert (await index.stats()).entries == 0
 
 
 async def test_new_incarnation_drops_the_old_ones_entries(make_index: IndexFactory):

@@ -9,7 +9,7 @@ Layout
 - Keys live in buckets of 8 slots (one cache line of uint64). A key may sit in one of
   two buckets, picked by two multiplicative hashes of the key with secret random
   multipliers ("two-choice" hashing), so a lookup reads at most two cache lines per
-  key and the table fills to ~85%.
+  key and the table fills to 75% before it doubles.
 - An empty slot holds its bucket's sentinel: a value that hashes to neither of that
   bucket's choices, so it can never equal a key looked up in that bucket. No separate
   occupancy array has to be read.
@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 _SLOT_BITS = 3
 BUCKET_SLOTS = 1 << _SLOT_BITS  # 8 uint64 keys: one cache line
-_MAX_LOAD = 0.85
+_MAX_LOAD = 0.75
 _INITIAL_BUCKET_BITS = 8
 
 Keys = npt.NDArray[np.uint64]
@@ -172,8 +172,8 @@ class BlockTable:
         In rounds: each pending key picks the emptier of its two buckets, and the keys
         that picked the same bucket take its free slots in turn (by rank). Keys left
         over go again, when the bucket they picked has filled. A key whose two buckets
-        are both full doubles the table (rare below the load limit, with multipliers
-        nobody outside this process knows).
+        are both full makes room by moving an occupant to its other bucket, or, when
+        none can move, doubles the table.
         """
         generation = self._generation
         slots = np.empty(keys.size, dtype=np.intp)
@@ -182,11 +182,32 @@ class BlockTable:
             buckets = self._buckets_of(keys[pending])
             free = self._keys.take(buckets, axis=0) == self._sentinels.take(buckets)[:, :, None]
             counts = free.sum(axis=2)
-            if not counts.any(axis=1).all():
-                self._grow(self.capacity + 1)
+            both_full = ~counts.any(axis=1)
+            if both_full.any():
+                # Rare below the load limit, but a table of millions meets it: move an
+                # occupant to its other bucket (cuckoo style) and put the key in its
+                # place at once; double the table only when no occupant can move.
+                placed_rows = []
+                for row in np.flatnonzero(both_full).tolist():
+                    freed = self._make_room(buckets[row].tolist())
+                    if freed is None:
+                        break
+                    key_index = pending[row]
+                    self._flat_keys[freed] = keys[key_index]
+                    self._depth[freed] = depths[key_index]
+                    slots[key_index] = freed
+                    self._used += 1
+                    placed_rows.append(row)
+                stuck = len(placed_rows) < int(both_full.sum())
+                pending = np.delete(pending, placed_rows)
+                if stuck:
+                    self._grow(self.capacity + 1)
                 continue
             rows = np.arange(pending.size)
-            choice = (counts[:, 1] > counts[:, 0]).astype(np.intp)
+            # The emptier bucket; on a tie (always, in an empty table) a bit of the key
+            # decides, so a round does not pile every key into its first bucket.
+            tie_break = (keys[pending] & np.uint64(1)).astype(np.intp)
+            choice = np.where(counts[:, 1] == counts[:, 0], tie_break, counts[:, 1] > counts[:, 0])
             chosen = buckets[rows, choice]
             chosen_free = free[rows, choice]
             order = np.argsort(chosen, kind="stable")
@@ -205,6 +226,31 @@ class BlockTable:
         if self._generation != generation:
             return self.find(keys).slots  # a growth moved the keys placed before it
         return slots
+
+    def _make_room(self, pair: list[int]) -> int | None:
+        """Move one key out of the full buckets `pair` into a free slot of its other
+        bucket and return the slot it left; None if no occupant of either can move."""
+        for bucket in pair:
+            occupants = self._keys[bucket]
+            choices = self._buckets_of(occupants)
+            others = np.where(choices[:, 0] == bucket, choices[:, 1], choices[:, 0])
+            free = self._keys[others] == self._sentinels[others][:, None]
+            movable = np.flatnonzero(free.any(axis=1))
+            if not movable.size:
+                continue
+            mover = int(movable[0])
+            source = bucket * BUCKET_SLOTS + mover
+            target = int(others[mover]) * BUCKET_SLOTS + int(free[mover].argmax())
+            self._flat_keys[target] = self._flat_keys[source]
+            self._depth[target] = self._depth[source]
+            for tier_holders in self._holders:
+                tier_holders[target] = tier_holders[source]
+                tier_holders[source] = 0
+            self._flat_keys[source] = self._sentinels[bucket]
+            self._depth[source] = 0
+            self._generation += 1  # a key moved: slots found before are stale
+            return source
+        return None
 
     def _grow(self, needed: int) -> None:
         """Reallocate with enough buckets for `needed` keys and insert them all again."""

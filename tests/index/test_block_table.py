@@ -62,3 +62,15 @@ def test_growth_keeps_holders_and_depths() -> None:
     assert table.depth(found.slots).tolist() == list(range(10))
     assert table.used == keys.size
     assert table.capacity >= keys.size
+
+
+def test_the_table_doubles_only_at_its_load_limit() -> None:
+    # Keys whose two buckets are both full are rare but certain among many keys; they
+    # must make room by moving an occupant, not double a mostly empty table.
+    table = BlockTable(tiers=1)
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        keys = np.unique(rng.integers(0, 2**63, size=1000, dtype=np.uint64))
+        table.find_or_insert(keys, np.zeros(keys.size, dtype=np.uint32))
+    assert table.used == len(set(table.key_at(table.occupied_slots()).tolist()))
+    assert table.used / table.capacity > 0.75 / 2

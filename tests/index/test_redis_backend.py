@@ -575,3 +575,44 @@ async def test_distinct_keys_are_estimated_above_the_exact_limit(redises: Redise
     assert stats.entries == 8 * 1000
     assert 0.8 * 4500 <= stats.keys <= 1.2 * 4500
     assert stats.bytes > 8 * 1000 * 8
+
+
+# -- round trips ---------------------------------------------------------------------
+
+
+async def test_a_batch_and_a_lookup_are_one_script_call_each(redis_url: str) -> None:
+    """The issue's budget: one round trip per event batch and one per lookup, however
+    many events and workers: one script call, counted by the server itself (commands a
+    script runs inside are counted too, so only the calls themselves are compared)."""
+    prefix = f"kvproundtrip-{uuid.uuid4().hex[:8]}"
+    index = RedisLocationIndex.from_url(redis_url, cluster=False, prefix=prefix)
+    admin = aioredis.Redis.from_url(redis_url)
+
+    async def script_calls() -> int:
+        stats = await admin.info("commandstats")
+        names = ("cmdstat_evalsha", "cmdstat_evalsha_ro", "cmdstat_eval", "cmdstat_script")
+        return sum(int(stats[name]["calls"]) for name in names if name in stats)
+
+    async def commands_during(action: Callable[[], Awaitable[object]]) -> int:
+        before = await script_calls()
+        await action()
+        return await script_calls() - before
+
+    try:
+        prompt = chain(90, 64)
+        for worker in ("a", "b", "c"):
+            await index.register(info(worker), 30)
+        await index.lookup(prompt)  # scripts are loaded on first use: not counted here
+        batch = [
+            run(prompt[:32]),
+            run(prompt, start=32),
+            BlocksRemoved(prompt[60:], Tier.DEVICE),
+        ]
+
+        assert await commands_during(lambda: index.apply("a", 1, batch)) == 1
+        assert await commands_during(lambda: index.lookup(prompt)) == 1
+        assert (await index.lookup(prompt))["a"].blocks == 60
+    finally:
+        await index.close()
+        await delete_prefix(redis_url, False, prefix)
+        await admin.aclose()

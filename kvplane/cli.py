@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from kvplane.config import Settings, load_settings
 from kvplane.logsetup import configure_logging
+from simulations.engine.config import add_engine_sim_flags
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,17 @@ def _run_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(settings))
 
 
+def _run_engine_sim(args: argparse.Namespace) -> int:
+    from kvplane.config import LoggingSettings
+    from simulations.engine.app import serve_engine_sim
+    from simulations.engine.config import config_from_args
+
+    config = config_from_args(args)
+    configure_logging(LoggingSettings(level=config.log_level))
+    asyncio.run(serve_engine_sim(config))
+    return 0
+
+
 def _run_bench_index(args: argparse.Namespace) -> int:
     from benchmarks.index import run_index_benchmark
 
@@ -90,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="start a control plane and show it at work")
     _add_settings_flags(demo)
     demo.set_defaults(handler=_run_demo)
+
+    engine_sim = commands.add_parser(
+        "engine-sim",
+        help="a vLLM-compatible engine simulator (no GPU)",
+        description="A vLLM-compatible engine simulator: paged KV cache with prefix caching, "
+        "KV events on ZMQ, OpenAI-compatible HTTP, modelled timing. Flags named like "
+        "vLLM's take vLLM's formats. VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 sends block "
+        "hashes as 32-byte digests, as it does for vLLM.",
+    )
+    add_engine_sim_flags(engine_sim)
+    engine_sim.set_defaults(handler=_run_engine_sim)
 
     bench = commands.add_parser("bench", help="benchmarks that print their figures")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)

@@ -10,17 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import grpc.aio
-import uvicorn
 
-from kvplane.config import ControlPlaneSettings, HttpSettings, Settings
+from kvplane.config import ControlPlaneSettings, Settings
+from kvplane.serving import cancel_task, serving_http, wait_for_stop_signal
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.http import create_http_app
@@ -43,14 +41,6 @@ class RunningRouter:
     metrics: RouterMetrics
 
 
-class _HttpServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # serve() owns SIGINT and SIGTERM and stops gRPC and HTTP together; uvicorn's
-        # own handlers would replace them and re-raise the signal on the way out.
-        yield
-
-
 @contextlib.asynccontextmanager
 async def running_router(settings: Settings) -> AsyncIterator[RunningRouter]:
     cp = settings.control_plane
@@ -63,25 +53,17 @@ async def running_router(settings: Settings) -> AsyncIterator[RunningRouter]:
         view = WorkerView()
         metrics = RouterMetrics()
         reaper = asyncio.create_task(reap_forever(index, view, cp.lease_s))
-        stack.push_async_callback(_cancel, reaper)
+        stack.push_async_callback(cancel_task, reaper)
 
         serving = asyncio.Event()  # set while the gRPC server accepts streams
-        http_socket = _bind_http(settings.http)
-        stack.callback(http_socket.close)
-        http_server = _HttpServer(
-            uvicorn.Config(
-                create_http_app(
-                    index=index, view=view, metrics=metrics, grpc_serving=serving.is_set
-                ),
-                lifespan="off",
-                log_config=None,
-                access_log=False,
-                timeout_graceful_shutdown=_HTTP_STOP_GRACE_S,
+        http_app = create_http_app(
+            index=index, view=view, metrics=metrics, grpc_serving=serving.is_set
+        )
+        http_port = await stack.enter_async_context(
+            serving_http(
+                http_app, settings.http.host, settings.http.port, stop_grace_s=_HTTP_STOP_GRACE_S
             )
         )
-        http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
-        stack.push_async_callback(_stop_http, http_server, http_task)
-        await _until_started(http_server, http_task)
 
         grpc_server = grpc.aio.server(options=_grpc_options(cp))
         grpc_server.add_generic_rpc_handlers(
@@ -95,7 +77,7 @@ async def running_router(settings: Settings) -> AsyncIterator[RunningRouter]:
 
         yield RunningRouter(
             grpc_port=grpc_port,
-            http_port=http_socket.getsockname()[1],
+            http_port=http_port,
             index=index,
             workers=view,
             metrics=metrics,
@@ -104,26 +86,17 @@ async def running_router(settings: Settings) -> AsyncIterator[RunningRouter]:
 
 async def serve(settings: Settings) -> None:
     """Run the router until SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        async with running_router(settings) as router:
-            log.info(
-                "router serving: gRPC control plane on %s:%d, HTTP on %s:%d, index %s",
-                settings.control_plane.grpc_host,
-                router.grpc_port,
-                settings.http.host,
-                router.http_port,
-                settings.index.backend,
-            )
-            await stop.wait()
-            log.info("stopping")
-    finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
+    async with running_router(settings) as router:
+        log.info(
+            "router serving: gRPC control plane on %s:%d, HTTP on %s:%d, index %s",
+            settings.control_plane.grpc_host,
+            router.grpc_port,
+            settings.http.host,
+            router.http_port,
+            settings.index.backend,
+        )
+        await wait_for_stop_signal()
+        log.info("stopping")
 
 
 async def reap_forever(index: LocationIndex, view: WorkerView, lease_s: float) -> None:
@@ -172,28 +145,3 @@ def _server_credentials(cp: ControlPlaneSettings) -> grpc.ServerCredentials | No
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
-
-
-def _bind_http(http: HttpSettings) -> socket.socket:
-    # Bound here rather than by uvicorn: a port in use raises OSError here, where
-    # uvicorn would call sys.exit(), and port 0 tells us the port it picked.
-    family = socket.AF_INET6 if ":" in http.host else socket.AF_INET
-    return socket.create_server((http.host, http.port), family=family)
-
-
-async def _stop_http(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    server.should_exit = True
-    await task
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-
-
-async def _until_started(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    while not server.started:
-        if task.done():
-            task.result()  # raises what stopped it
-            raise RuntimeError("the HTTP server stopped while starting")
-        await asyncio.sleep(0.01)

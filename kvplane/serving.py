@@ -1,0 +1,79 @@
+"""Process plumbing shared by kvplane's servers (router, engine simulator).
+
+Each runs uvicorn beside other servers (gRPC, ZMQ) in one event loop that it owns, stops
+them all together on SIGINT or SIGTERM, and needs the port uvicorn bound when asked for 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The caller owns SIGINT and SIGTERM and stops all its servers together; uvicorn's
+        # own handlers would replace them and re-raise the signal on the way out.
+        yield
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    # Bound here rather than by uvicorn: a port in use raises OSError here, where
+    # uvicorn would call sys.exit(), and port 0 tells us the port it picked.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+@contextlib.asynccontextmanager
+async def serving_http(
+    app: ASGIApp, host: str, port: int, *, stop_grace_s: int = 2
+) -> AsyncIterator[int]:
+    """Serve `app` on host:port until the block exits; yields the bound port."""
+    with contextlib.closing(bind_http(host, port)) as bound:
+        server = _EmbeddedServer(
+            uvicorn.Config(
+                app,
+                lifespan="off",
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=stop_grace_s,
+            )
+        )
+        task = asyncio.create_task(server.serve(sockets=[bound]))
+        try:
+            while not server.started:
+                if task.done():
+                    task.result()  # raises what stopped it
+                    raise RuntimeError("the HTTP server stopped while starting")
+                await asyncio.sleep(0.01)
+            yield bound.getsockname()[1]
+        finally:
+            server.should_exit = True
+            await task
+
+
+async def cancel_task(task: asyncio.Task[None]) -> None:
+    """Cancel a background task and wait until it has finished."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def wait_for_stop_signal() -> None:
+    """Return on the first SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)

@@ -1,0 +1,179 @@
+"""Prompt tokenisation, the way vLLM does it, and kvplane's default tiny tokenizer.
+
+Engines and the router must turn a request into the same token ids, or the router's
+block keys never match the engine's cache. vLLM's rules, followed here:
+- `/v1/completions`: a string prompt is encoded with special tokens added (BOS where the
+  tokenizer defines one); a prompt given as token ids is taken as it is.
+- `/v1/chat/completions`: the tokenizer's chat template renders the messages (with the
+  generation prompt by default), and the result is encoded without adding special tokens
+  again (the template writes them).
+
+No model or tokenizer can be downloaded where kvplane is tested, so kvplane ships a small
+byte-level BPE tokenizer with a chat template in Hugging Face format
+(`kvplane/tokenizer_data/`), built deterministically by `build_default_tokenizer`. Any
+local Hugging Face tokenizer directory works in its place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TOKENIZER_DIR = Path(__file__).parent / "tokenizer_data"
+
+_VOCAB_SIZE = 512
+_BOS, _EOS, _PAD = "<s>", "</s>", "<pad>"
+_ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# Training text: fixed, so that the merges (and every token id) are the same on every
+# machine. Its content only shapes which merges exist; any English text would do.
+_TRAINING_TEXT = """\
+The cache remembers what the model has already read, so a request that starts the same
+way as an earlier one can skip the work of reading that part again. A router that knows
+which replica holds which prefix sends each request where most of it is already cached.
+You are a helpful assistant. Answer the question below in one short paragraph.
+What is the capital of France? Paris is the capital and the largest city of France.
+Summarise the following document for an engineer who has five minutes to read it.
+Translate this sentence into German, then explain the grammar of the translation.
+Write a Python function that returns the longest common prefix of two lists of tokens.
+def longest_common_prefix(left, right):
+    size = 0
+    for a, b in zip(left, right):
+        if a != b:
+            break
+        size += 1
+    return size
+The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > .
+Each block of sixteen tokens gets a key that depends on every token before it.
+When memory runs out, the engine evicts the blocks that were freed longest ago first.
+"""
+
+
+class PromptTokenizer:
+    """A Hugging Face tokenizer with vLLM's rules for turning requests into token ids."""
+
+    def __init__(self, path: Path) -> None:
+        _quiet_transformers()
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.eos_token_id: int | None = self._tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def completion_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a `/v1/completions` prompt."""
+        if isinstance(prompt, str):
+            return list(self._tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a `/v1/chat/completions` request's messages.
+
+        Raises ValueError when the tokenizer has no chat template or the template fails.
+        """
+        if not self._tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        try:
+            text = self._tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **dict(template_kwargs or {}),
+            )
+        except Exception as error:  # jinja2 errors, raise_exception() in templates
+            raise ValueError(f"the chat template failed: {type(error).__name__}") from error
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def plain_token_ids(self) -> list[int]:
+        """Ids of ordinary tokens that decode to printable ASCII on their own, so that
+        generated text can be streamed token by token without broken characters."""
+        special = set(self._tokenizer.all_special_ids)
+        plain = []
+        for token_id in range(len(self._tokenizer)):
+            if token_id in special:
+                continue
+            text = self._tokenizer.decode([token_id])
+            if text and text.isascii() and text.isprintable():
+                plain.append(token_id)
+        return plain
+
+
+@cache
+def load_tokenizer(path: Path | None = None) -> PromptTokenizer:
+    """The tokenizer in `path` (a Hugging Face tokenizer directory), or the default one.
+    Loaded once per path per process."""
+    return PromptTokenizer(path or DEFAULT_TOKENIZER_DIR)
+
+
+def build_default_tokenizer(directory: Path) -> None:
+    """Train kvplane's default tokenizer and save it in Hugging Face format.
+
+    Deterministic: the same files on every machine (tests/test_tokenizer.py rebuilds it
+    and compares with the shipped copy).
+    """
+    _quiet_transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=[_PAD, _BOS, _EOS, *_ROLE_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_TRAINING_TEXT.splitlines(), trainer=trainer)
+    # Like Llama's: completions prompts start with BOS (the chat template writes its own).
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{_BOS} $A", special_tokens=[(_BOS, bpe.token_to_id(_BOS))]
+    )
+    wrapped = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=bpe,
+        bos_token=_BOS,
+        eos_token=_EOS,
+        pad_token=_PAD,
+        additional_special_tokens=list(_ROLE_TOKENS),
+        chat_template=_CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(directory))
+    _normalise_json_files(directory)
+
+
+def _normalise_json_files(directory: Path) -> None:
+    """Rewrite the saved JSON with sorted keys, so that the files compare byte for byte
+    whatever order a library version happens to write them in."""
+    for path in sorted(directory.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _quiet_transformers() -> None:
+    # transformers warns at import that PyTorch is absent; kvplane never needs a model.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

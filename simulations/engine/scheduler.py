@@ -1,0 +1,171 @@
+"""Continuous batching, as vLLM v1's scheduler does it (first come, first served).
+
+Each step has a budget of `max_num_batched_tokens`. Running requests are served first:
+one token each while decoding, the next chunk while still reading a long prompt. When a
+running request cannot get a block, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed later (its blocks may still be in the prefix cache then). Waiting requests are
+admitted while there is budget, fewer than `max_num_seqs` run and their blocks fit; the
+first one that does not fit waits, and so does everyone behind it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from simulations.engine.kv_cache_manager import KVCacheManager
+from simulations.engine.request import RequestStatus, SimRequest
+from simulations.engine.timing import StepWork
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    tokens: dict[SimRequest, int] = field(default_factory=dict)
+    work: StepWork = field(default_factory=StepWork)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """What a step did for one request: its new token (if any) and whether it is done."""
+
+    request: SimRequest
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        limits: SchedulerLimits,
+        sample_token: Callable[[SimRequest], int],
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.limits = limits
+        self._sample_token = sample_token
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: SimRequest) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request: SimRequest) -> None:
+        """Drop a request wherever it is (client gone, engine restarting)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.ABORTED
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.limits.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, count, step):
+                break  # the request itself was preempted
+            step.tokens[request] = count
+            budget -= count
+            index += 1
+
+        # vLLM admits nobody in a step that had to preempt: memory is short.
+        while (
+            not step.num_preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.limits.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits = self.kv_cache.cached_prefix(request)
+            cached_tokens = len(hits) * self.kv_cache.block_size
+            count = min(request.num_tokens - cached_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, count, hits):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = cached_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = min(cached_tokens, request.num_prompt_tokens)
+            self.running.append(request)
+            step.tokens[request] = count
+            budget -= count
+
+        step.work = self._work(step)
+        return step
+
+    def finish_step(self, step: ScheduledStep) -> list[RequestProgress]:
+        """Apply a step's computation: advance requests, sample tokens, retire the done."""
+        progress = []
+        for request, count in step.tokens.items():
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += count
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a chunk of a long prompt: no token yet
+            token_id = self._sample_token(request)
+            request.append_output(token_id)
+            finished = request.is_finished
+            if finished:
+                self.running.remove(request)
+                self.kv_cache.free(request)
+                request.status = RequestStatus.FINISHED
+            progress.append(RequestProgress(request, token_id, finished))
+        return progress
+
+    def _allocate_or_preempt(self, request: SimRequest, count: int, step: ScheduledStep) -> bool:
+        while not self.kv_cache.allocate_slots(request, count):
+            victim = self.running.pop()
+            self.kv_cache.free(victim)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            step.tokens.pop(victim, None)
+            step.num_preempted += 1
+            self.num_preemptions += 1
+            if victim is request:
+                return False
+        return True
+
+    @staticmethod
+    def _work(step: ScheduledStep) -> StepWork:
+        prefill = decode_requests = decode_context = 0
+        for request, count in step.tokens.items():
+            if request.num_computed_tokens + count == request.num_tokens and count == 1:
+                decode_requests += 1
+                decode_context += request.num_tokens
+            else:
+                prefill += count
+        return StepWork(prefill, decode_requests, decode_context)
+
+
+def sampler_over(token_ids: list[int]) -> Callable[[SimRequest], int]:
+    """Deterministic output: each request draws from its own generator (seeded by the
+    server), over tokens that decode cleanly one at a time."""
+
+    def sample(request: SimRequest) -> int:
+        return request.rng.choice(token_ids)
+
+    return sample

@@ -66,6 +66,8 @@ class PromptTokenizer:
         _quiet_transformers()
         from transformers import AutoTokenizer
 
+        if not path.is_dir():
+            raise FileNotFoundError(f"no tokenizer directory at {path}")
         self.path = path
         self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.eos_token_id: int | None = self._tokenizer.eos_token_id

@@ -3,11 +3,9 @@ build agents' messages and to compare the index before and after."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -30,7 +28,6 @@ from router.index.base import (
 BLOCK_SIZE = 4
 MODEL = "test-model"
 NAMESPACE = KeyNamespace(model=MODEL, block_size=BLOCK_SIZE)
-WAIT_S = 5.0
 
 
 def make_settings(index: IndexSettings | None = None, **control_plane: Any) -> Settings:
@@ -114,12 +111,3 @@ async def snapshot(index: LocationIndex, probes: Sequence[Sequence[int]]) -> Ind
         ),
         lookups=[await index.lookup(keys) for keys in probes],
     )
-
-
-async def wait_until(what: str, condition: Callable[[], Awaitable[bool]]) -> None:
-    """Wait for something the router does on its own (no reply tells when)."""
-    deadline = time.monotonic() + WAIT_S
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)

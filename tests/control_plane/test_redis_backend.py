@@ -23,10 +23,10 @@ from tests.control_plane.conftest import (
     router_with_channel,
     snapshot,
     stored,
-    wait_until,
     worker,
 )
 from tests.redis_servers import free_port
+from tests.waiting import wait_until
 
 KEYS_A = prompt_keys(1)
 KEYS_B = prompt_keys(2)

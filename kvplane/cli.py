@@ -91,6 +91,17 @@ def _run_bench_index(args: argparse.Namespace) -> int:
     )
 
 
+def _run_bench_engine_sim(args: argparse.Namespace) -> int:
+    from benchmarks.engine_sim import run_engine_sim_benchmark
+
+    return run_engine_sim_benchmark(
+        json_path=args.json,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplane", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--workers", type=int, default=64)
     index.add_argument("--lookups", type=int, default=2000)
     index.set_defaults(handler=_run_bench_index)
+    sim = bench_kinds.add_parser("engine-sim", help="engine simulator throughput")
+    sim.add_argument("--json", type=Path, help="also write the figures here")
+    sim.add_argument("--requests", type=int, default=10_000)
+    sim.add_argument("--concurrency", type=int, default=64)
+    sim.add_argument("--max-tokens", type=int, default=4)
+    sim.set_defaults(handler=_run_bench_engine_sim)
     return parser
 
 

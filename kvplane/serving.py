@@ -28,7 +28,19 @@ def bind_http(host: str, port: int) -> socket.socket:
     # Bound here rather than by uvicorn: a port in use raises OSError here, where
     # uvicorn would call sys.exit(), and port 0 tells us the port it picked.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
+    # The protocol must be named: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listening socket says IPPROTO_TCP (socket.create_server leaves it 0), and
+    # without it Nagle's algorithm meets delayed ACKs and a keep-alive response whose
+    # headers and body are written apart waits 40 ms.
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 @contextlib.asynccontextmanager

@@ -25,6 +25,9 @@ from typing import Any
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).parent / "tokenizer_data"
 
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "tokenize", "add_generation_prompt", "return_dict", "conversation"}
+)
 _VOCAB_SIZE = 512
 _BOS, _EOS, _PAD = "<s>", "</s>", "<pad>"
 _ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -70,7 +73,6 @@ class PromptTokenizer:
             raise FileNotFoundError(f"no tokenizer directory at {path}")
         self.path = path
         self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.eos_token_id: int | None = self._tokenizer.eos_token_id
 
     @property
     def vocab_size(self) -> int:
@@ -95,6 +97,10 @@ class PromptTokenizer:
         """
         if not self._tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template")
+        overridden = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
+        if overridden:
+            # A request must not swap the template (code that runs here) or the call's mode.
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(overridden))}")
         try:
             text = self._tokenizer.apply_chat_template(
                 list(messages),

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from simulations.engine.block_hash import none_hash
 from simulations.engine.block_pool import BlockPool
 from simulations.engine.config import EngineSimConfig
-from simulations.engine.kv_cache_manager import KVCacheManager
+from simulations.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from simulations.engine.metrics import EngineMetrics
 from simulations.engine.publisher import EventPublisher
 from simulations.engine.request import RequestStatus, SimRequest
@@ -26,8 +26,8 @@ from simulations.engine.timing import step_seconds
 log = logging.getLogger(__name__)
 
 
-class EngineRestarted(Exception):
-    """The engine restarted (a fault) while the request was in it."""
+class EngineStopped(Exception):
+    """The engine restarted (a fault) or failed while the request was in it."""
 
 
 class SimEngine:
@@ -52,7 +52,8 @@ class SimEngine:
         self._reported_queries = 0
         self._reported_hits = 0
         self._reported_preemptions = 0
-        self.steps = 0
+        self.alive = True  # False once the loop has failed: /health reports it
+        self._stop_reason = ""
 
     def new_request(
         self,
@@ -76,17 +77,18 @@ class SimEngine:
             sampling_seed=sampling_seed,
         )
 
-    async def generate(self, request: SimRequest) -> AsyncIterator[RequestProgress]:
+    async def generate(self, request: SimRequest) -> AsyncGenerator[RequestProgress, None]:
         """Run a request; yields after every step that gave it a token."""
         queue: asyncio.Queue[RequestProgress | None] = asyncio.Queue()
         self._streams[request] = queue
         self.scheduler.add(request)
         self._wakeup.set()
+        self._update_gauges()
         try:
             while True:
                 progress = await queue.get()
                 if progress is None:
-                    raise EngineRestarted("the engine restarted")
+                    raise EngineStopped(self._stop_reason)
                 yield progress
                 if progress.finished:
                     return
@@ -99,8 +101,20 @@ class SimEngine:
             ):
                 self.scheduler.abort(request)
                 self._wakeup.set()
+                self._update_gauges()
 
     async def run(self) -> None:
+        """The engine loop, until cancelled. If it fails, every request in the engine
+        fails with it and the engine stays dead (as a crashed engine core would)."""
+        try:
+            await self._run_steps()
+        except Exception:
+            log.exception("the engine loop failed; the simulator no longer serves")
+            self.alive = False
+            self._stop_all("the engine failed")
+            raise
+
+    async def _run_steps(self) -> None:
         while True:
             if not self.scheduler.has_work:
                 self._wakeup.clear()
@@ -117,7 +131,6 @@ class SimEngine:
                 continue
             # Always yield, even at time scale 0, so requests keep arriving meanwhile.
             await asyncio.sleep(step_seconds(self._timing, step.work) * self.config.time_scale)
-            self.steps += 1
             now = time.monotonic()
             for progress in self.scheduler.finish_step(step):
                 self._record(progress, now)
@@ -139,14 +152,23 @@ class SimEngine:
     def restart(self) -> None:
         """Fault: what a crash and restart does to the engine's state, in-process: every
         request in it fails, the cache is gone (no events: a new process sends none), and
-        the event sequence starts again from 0."""
-        for request, queue in list(self._streams.items()):
-            self.scheduler.abort(request)
-            queue.put_nowait(None)
+        the event sequence starts again from 0, and so do the metrics."""
+        self._stop_all("the engine restarted")
+        self._stall_until = 0.0
         self.pool.forget_everything()
+        self.kv_cache.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self._reported_queries = self._reported_hits = self._reported_preemptions = 0
+        self.metrics = self.metrics.fresh()
         if self.publisher is not None:
             self.publisher.restart()
         self._update_gauges()
+
+    def _stop_all(self, reason: str) -> None:
+        self._stop_reason = reason
+        for request, queue in list(self._streams.items()):
+            self.scheduler.abort(request)
+            queue.put_nowait(None)
 
     async def publish_events(self) -> None:
         events = self.pool.take_events()

@@ -80,9 +80,6 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
-    def num_held_blocks(self, request: SimRequest) -> int:
-        return len(self._blocks.get(request.request_id, ()))
-
     def _cache_full_blocks(self, request: SimRequest, num_tokens: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)
         full = min(num_tokens // self.block_size, len(request.block_digests))

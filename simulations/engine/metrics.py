@@ -20,6 +20,7 @@ class EngineMetrics:
     def __init__(
         self, model_name: str, cache_config: dict[str, str], engine_index: int = 0
     ) -> None:
+        self._arguments = (model_name, cache_config, engine_index)
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name, "engine": str(engine_index)}
 
@@ -61,6 +62,10 @@ class EngineMetrics:
             [*cache_config, "engine"],
             registry=self.registry,
         ).labels(**cache_config, engine=str(engine_index)).set(1)
+
+    def fresh(self) -> EngineMetrics:
+        """New metrics with the same labels, every counter at zero (a restarted engine)."""
+        return EngineMetrics(*self._arguments)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,6 @@ class _OpenAIModel(BaseModel):
 
 class StreamOptions(_OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(_OpenAIModel):
@@ -32,6 +31,20 @@ class _GenerationRequest(_OpenAIModel):
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="the simulator generates one choice")
     cache_salt: str | None = None
+    # Sampling options are checked as vLLM checks them, then ignored: the simulator's
+    # output is seeded noise of the requested length.
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    user: str | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -56,6 +69,8 @@ class _GenerationRequest(_OpenAIModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of the request (a batch of one is unwrapped)."""
@@ -93,7 +108,19 @@ class ChatCompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _refuse_request_templates(cls, template: str | None) -> None:
+        if template is not None:
+            raise ValueError(
+                "Chat template is passed with request, but --trust-request-chat-template "
+                "is not set. Refused request with untrusted chat template."
+            )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -221,7 +248,9 @@ def usage_chunk(request_id: str, model: str, chat: bool, usage: dict[str, Any]) 
     }
 
 
-def models_body(names: list[str], root: str, lora_names: list[str], max_model_len: int) -> Any:
+def models_body(
+    names: list[str], root: str, lora_names: list[str], max_model_len: int
+) -> dict[str, Any]:
     created = int(time.time())
 
     def card(name: str, parent: str | None) -> dict[str, Any]:

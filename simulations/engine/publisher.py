@@ -56,8 +56,6 @@ class EventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
-        self.batches_sent = 0
-        self.batches_dropped = 0
 
     @property
     def endpoint(self) -> str:
@@ -86,11 +84,9 @@ class EventPublisher:
         payload = self._encoder.encode_batch(time.time(), events)
         self._buffer.append((sequence, payload))
         if self.drop_fraction and self._drop_random.random() < self.drop_fraction:
-            self.batches_dropped += 1
             return
         # PUB never blocks: past the high-water mark ZMQ drops, as it does for vLLM.
         await self._pub.send_multipart([self._topic, sequence.to_bytes(8, "big"), payload])
-        self.batches_sent += 1
 
     def restart(self) -> None:
         """What a restarted engine does: count from 0 again with an empty buffer."""

@@ -42,8 +42,12 @@ class RequestProgress:
     """What a step did for one request: its new token (if any) and whether it is done."""
 
     request: SimRequest
-    new_token_id: int | None
+    new_token_id: int
     finished: bool
+
+
+class RequestTooLarge(ValueError):
+    """The request could never run: even alone it needs more blocks than the cache has."""
 
 
 class Scheduler:
@@ -64,7 +68,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def check_fits(self, num_tokens: int) -> None:
+        """RequestTooLarge if a request of `num_tokens` (prompt and output) could never
+        run. A real engine sizes its context length to its cache; a simulator may be given
+        a tiny cache on purpose, and such a request would wait for ever."""
+        needed = self.kv_cache.blocks_needed(num_tokens)
+        if needed > self.kv_cache.pool.num_blocks:
+            raise RequestTooLarge(
+                f"The request needs {needed} KV blocks but the cache has "
+                f"{self.kv_cache.pool.num_blocks}."
+            )
+
     def add(self, request: SimRequest) -> None:
+        """Queue a request; RequestTooLarge (and nothing queued) if it can never fit."""
+        self.check_fits(request.num_prompt_tokens + request.max_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -142,7 +159,6 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             self.waiting.appendleft(victim)
-            step.tokens.pop(victim, None)
             step.num_preempted += 1
             self.num_preemptions += 1
             if victim is request:
@@ -153,7 +169,9 @@ class Scheduler:
     def _work(step: ScheduledStep) -> StepWork:
         prefill = decode_requests = decode_context = 0
         for request, count in step.tokens.items():
-            if request.num_computed_tokens + count == request.num_tokens and count == 1:
+            # Decoding: the prompt (and any recomputed output) is in the cache, and the
+            # step computes the one newest token.
+            if count == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
                 decode_requests += 1
                 decode_context += request.num_tokens
             else:

@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +31,9 @@ from kvplane.tokenizer import PromptTokenizer
 from simulations.engine import protocol
 from simulations.engine.block_hash import wire_hash
 from simulations.engine.config import EngineSimConfig
-from simulations.engine.engine import EngineRestarted, SimEngine
+from simulations.engine.engine import EngineStopped, SimEngine
 from simulations.engine.protocol import ChatCompletionRequest, CompletionRequest
+from simulations.engine.scheduler import RequestProgress, RequestTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,10 @@ def create_engine_app(
         except ValueError as error:
             raise RequestError(str(error)) from None
         max_tokens = _check_lengths(tokens, wanted, tokenizer.vocab_size, config)
+        try:
+            engine.scheduler.check_fits(len(tokens) + max_tokens)
+        except RequestTooLarge as error:
+            raise RequestError(str(error)) from None
         prefix = "chatcmpl" if chat else "cmpl"
         return _Admitted(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -125,6 +130,8 @@ def create_engine_app(
 
     async def generation(request: Request, chat: bool) -> Response:
         nonlocal requests_seen
+        if not engine.alive:
+            return _error("the engine has failed", 503, "ServiceUnavailableError")
         try:
             admitted = admit(await _json_body(request), chat)
         except RequestError as error:
@@ -141,15 +148,16 @@ def create_engine_app(
             cache_salt=admitted.cache_salt,
             sampling_seed=_sampling_seed(admitted, config.seed),
         )
-        tokens = engine.generate(sim_request)
+        progress = engine.generate(sim_request)
         if admitted.stream:
             return StreamingResponse(
-                _sse(admitted, tokens, chat, output_text, config), media_type="text/event-stream"
+                _sse(admitted, progress, chat, output_text, config),
+                media_type="text/event-stream",
             )
-        collected = asyncio.create_task(_collect(tokens))
+        collected = asyncio.create_task(_collect(progress))
         try:
             output = await _unless_disconnected(request, collected)
-        except EngineRestarted as error:
+        except EngineStopped as error:
             return _error(str(error), 500, "InternalServerError")
         if output is None:
             return Response(status_code=499)  # nobody is listening
@@ -176,7 +184,7 @@ def create_engine_app(
         return _json_response(body)
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.alive else 503)
 
     async def metrics(request: Request) -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -213,7 +221,9 @@ def create_engine_app(
             die()
         if fault.stall_s is not None:
             engine.stall(fault.stall_s)
-        if fault.drop_event_fraction is not None and engine.publisher is not None:
+        if fault.drop_event_fraction is not None:
+            if engine.publisher is None:
+                return _error("KV events are off: there are no batches to drop", 409, "Conflict")
             engine.publisher.drop_fraction = fault.drop_event_fraction
         if fault.restart:
             engine.restart()
@@ -265,13 +275,6 @@ def _check_lengths(
             f"model's maximum context length is {limit} tokens and your request has {count} "
             f"input tokens ({max_tokens} > {limit} - {count})."
         )
-    # A real engine sizes max_model_len to fit its cache; a simulator may be given a tiny
-    # cache on purpose, so say so instead of letting the request wait forever.
-    needed = -(-(count + max_tokens) // config.block_size)
-    if needed > config.num_blocks:
-        raise RequestError(
-            f"The request needs {needed} KV blocks but the cache has {config.num_blocks}."
-        )
     return max_tokens
 
 
@@ -283,18 +286,19 @@ def _sampling_seed(admitted: _Admitted, engine_seed: int) -> int:
 
 
 async def _json_body(request: Request) -> Any:
+    # msgspec rather than json: it refuses lone surrogates and invalid UTF-8 (which would
+    # break tokenisation and event encoding later) and out-of-range numbers.
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        message = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
-        raise RequestError(f"JSON decode error: {message}") from None
+        return msgspec.json.decode(await request.body())
+    except msgspec.DecodeError as error:
+        raise RequestError(f"JSON decode error: {error}") from None
+    except RecursionError:
+        raise RequestError("JSON decode error: nested too deeply") from None
 
 
-async def _collect(tokens: AsyncIterator[Any]) -> list[int]:
-    output = []
-    async for progress in tokens:
-        output.append(progress.new_token_id)
-    return output
+async def _collect(progress: AsyncGenerator[RequestProgress, None]) -> list[int]:
+    async with contextlib.aclosing(progress):  # closing it aborts the request if unfinished
+        return [step.new_token_id async for step in progress]
 
 
 async def _unless_disconnected(request: Request, work: asyncio.Task[list[int]]) -> list[int] | None:
@@ -318,7 +322,7 @@ async def _disconnect(request: Request) -> None:
 
 async def _sse(
     admitted: _Admitted,
-    tokens: AsyncIterator[Any],
+    progress: AsyncGenerator[RequestProgress, None],
     chat: bool,
     output_text: dict[int, str],
     config: EngineSimConfig,
@@ -326,28 +330,31 @@ async def _sse(
     request_id, model = admitted.request_id, admitted.model
     sent = 0
     cached = 0
-    try:
-        if chat:
-            yield _event(
-                protocol.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
-            )
-        async for progress in tokens:
-            sent += 1
-            cached = progress.request.num_cached_tokens or 0
-            text = output_text[progress.new_token_id]
-            finish = "length" if progress.finished else None
+    async with contextlib.aclosing(progress):  # closing it aborts the request if unfinished
+        try:
             if chat:
-                yield _event(protocol.chat_chunk(request_id, model, {"content": text}, finish))
-            else:
-                yield _event(protocol.completion_chunk(request_id, model, text, finish))
-    except EngineRestarted as error:
-        yield _event(protocol.error_body(str(error), 500, "InternalServerError"))
-    else:
-        if admitted.include_usage:
-            usage = protocol.usage_body(
-                len(admitted.prompt_token_ids), sent, cached, config.enable_prompt_tokens_details
-            )
-            yield _event(protocol.usage_chunk(request_id, model, chat, usage))
+                role = {"role": "assistant", "content": ""}
+                yield _event(protocol.chat_chunk(request_id, model, role, None))
+            async for step in progress:
+                sent += 1
+                cached = step.request.num_cached_tokens or 0
+                text = output_text[step.new_token_id]
+                finish = "length" if step.finished else None
+                if chat:
+                    yield _event(protocol.chat_chunk(request_id, model, {"content": text}, finish))
+                else:
+                    yield _event(protocol.completion_chunk(request_id, model, text, finish))
+        except EngineStopped as error:
+            yield _event(protocol.error_body(str(error), 500, "InternalServerError"))
+        else:
+            if admitted.include_usage:
+                usage = protocol.usage_body(
+                    len(admitted.prompt_token_ids),
+                    sent,
+                    cached,
+                    config.enable_prompt_tokens_details,
+                )
+                yield _event(protocol.usage_chunk(request_id, model, chat, usage))
     yield b"data: [DONE]\n\n"
 
 

@@ -175,6 +175,15 @@ BAD_REQUESTS = [
     pytest.param({"prompt": "x", "max_tokens": 300}, "'max_tokens'", id="output-too-long"),
     pytest.param({"prompt": [1, 2, 99999]}, "vocabulary", id="token-out-of-range"),
     pytest.param({"prompt": []}, "empty", id="empty-prompt"),
+    pytest.param({"prompt": "x", "temperature": "hot"}, "temperature", id="bad-sampling"),
+    pytest.param({"prompt": "x", "top_p": 0}, "top_p", id="top-p-zero"),
+    pytest.param(b'{"prompt": "x\\ud800"}', "JSON decode error", id="lone-surrogate"),
+    pytest.param(
+        b'{"prompt": "x", "cache_salt": "\\udc00"}', "JSON decode error", id="surrogate-salt"
+    ),
+    pytest.param(b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "JSON", id="huge-int"),
+    pytest.param(b"[" * 100_000, "JSON decode error", id="deeply-nested"),
+    pytest.param(b"\xff\xfe", "JSON decode error", id="not-utf8"),
 ]
 
 
@@ -199,6 +208,22 @@ async def test_bad_requests_get_vllm_style_400s_that_do_not_echo_the_prompt(
         assert "word word" not in error["message"]
         # Nothing was scheduled and nothing cached.
         assert (await client.get("/sim/blocks")).json()["blocks"] == []
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"chat_template": "{{ 7 * 7 }}"}, id="request-template"),
+        pytest.param({"chat_template_kwargs": {"chat_template": "x"}}, id="template-in-kwargs"),
+        pytest.param({"messages": []}, id="no-messages"),
+    ],
+)
+async def test_chat_requests_cannot_bring_their_own_template(extra: dict[str, Any]) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+    async with engine_sim() as sim, httpx.AsyncClient(base_url=sim.base_url) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == 400
 
 
 async def test_unknown_models_are_404_and_unknown_fields_are_ignored() -> None:

@@ -99,3 +99,41 @@ async def test_a_restart_fails_the_requests_in_flight_and_forgets_the_cache() ->
         assert (await client.get("/sim/blocks")).json()["blocks"] == []
         again = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
         assert again.json()["usage"]["prompt_tokens_details"] is None  # nothing cached
+
+
+async def test_a_restart_zeroes_the_metrics_as_a_new_process_would() -> None:
+    async with engine_sim() as sim, httpx.AsyncClient(base_url=sim.base_url) as client:
+        for _ in range(2):
+            await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        before = (await client.get("/metrics")).text
+        await client.post("/sim/faults", json={"restart": True})
+        after = (await client.get("/metrics")).text
+    hits = 'vllm:prefix_cache_hits_total{engine="0",model_name="kvplane-tiny"}'
+    assert f"{hits} 0.0" not in before
+    assert f"{hits} 0.0" in after
+
+
+async def test_dropping_events_without_events_is_refused() -> None:
+    async with (
+        engine_sim(kv_events_config={"enable_kv_cache_events": False}) as sim,
+        httpx.AsyncClient(base_url=sim.base_url) as client,
+    ):
+        response = await client.post("/sim/faults", json={"drop_event_fraction": 0.5})
+    assert response.status_code == 409
+
+
+async def test_a_failed_engine_loop_fails_its_requests_and_health() -> None:
+    async with engine_sim() as sim, httpx.AsyncClient(base_url=sim.base_url) as client:
+        scheduler = sim.engine.scheduler
+
+        def broken_schedule() -> None:
+            raise RuntimeError("injected scheduler fault")
+
+        # Fault injection: the next step fails inside the loop.
+        scheduler.schedule = broken_schedule  # type: ignore[method-assign,assignment]
+        failed = await client.post("/v1/completions", json={"prompt": PROMPT})
+        assert failed.status_code == 500
+        assert "failed" in failed.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 503
+        refused = await client.post("/v1/completions", json={"prompt": PROMPT})
+        assert refused.status_code == 503

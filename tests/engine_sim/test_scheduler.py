@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
 from simulations.engine.block_hash import none_hash
 from simulations.engine.block_pool import BlockPool
 from simulations.engine.kv_cache_manager import KVCacheManager
 from simulations.engine.request import RequestStatus, SimRequest
-from simulations.engine.scheduler import Scheduler, SchedulerLimits, sampler_over
+from simulations.engine.scheduler import (
+    RequestTooLarge,
+    Scheduler,
+    SchedulerLimits,
+    sampler_over,
+)
 from simulations.engine.timing import StepWork, TimingModel, step_seconds
 
 BLOCK = 4
@@ -104,6 +111,24 @@ def test_cached_tokens_are_counted_once_and_skip_prefill() -> None:
     step = scheduler.schedule()
     assert again.num_cached_tokens == 8
     assert step.work == StepWork(prefill_tokens=2)
+
+
+def test_the_last_prompt_token_alone_is_still_prefill() -> None:
+    scheduler = make_scheduler(16)
+    scheduler.add(request("a", 9, 1))
+    run_to_end(scheduler)
+    again = request("b", 9, 1)
+    scheduler.add(again)
+    step = scheduler.schedule()
+    assert again.num_cached_tokens == 8
+    assert step.work == StepWork(prefill_tokens=1)  # one token, but of the prompt
+
+
+def test_a_request_that_could_never_fit_is_refused_up_front() -> None:
+    scheduler = make_scheduler(4)
+    with pytest.raises(RequestTooLarge, match="needs 5 KV blocks but the cache has 4"):
+        scheduler.add(request("huge", 16, 4))
+    assert not scheduler.has_work
 
 
 def test_step_time_grows_with_uncached_tokens_and_decode_context() -> None:

@@ -29,7 +29,27 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=["text", "json"])
 
 
+_AGENT_FLAGS = {
+    "worker_id": "stable name of this worker (engine replica)",
+    "engine": "engine kind: vllm or sglang",
+    "engine_url": "the engine's HTTP base URL (health, metrics, models)",
+    "model": "model name to key blocks with (default: the engine's first model)",
+    "kv_events_endpoint": "the engine's ZMQ PUB endpoint for KV events",
+    "kv_events_replay_endpoint": "the engine's ZMQ replay endpoint (recovers missed batches)",
+    "kv_events_topic": "ZMQ topic the engine publishes under",
+    "control_plane_address": "host:port of the control plane's gRPC server",
+    "load_interval_s": "seconds between health probes and load reports",
+}
+
+
+def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
+    for name, help_text in _AGENT_FLAGS.items():
+        kind = float if name.endswith("_s") else str
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+
+
 _FLAG_TO_SETTING = {
+    **{name: ("agent", name) for name in _AGENT_FLAGS},
     "index": ("index", "backend"),
     "redis_url": ("index", "redis_url"),
     "grpc_port": ("control_plane", "grpc_port"),
@@ -65,6 +85,20 @@ def _run_demo(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     configure_logging(settings.logging)
     return asyncio.run(run_demo(settings))
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from worker_agent.agent import WorkerAgent
+    from worker_agent.publisher import PublisherRejected
+
+    settings = _settings_from(args)
+    configure_logging(settings.logging)
+    try:
+        asyncio.run(WorkerAgent(settings).run())
+    except PublisherRejected as error:
+        print(f"kvplane agent: the control plane refused it: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _run_engine_sim(args: argparse.Namespace) -> int:
@@ -113,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="start a control plane and show it at work")
     _add_settings_flags(demo)
     demo.set_defaults(handler=_run_demo)
+
+    agent = commands.add_parser(
+        "agent",
+        help="run beside an engine: stream its KV cache events and load to the control plane",
+        description="The worker agent. Every flag is also a setting: the [agent] section "
+        "of the --config file or KVPLANE_AGENT__<FIELD>; the router's block size and agent "
+        "token (control_plane.block_size, control_plane.agent_token) apply here too.",
+    )
+    _add_settings_flags(agent)
+    _add_agent_flags(agent)
+    agent.set_defaults(handler=_run_agent)
 
     engine_sim = commands.add_parser(
         "engine-sim",

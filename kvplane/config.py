@@ -63,6 +63,40 @@ class HttpSettings(_Section):
     port: int = Field(default=8080, ge=0, le=65535)
 
 
+class AgentSettings(_Section):
+    """`kvplane agent`: the engine it sits beside and the control plane it reports to.
+    The agent keys blocks with `control_plane.block_size` and authenticates with
+    `control_plane.agent_token`, the same settings the router reads."""
+
+    worker_id: str = Field(default="worker-0", pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    engine: Literal["vllm", "sglang"] = "vllm"
+    engine_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the engine's first model in GET /v1/models
+    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
+    kv_events_replay_endpoint: str | None = None  # None: a gap is lost state at once
+    kv_events_topic: str = ""
+    control_plane_address: str = "127.0.0.1:50051"
+    tls_ca_file: Path | None = None  # set: TLS to the control plane, verified with this CA
+    tls_cert_file: Path | None = None  # with tls_key_file: the agent's certificate (mTLS)
+    tls_key_file: Path | None = None
+    load_interval_s: float = Field(default=1.0, gt=0)
+    engine_down_after_failures: int = Field(default=2, ge=1)
+    reconnect_min_s: float = Field(default=0.1, gt=0)
+    reconnect_max_s: float = Field(default=5.0, gt=0)
+    replay_timeout_s: float = Field(default=2.0, gt=0)
+    max_unacked_batches: int = Field(default=1024, ge=1)
+    max_tracked_blocks: int = Field(default=4_000_000, ge=1)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> AgentSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_cert_file is not None and self.tls_ca_file is None:
+            raise ValueError("a client certificate (mTLS) needs tls_ca_file")
+        return self
+
+
 class LoggingSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     format: Literal["text", "json"] = "text"
@@ -76,6 +110,7 @@ class Settings(BaseSettings):
     index: IndexSettings = IndexSettings()
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
     http: HttpSettings = HttpSettings()
+    agent: AgentSettings = AgentSettings()
     logging: LoggingSettings = LoggingSettings()
 
     @classmethod

@@ -1,0 +1,149 @@
+"""`kvplane agent`: wires the engine adapter, event source, translator and publisher.
+
+Three tasks share one event loop: events (source -> translator -> publisher), the
+engine watch (health probe and load scrape every `load_interval_s`) and the control
+plane stream. Anything that breaks the agent's picture of the engine (lost state, an
+engine restart or outage, an overgrown map) clears the translator and starts a new
+incarnation, so the control plane never keeps what the engine no longer holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from kvplane.config import Settings
+from worker_agent.engines import adapter_for
+from worker_agent.engines.base import EngineAdapter
+from worker_agent.events import EngineCacheConfig
+from worker_agent.kv_event_source import KvEventSource, StateLost
+from worker_agent.publisher import ControlPlanePublisher, PublisherRejected, WorkerIdentity
+from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
+
+log = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 2.0
+
+
+class WorkerAgent:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.adapter: EngineAdapter = adapter_for(settings.agent.engine)
+        self.translator: BlockTranslator | None = None
+        self.publisher: ControlPlanePublisher | None = None
+        self.engine_is_down = False
+
+    async def run(self) -> None:
+        agent = self.settings.agent
+        async with httpx.AsyncClient(base_url=agent.engine_url, timeout=_PROBE_TIMEOUT_S) as http:
+            model, cache = await self._engine_facts(http)
+            self.translator = BlockTranslator(
+                model,
+                self.settings.control_plane.block_size,
+                max_tracked_blocks=agent.max_tracked_blocks,
+            )
+            self.publisher = ControlPlanePublisher(
+                WorkerIdentity(
+                    worker_id=agent.worker_id,
+                    base_url=agent.engine_url,
+                    model=model,
+                    block_size=self.settings.control_plane.block_size,
+                    kv_capacity_blocks=(cache.num_blocks or 0) if cache else 0,
+                    engine_kind=self.adapter.kind,
+                    labels=dict(agent.labels),
+                ),
+                agent,
+                self.settings.control_plane,
+                snapshot=self.translator.snapshot,
+            )
+            source = KvEventSource(
+                self.adapter,
+                agent.kv_events_endpoint,
+                replay_endpoint=agent.kv_events_replay_endpoint,
+                topic=agent.kv_events_topic,
+                replay_timeout_s=agent.replay_timeout_s,
+            )
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self.publisher.run())
+                    tasks.create_task(self._forward_events(source, self.translator, self.publisher))
+                    tasks.create_task(
+                        self._watch_engine(http, source, self.translator, self.publisher)
+                    )
+            except* PublisherRejected as group:
+                raise group.exceptions[0] from None
+            finally:
+                source.close()
+
+    async def _engine_facts(self, http: httpx.AsyncClient) -> tuple[str, EngineCacheConfig | None]:
+        """The model name (configured, or the engine's first) and its cache configuration;
+        waits for the engine to answer."""
+        delay = self.settings.agent.reconnect_min_s
+        while True:
+            try:
+                model = self.settings.agent.model
+                if model is None:
+                    response = await http.get("/v1/models")
+                    response.raise_for_status()
+                    model = str(response.json()["data"][0]["id"])
+                metrics = await http.get("/metrics")
+                cache = self.adapter.parse_cache_config(metrics.text)
+                return model, cache
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+                log.info("waiting for the engine at %s (%s)", http.base_url, type(error).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.settings.agent.reconnect_max_s)
+
+    async def _forward_events(
+        self,
+        source: KvEventSource,
+        translator: BlockTranslator,
+        publisher: ControlPlanePublisher,
+    ) -> None:
+        async for item in source.items():
+            try:
+                if isinstance(item, StateLost):
+                    raise TrackingLimitExceeded(item.reason)
+                publisher.submit(translator.translate(item.events))
+            except TrackingLimitExceeded as error:
+                log.warning("the agent's picture of the engine is lost: %s", error)
+                translator.clear()
+                publisher.start_new_incarnation(str(error))
+
+    async def _watch_engine(
+        self,
+        http: httpx.AsyncClient,
+        source: KvEventSource,
+        translator: BlockTranslator,
+        publisher: ControlPlanePublisher,
+    ) -> None:
+        agent = self.settings.agent
+        failures = 0
+        while True:
+            try:
+                health = await http.get("/health")
+                healthy = health.status_code == 200
+                metrics = await http.get("/metrics") if healthy else None
+            except httpx.HTTPError:
+                healthy, metrics = False, None
+            failures = 0 if healthy else failures + 1
+            if failures >= agent.engine_down_after_failures and not self.engine_is_down:
+                log.warning("the engine at %s is down; publishing stops", agent.engine_url)
+                self.engine_is_down = True
+                translator.clear()
+                source.engine_went_down()
+                publisher.engine_down()
+            elif healthy and self.engine_is_down:
+                log.info("the engine at %s is back", agent.engine_url)
+                self.engine_is_down = False
+                # The translator was cleared when the engine went down; what it holds now
+                # came from the engine's new life, and goes into the new incarnation.
+                publisher.engine_up()
+            if metrics is not None and not self.engine_is_down:
+                try:
+                    publisher.report_load(self.adapter.parse_load(metrics.text))
+                except ValueError as error:
+                    log.warning("no load from the engine's metrics: %s", error)
+            await asyncio.sleep(agent.load_interval_s)

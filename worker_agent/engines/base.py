@@ -1,0 +1,65 @@
+"""The interface every engine adapter implements, and Prometheus text helpers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad
+
+
+class EngineAdapter(Protocol):
+    kind: str
+
+    def decode_batch(self, payload: bytes) -> tuple[float, tuple[EngineEvent, ...]]:
+        """A KV event batch's timestamp and events; WireDecodeError if malformed."""
+        ...
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        """Load from the engine's /metrics text; ValueError if the metrics are missing."""
+        ...
+
+    def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
+        """The cache configuration the engine exposes in its metrics, if any."""
+        ...
+
+
+def metric_samples(metrics_text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition; ValueError if it does not parse."""
+    try:
+        return [
+            sample
+            for family in text_string_to_metric_families(metrics_text)
+            for sample in family.samples
+        ]
+    except Exception as error:  # the parser raises bare ValueError, TypeError, ...
+        raise ValueError(f"unreadable metrics: {type(error).__name__}") from None
+
+
+def values(samples: Iterable[Sample], *names: str) -> list[float]:
+    """Every finite value (one per data-parallel engine) of the first name present;
+    ValueError if any is NaN or infinite."""
+    samples = list(samples)
+    for name in names:
+        found = [float(sample.value) for sample in samples if sample.name == name]
+        if found:
+            if not all(math.isfinite(value) for value in found):
+                raise ValueError(f"{name} is not a finite number")
+            return found
+    return []
+
+
+def total(samples: Iterable[Sample], *names: str) -> float | None:
+    """The sum over data-parallel engines of the first name present."""
+    found = values(samples, *names)
+    return sum(found) if found else None
+
+
+def mean(samples: Iterable[Sample], *names: str) -> float | None:
+    """The mean over data-parallel engines (each reports its own fraction)."""
+    found = values(samples, *names)
+    return sum(found) / len(found) if found else None

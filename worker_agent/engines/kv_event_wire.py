@@ -1,0 +1,176 @@
+"""Decoding msgpack KV event batches, as vLLM and SGLang publish them, into domain events.
+
+Both engines send `[ts, [event, ...], rank]` (older vLLM: `[ts, [event, ...]]`), and an
+event is either a map tagged by `"type"` (vLLM 0.24 and later, SGLang) or a positional
+array led by its tag (vLLM before 0.24). The batch is decoded generically and each
+event dispatched on its tag; unknown keys, trailing elements and unknown event types
+are ignored, so newer engines keep working. What differs between engines (field order
+of the array form, hash signedness, where the cache salt is, medium names) is a
+`WireDialect`, supplied by each engine's adapter.
+
+A batch decodes whole or not at all: any malformed event raises WireDecodeError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from router.index.base import Tier
+from worker_agent.events import (
+    EngineBlocksRemoved,
+    EngineBlocksStored,
+    EngineCacheCleared,
+    EngineEvent,
+    WireDecodeError,
+)
+
+_U64 = 2**64
+_MAX_TOKEN_ID = 2**32 - 1
+_decoder = msgspec.msgpack.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class WireDialect:
+    """What one engine's events look like on the wire."""
+
+    stored_fields: tuple[str, ...]  # field names of BlockStored's array form, in order
+    removed_fields: tuple[str, ...]
+    mediums: Mapping[str, Tier]  # medium name -> tier; an absent medium is the device
+    salt_field: str | None  # where a chain's cache salt is; None: extra_keys[0] (vLLM)
+
+
+def decode_batch(payload: bytes, dialect: WireDialect) -> tuple[float, tuple[EngineEvent, ...]]:
+    """The batch's timestamp and events; WireDecodeError if any of it is malformed."""
+    try:
+        batch = _decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as error:
+        raise WireDecodeError(f"not msgpack: {type(error).__name__}") from None
+    if not isinstance(batch, list) or len(batch) < 2:
+        raise WireDecodeError("a batch is an array [ts, events, ...]")
+    timestamp, events = batch[0], batch[1]
+    if not _is_number(timestamp):
+        raise WireDecodeError("the batch timestamp is not a number")
+    if not isinstance(events, list):
+        raise WireDecodeError("the batch's events are not an array")
+    decoded = []
+    for raw in events:
+        event = _decode_event(raw, dialect)
+        if event is not None:
+            decoded.append(event)
+    return float(timestamp), tuple(decoded)
+
+
+def normalise_hash(value: Any) -> int:
+    """An engine hash as an unsigned 64-bit integer: vLLM sends the low 64 bits unsigned
+    or the raw digest as bytes (its last 8 bytes, big-endian); SGLang sends signed."""
+    if isinstance(value, bool):
+        raise WireDecodeError("a block hash is not a boolean")
+    if isinstance(value, int):
+        if not -(2**63) <= value < _U64:
+            raise WireDecodeError("a block hash is out of 64-bit range")
+        return value % _U64
+    if isinstance(value, bytes) and 8 <= len(value) <= 64:
+        return int.from_bytes(value[-8:], "big")
+    raise WireDecodeError("a block hash is neither an integer nor a digest")
+
+
+def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent | None:
+    if isinstance(raw, dict):
+        tag, fields = raw.get("type"), raw
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        names = {
+            "BlockStored": dialect.stored_fields,
+            "BlockRemoved": dialect.removed_fields,
+        }.get(tag, ())
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise WireDecodeError("an event is neither a tagged map nor a tagged array")
+    if tag == "BlockStored":
+        return _stored(fields, dialect)
+    if tag == "BlockRemoved":
+        return EngineBlocksRemoved(
+            block_hashes=_hashes(fields.get("block_hashes")),
+            tier=_tier(fields.get("medium"), dialect),
+        )
+    if tag == "AllBlocksCleared":
+        return EngineCacheCleared()
+    if isinstance(tag, str):
+        return None  # an event type from a newer engine: not ours to interpret
+    raise WireDecodeError("an event has no type tag")
+
+
+def _stored(fields: Mapping[str, Any], dialect: WireDialect) -> EngineBlocksStored:
+    hashes = _hashes(fields.get("block_hashes"))
+    block_size = fields.get("block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise WireDecodeError("BlockStored has no valid block_size")
+    tokens = fields.get("token_ids")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in tokens
+    ):
+        raise WireDecodeError("BlockStored token_ids are not token ids")
+    if len(tokens) != len(hashes) * block_size:
+        raise WireDecodeError(
+            f"BlockStored has {len(tokens)} tokens for {len(hashes)} blocks of {block_size}"
+        )
+    parent_raw = fields.get("parent_block_hash")
+    parent = None if parent_raw is None else normalise_hash(parent_raw)
+    lora_name = _optional_str(fields.get("lora_name"), "lora_name")
+    if dialect.salt_field is not None:
+        salt = _optional_str(fields.get(dialect.salt_field), dialect.salt_field)
+    else:
+        salt = _salt_from_extra_keys(fields.get("extra_keys"), lora_name)
+    return EngineBlocksStored(
+        block_hashes=hashes,
+        parent_hash=parent,
+        token_ids=tuple(tokens),
+        block_size=block_size,
+        tier=_tier(fields.get("medium"), dialect),
+        lora_name=lora_name or None,
+        cache_salt=(salt or None) if parent is None else None,
+    )
+
+
+def _salt_from_extra_keys(extra_keys: Any, lora_name: str | None) -> str | None:
+    """vLLM puts a request's extra keys per block: LoRA name, multimodal hashes, then the
+    cache salt, the salt on the chain's first block only."""
+    if extra_keys is None:
+        return None
+    if not isinstance(extra_keys, list):
+        raise WireDecodeError("BlockStored extra_keys is not an array")
+    if not extra_keys or extra_keys[0] is None:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list):
+        raise WireDecodeError("BlockStored extra_keys entries are not arrays")
+    keys = first[1:] if lora_name and first and first[0] == lora_name else first
+    return keys[-1] if keys and isinstance(keys[-1], str) else None
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise WireDecodeError("an event has no block_hashes")
+    return tuple(normalise_hash(item) for item in value)
+
+
+def _tier(medium: Any, dialect: WireDialect) -> Tier:
+    if medium is None:
+        return Tier.DEVICE  # before vLLM 0.10.2 there was only the device
+    if not isinstance(medium, str) or medium not in dialect.mediums:
+        raise WireDecodeError("an event names an unknown medium")
+    return dialect.mediums[medium]
+
+
+def _optional_str(value: Any, name: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise WireDecodeError(f"{name} is not a string")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,0 +1,40 @@
+"""SGLang: the same ZMQ framing as vLLM 0.26+, tagged-map events with signed 64-bit
+hashes and the cache salt as an event field; `sglang:*` metrics."""
+
+from __future__ import annotations
+
+from router.index.base import Tier
+from worker_agent.engines.base import mean, metric_samples, total
+from worker_agent.engines.kv_event_wire import WireDialect, decode_batch
+from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad
+
+SGLANG_DIALECT = WireDialect(
+    stored_fields=(
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "cache_salt", "session_id", "lora_name",
+    ),
+    removed_fields=("block_hashes", "medium"),
+    mediums={
+        "GPU": Tier.DEVICE, "CPU_PINNED": Tier.HOST, "DISK": Tier.DISK, "EXTERNAL": Tier.REMOTE,
+    },
+    salt_field="cache_salt",
+)  # fmt: skip
+
+
+class SglangAdapter:
+    kind = "sglang"
+
+    def decode_batch(self, payload: bytes) -> tuple[float, tuple[EngineEvent, ...]]:
+        return decode_batch(payload, SGLANG_DIALECT)
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        samples = metric_samples(metrics_text)
+        running = total(samples, "sglang:num_running_reqs")
+        waiting = total(samples, "sglang:num_queue_reqs")
+        usage = mean(samples, "sglang:token_usage")
+        if running is None or waiting is None or usage is None:
+            raise ValueError("the engine's metrics lack SGLang's request and token gauges")
+        return EngineLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0))
+
+    def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
+        return None  # SGLang's metrics count tokens, not blocks of a known size

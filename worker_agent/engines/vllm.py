@@ -1,0 +1,51 @@
+"""vLLM: KV events from its ZMQ publisher (every wire form since 0.9), load and cache
+configuration from its Prometheus metrics (current names and the pre-0.12 `gpu_` ones)."""
+
+from __future__ import annotations
+
+from router.index.base import Tier
+from worker_agent.engines.base import mean, metric_samples, total
+from worker_agent.engines.kv_event_wire import WireDialect, decode_batch
+from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad
+
+VLLM_DIALECT = WireDialect(
+    stored_fields=(
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name", "extra_keys", "group_idx",
+    ),
+    removed_fields=("block_hashes", "medium", "group_idx"),
+    mediums={"GPU": Tier.DEVICE, "CPU": Tier.HOST, "STORAGE": Tier.DISK},
+    salt_field=None,
+)  # fmt: skip
+
+
+class VllmAdapter:
+    kind = "vllm"
+
+    def decode_batch(self, payload: bytes) -> tuple[float, tuple[EngineEvent, ...]]:
+        return decode_batch(payload, VLLM_DIALECT)
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        samples = metric_samples(metrics_text)
+        running = total(samples, "vllm:num_requests_running")
+        waiting = total(samples, "vllm:num_requests_waiting")
+        usage = mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+        if running is None or waiting is None or usage is None:
+            raise ValueError("the engine's metrics lack vLLM's request and KV cache gauges")
+        return EngineLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0))
+
+    def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
+        for sample in metric_samples(metrics_text):
+            if sample.name == "vllm:cache_config_info":
+                return EngineCacheConfig(
+                    block_size=_int_label(sample.labels.get("block_size")),
+                    num_blocks=_int_label(sample.labels.get("num_gpu_blocks")),
+                )
+        return None
+
+
+def _int_label(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None  # "None" before the cache is profiled

@@ -1,0 +1,60 @@
+"""What engine adapters produce: the engine's KV cache events and load, engine-neutral.
+
+Hashes are the engine's own, normalised to unsigned 64-bit integers; they are opaque
+here and only used to match removals with earlier stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.index.base import Tier
+
+
+class WireDecodeError(ValueError):
+    """A message that does not decode as the engine's events; nothing of it is used."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBlocksStored:
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None  # None: the chain starts at token 0
+    token_ids: tuple[int, ...]  # len == len(block_hashes) * block_size
+    block_size: int
+    tier: Tier
+    lora_name: str | None
+    cache_salt: str | None  # only for a chain that starts at token 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBlocksRemoved:
+    block_hashes: tuple[int, ...]
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCacheCleared:
+    pass
+
+
+EngineEvent = EngineBlocksStored | EngineBlocksRemoved | EngineCacheCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEventBatch:
+    sequence: int  # the engine publisher's, counting from 0 per engine process
+    timestamp: float  # engine's wall clock, seconds
+    events: tuple[EngineEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    kv_usage: float  # 0.0 to 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCacheConfig:
+    block_size: int | None
+    num_blocks: int | None

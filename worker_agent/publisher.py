@@ -1,0 +1,291 @@
+"""The agent's one gRPC stream to the control plane: incarnations, batches, heartbeats.
+
+- Every life of the worker's picture is an incarnation (a fresh id, larger than any
+  before): at agent start, after the engine restarted or was down, and whenever the
+  agent's state was lost or its outbox overflowed. A new incarnation starts with the
+  translator's whole current picture (its snapshot), so the control plane never holds a
+  partial or stale one: a higher incarnation replaces everything of the lower.
+- Batches go one at a time and wait for their Ack (each takes everything pending, so
+  throughput comes from batch size, and a reconnect has one batch to reconcile).
+- Reconnects back off exponentially with jitter. Re-registering the same incarnation
+  resumes when the control plane's Ack matches what the agent sent; anything else (it
+  restarted, or another router replica took the stream) means a new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from kvplane.config import AgentSettings, ControlPlaneSettings
+from kvplane.v1 import control_plane_pb2 as pb
+from router.control_plane.client import (
+    AgentStream,
+    StreamClosed,
+    drain_message,
+    events_message,
+    load_message,
+    register_message,
+)
+from router.index.base import BlocksRemoved, BlocksStored, KvEvent, WorkerInfo
+from worker_agent.events import EngineLoad
+
+log = logging.getLogger(__name__)
+
+
+class PublisherRejected(Exception):
+    """The control plane refuses this agent's configuration; retrying cannot help."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """What the agent registers, less the incarnation."""
+
+    worker_id: str
+    base_url: str
+    model: str
+    block_size: int
+    kv_capacity_blocks: int
+    engine_kind: str
+    labels: dict[str, str]
+
+
+@dataclass(slots=True)
+class _Batch:
+    sequence: int
+    message: pb.AgentMessage
+
+
+def new_incarnation_id(previous: int = 0) -> int:
+    return max(time.time_ns(), previous + 1)
+
+
+class ControlPlanePublisher:
+    def __init__(
+        self,
+        identity: WorkerIdentity,
+        agent: AgentSettings,
+        control_plane: ControlPlaneSettings,
+        snapshot: Callable[[], list[KvEvent]],
+    ) -> None:
+        self._identity = identity
+        self._agent = agent
+        self._limits = control_plane
+        token = control_plane.agent_token
+        self._token = None if token is None else token.get_secret_value()
+        self._snapshot = snapshot
+        self.incarnation = new_incarnation_id()
+        self._outbox: list[KvEvent] = snapshot()
+        self._outbox_blocks = 0
+        self._in_flight: _Batch | None = None
+        self._acked = 0
+        self._load: EngineLoad | None = None
+        self._engine_down = False
+        self._drain_pending = False
+        self._wakeup = asyncio.Event()
+        self._registered = False
+        self.connected = False
+        self.incarnations_started = 1
+
+    # -- called by the agent core ---------------------------------------------------
+
+    def submit(self, events: Sequence[KvEvent]) -> None:
+        if self._engine_down or not events:
+            return
+        self._outbox.extend(events)
+        self._outbox_blocks += sum(_blocks(event) for event in events)
+        # Bounded: past the limit the pending events are replaced by the snapshot, which
+        # the engine's capacity bounds, under a new incarnation.
+        limit = self._agent.max_unacked_batches * self._limits.max_batch_blocks
+        if self._outbox_blocks > limit:
+            self.start_new_incarnation("the outbox overflowed while disconnected")
+        self._wakeup.set()
+
+    def report_load(self, load: EngineLoad) -> None:
+        self._load = load
+        self._wakeup.set()
+
+    def engine_down(self) -> None:
+        """Stop publishing and tell the control plane to stop routing here; the lease
+        then runs out and the index forgets the worker."""
+        if self._engine_down:
+            return
+        self._engine_down = True
+        self._outbox, self._outbox_blocks, self._load = [], 0, None
+        self._drain_pending = True
+        self._wakeup.set()
+
+    def engine_up(self) -> None:
+        self._engine_down = False
+        self.start_new_incarnation("the engine is back")
+
+    def start_new_incarnation(self, reason: str) -> None:
+        self.incarnation = new_incarnation_id(self.incarnation)
+        self.incarnations_started += 1
+        self._acked = 0
+        self._in_flight = None
+        self._outbox = self._snapshot()
+        self._outbox_blocks = sum(_blocks(event) for event in self._outbox)
+        self._registered = False
+        log.info("new incarnation %d: %s", self.incarnation, reason)
+        self._wakeup.set()
+
+    # -- the stream -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep a stream open until cancelled; PublisherRejected if it cannot work."""
+        delay = self._agent.reconnect_min_s
+        while True:
+            try:
+                async with self._channel() as channel:
+                    await self._serve(AgentStream(channel, token=self._token))
+            except PublisherRejected:
+                raise
+            except Exception as error:  # grpc raises several kinds; the agent must go on
+                log.warning("control plane stream ended (%s); reconnecting", _describe(error))
+            finally:
+                self.connected = False
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self._agent.reconnect_max_s)
+
+    async def _serve(self, stream: AgentStream) -> None:
+        self._registered = False
+        while True:
+            if self._drain_pending and self._registered:
+                await stream.send(drain_message())
+            self._drain_pending = False
+            if self._engine_down:  # nothing to say until it is back, under a new incarnation
+                await self._wait()
+                continue
+            if not self._registered:
+                await self._register(stream)
+                self.connected = True
+            if self._in_flight is None and self._outbox:
+                self._in_flight = self._next_batch()
+            if self._in_flight is not None:
+                await self._send_batch(stream, self._in_flight)
+                continue
+            if self._load is not None:
+                load, self._load = self._load, None
+                await stream.send(load_message(load.running, load.waiting, load.kv_usage))
+            await self._wait()
+
+    async def _wait(self) -> None:
+        await self._wakeup.wait()
+        self._wakeup.clear()
+
+    async def _register(self, stream: AgentStream) -> None:
+        while True:
+            info = WorkerInfo(
+                worker_id=self._identity.worker_id,
+                incarnation=self.incarnation,
+                base_url=self._identity.base_url,
+                model=self._identity.model,
+                block_size=self._identity.block_size,
+                kv_capacity_blocks=self._identity.kv_capacity_blocks,
+                engine_kind=self._identity.engine_kind,
+                labels=self._identity.labels,
+            )
+            reply = await stream.request(register_message(info))
+            kind = reply.WhichOneof("body")
+            if kind == "reject":
+                self._rejected(reply.reject)
+                continue
+            if kind == "resync":
+                self.start_new_incarnation(f"the control plane asked: {reply.resync.reason}")
+                continue
+            applied = reply.ack.sequence
+            in_flight = self._in_flight
+            if applied == self._acked and in_flight is None:
+                break
+            if in_flight is not None and applied in (self._acked, in_flight.sequence):
+                if applied == in_flight.sequence:  # it landed before the stream broke
+                    self._acked, self._in_flight = applied, None
+                break
+            # The control plane does not hold what we sent (it restarted, or another
+            # replica answers now): only a whole new picture is safe.
+            self.start_new_incarnation(
+                f"the control plane had applied {applied}, the agent sent {self._acked}"
+            )
+        self._registered = True
+        log.info(
+            "registered worker %s incarnation %d after sequence %d",
+            self._identity.worker_id,
+            self.incarnation,
+            self._acked,
+        )
+
+    async def _send_batch(self, stream: AgentStream, batch: _Batch) -> None:
+        reply = await stream.request(batch.message)
+        kind = reply.WhichOneof("body")
+        if kind == "ack" and reply.ack.sequence >= batch.sequence:
+            self._acked, self._in_flight = batch.sequence, None
+        elif kind == "resync":
+            self.start_new_incarnation(f"the control plane asked: {reply.resync.reason}")
+        elif kind == "reject":
+            self._rejected(reply.reject)
+        else:
+            self.start_new_incarnation(f"unexpected reply to batch {batch.sequence}")
+
+    def _next_batch(self) -> _Batch:
+        """Everything pending, up to the control plane's batch limits."""
+        max_events, max_blocks = self._limits.max_batch_events, self._limits.max_batch_blocks
+        taken = blocks = 0
+        while taken < len(self._outbox) and taken < max_events:
+            size = _blocks(self._outbox[taken])
+            if taken and blocks + size > max_blocks:
+                break
+            blocks += size
+            taken += 1
+        events, self._outbox = self._outbox[:taken], self._outbox[taken:]
+        self._outbox_blocks -= blocks
+        sequence = self._acked + 1
+        return _Batch(sequence, events_message(sequence, events))
+
+    def _rejected(self, reject: pb.Reject) -> None:
+        code = pb.RejectCode.Name(reject.code)
+        if reject.code in (pb.REJECT_CODE_INCOMPATIBLE, pb.REJECT_CODE_UNAUTHENTICATED):
+            raise PublisherRejected(f"{code}: {reject.reason}")
+        # Anything else ends this stream; a new incarnation on the next is always safe.
+        self.start_new_incarnation(f"rejected ({code}: {reject.reason})")
+        raise StreamClosed(f"rejected: {code}")
+
+    def _channel(self) -> grpc.aio.Channel:
+        options = [
+            ("grpc.max_send_message_length", self._limits.max_message_bytes),
+            ("grpc.max_receive_message_length", self._limits.max_message_bytes),
+            # Notice a vanished control plane within seconds, not TCP's minutes.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+        ]
+        address = self._agent.control_plane_address
+        agent = self._agent
+        if agent.tls_ca_file is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=agent.tls_ca_file.read_bytes(),
+            private_key=None if agent.tls_key_file is None else agent.tls_key_file.read_bytes(),
+            certificate_chain=(
+                None if agent.tls_cert_file is None else agent.tls_cert_file.read_bytes()
+            ),
+        )
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _blocks(event: KvEvent) -> int:
+    if isinstance(event, BlocksStored | BlocksRemoved):
+        return len(event.keys)
+    return 0
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

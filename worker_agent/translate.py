@@ -1,0 +1,246 @@
+"""Translating the engine's block events into kvplane block keys. No I/O.
+
+For each stored engine block the translator computes the kvplane key with the shared
+scheme (`kvplane.keys`), rooted in the namespace the router uses for the same request:
+model, LoRA name, cache scope (the cache salt), router block size. A chain that starts
+after a parent continues from the parent's key. It remembers, per engine hash, what it
+needs to translate later events (removals carry engine hashes only): the block's
+position, tokens, the keys it completes or belongs to, and a reference count per tier
+(an engine may store or remove the same block twice).
+
+The router's block size may be a multiple k of the engine's: a router key then covers k
+engine blocks and is announced only while all k are held on that tier. (If one of them
+is removed and stored again, the key stays withdrawn until its last block is stored
+again: the index may miss a block, which is safe, but never holds one that is gone.)
+
+Never guess: a chain whose parent is unknown (the agent missed its store) cannot be
+keyed and is skipped and counted; a removal of an unknown block is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvplane.keys import KeyNamespace, chain_keys, root_key
+from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
+from worker_agent.events import (
+    EngineBlocksRemoved,
+    EngineBlocksStored,
+    EngineCacheCleared,
+    EngineEvent,
+)
+
+
+class TrackingLimitExceeded(Exception):
+    """More engine blocks than the agent may track: its picture is no longer complete."""
+
+
+@dataclass(slots=True)
+class TranslationCounters:
+    stored_blocks: int = 0  # engine blocks stored
+    orphan_blocks: int = 0  # stored after a parent the agent does not know: skipped
+    unknown_removals: int = 0  # removals of blocks the agent does not hold
+    mismatched_blocks: int = 0  # engine block size that does not divide the router's
+
+
+@dataclass(slots=True, eq=False)
+class _EngineBlock:
+    position: int  # index of the block in its chain, in engine blocks
+    tokens: tuple[int, ...]
+    parent: int | None  # engine hash of the block before, None at the chain's start
+    chain_key: int  # key of the last router block complete at this position (or the root)
+    router_key: int | None  # the router key this block completes, if it ends one
+    refs: dict[Tier, int] = field(default_factory=dict)
+    # Router keys of groups this block is an earlier member of (router block size > 1).
+    member_of: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Announced:
+    parent_key: int | None
+    position: int  # in router blocks
+
+
+class BlockTranslator:
+    def __init__(self, model: str, router_block_size: int, *, max_tracked_blocks: int) -> None:
+        self.model = model
+        self.router_block_size = router_block_size
+        self.max_tracked_blocks = max_tracked_blocks
+        self.counters = TranslationCounters()
+        self._blocks: dict[int, _EngineBlock] = {}
+        self._announced: dict[tuple[Tier, int], _Announced] = {}
+
+    @property
+    def tracked_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def announced_keys(self) -> int:
+        return len(self._announced)
+
+    def translate(self, events: Iterable[EngineEvent]) -> list[KvEvent]:
+        """kvplane events for a batch of engine events, in order.
+
+        Raises TrackingLimitExceeded when the map outgrows its bound; the caller must
+        then forget everything (clear()) and start over under a new incarnation.
+        """
+        out: list[KvEvent] = []
+        for event in events:
+            if isinstance(event, EngineBlocksStored):
+                out.extend(self._store(event))
+            elif isinstance(event, EngineBlocksRemoved):
+                out.extend(self._remove(event))
+            else:
+                assert isinstance(event, EngineCacheCleared)
+                self.clear()
+                out.append(AllBlocksCleared())
+        if len(self._blocks) > self.max_tracked_blocks:
+            raise TrackingLimitExceeded(
+                f"{len(self._blocks)} engine blocks tracked, limit {self.max_tracked_blocks}"
+            )
+        return out
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._announced.clear()
+
+    def snapshot(self) -> list[KvEvent]:
+        """Every announced key, as one-key stored events in chain order (parents first),
+        for a new incarnation that must send the whole picture."""
+        ordered = sorted(self._announced.items(), key=lambda item: item[1].position)
+        return [
+            BlocksStored(
+                keys=[key],
+                tier=tier,
+                first_position=announced.position,
+                parent_key=announced.parent_key,
+            )
+            for (tier, key), announced in ordered
+        ]
+
+    def _store(self, event: EngineBlocksStored) -> list[KvEvent]:
+        engine_size, count = event.block_size, len(event.block_hashes)
+        if self.router_block_size % engine_size:
+            self.counters.mismatched_blocks += count
+            return []
+        group = self.router_block_size // engine_size
+        if event.parent_hash is None:
+            namespace = KeyNamespace(
+                model=self.model,
+                block_size=self.router_block_size,
+                lora=event.lora_name or "",
+                cache_scope=event.cache_salt or "",
+            )
+            parent: _EngineBlock | None = None
+            chain_key, position = root_key(namespace), 0
+        else:
+            parent = self._blocks.get(event.parent_hash)
+            if parent is None:
+                self.counters.orphan_blocks += count
+                return []
+            chain_key, position = parent.chain_key, parent.position + 1
+        self.counters.stored_blocks += count
+
+        runs: list[KvEvent] = []
+        run: list[int] = []
+        run_start = run_parent = 0
+        parent_hash = event.parent_hash
+        for index, block_hash in enumerate(event.block_hashes):
+            block = self._blocks.get(block_hash)
+            if block is None:
+                tokens = event.token_ids[index * engine_size : (index + 1) * engine_size]
+                block = self._new_block(parent_hash, position, tokens, chain_key, group)
+                self._blocks[block_hash] = block
+            newly_held = block.refs.get(event.tier, 0) == 0
+            block.refs[event.tier] = block.refs.get(event.tier, 0) + 1
+            key = block.router_key
+            if newly_held and key is not None and self._group_held(block, group, event.tier):
+                router_position = position // group
+                parent_key = chain_key if router_position else None
+                self._announced[(event.tier, key)] = _Announced(parent_key, router_position)
+                if run and run[-1] == parent_key:  # the key right after the run's last
+                    run.append(key)
+                else:
+                    if run:
+                        runs.append(_stored(run, event.tier, run_start, run_parent))
+                    run, run_start, run_parent = [key], router_position, parent_key or 0
+            chain_key = block.chain_key
+            parent_hash, position = block_hash, position + 1
+        if run:
+            runs.append(_stored(run, event.tier, run_start, run_parent))
+        return runs
+
+    def _new_block(
+        self,
+        parent_hash: int | None,
+        position: int,
+        tokens: Sequence[int],
+        chain_key: int,
+        group: int,
+    ) -> _EngineBlock:
+        block = _EngineBlock(
+            position=position,
+            tokens=tuple(tokens),
+            parent=parent_hash,
+            chain_key=chain_key,
+            router_key=None,
+        )
+        if position % group == group - 1:
+            members = self._earlier_members(parent_hash, group - 1)
+            if len(members) == group - 1:
+                group_tokens: list[int] = []
+                for member in reversed(members):
+                    group_tokens.extend(member.tokens)
+                group_tokens.extend(tokens)
+                (key,) = chain_keys(chain_key, group_tokens, self.router_block_size)
+                block.router_key = block.chain_key = key
+                for member in members:
+                    member.member_of.add(key)
+        return block
+
+    def _earlier_members(self, parent_hash: int | None, count: int) -> list[_EngineBlock]:
+        """The `count` engine blocks before a group's last one, nearest first."""
+        members: list[_EngineBlock] = []
+        while len(members) < count and parent_hash is not None:
+            member = self._blocks.get(parent_hash)
+            if member is None:
+                break
+            members.append(member)
+            parent_hash = member.parent
+        return members
+
+    def _group_held(self, last: _EngineBlock, group: int, tier: Tier) -> bool:
+        members = self._earlier_members(last.parent, group - 1)
+        return len(members) == group - 1 and all(m.refs.get(tier, 0) for m in members)
+
+    def _remove(self, event: EngineBlocksRemoved) -> list[KvEvent]:
+        withdrawn: list[int] = []
+        for block_hash in event.block_hashes:
+            block = self._blocks.get(block_hash)
+            held = 0 if block is None else block.refs.get(event.tier, 0)
+            if block is None or not held:
+                self.counters.unknown_removals += 1
+                continue
+            if held > 1:
+                block.refs[event.tier] = held - 1
+                continue
+            del block.refs[event.tier]
+            keys = set(block.member_of)
+            if block.router_key is not None:
+                keys.add(block.router_key)
+            for key in keys:
+                if self._announced.pop((event.tier, key), None) is not None:
+                    withdrawn.append(key)
+            if not block.refs:
+                del self._blocks[block_hash]
+        return [BlocksRemoved(keys=withdrawn, tier=event.tier)] if withdrawn else []
+
+
+def _stored(keys: list[int], tier: Tier, first_position: int, parent_key: int) -> BlocksStored:
+    return BlocksStored(
+        keys=keys,
+        tier=tier,
+        first_position=first_position,
+        parent_key=parent_key if first_position else None,
+    )

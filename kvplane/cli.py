@@ -88,11 +88,12 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    from worker_agent.agent import WorkerAgent
+    from worker_agent.agent import WorkerAgent, tune_garbage_collector
     from worker_agent.publisher import PublisherRejected
 
     settings = _settings_from(args)
     configure_logging(settings.logging)
+    tune_garbage_collector()
     try:
         asyncio.run(WorkerAgent(settings).run())
     except PublisherRejected as error:
@@ -122,6 +123,14 @@ def _run_bench_index(args: argparse.Namespace) -> int:
         workers=args.workers,
         lookups=args.lookups,
         redis_entries=args.redis_entries,
+    )
+
+
+def _run_bench_agent(args: argparse.Namespace) -> int:
+    from benchmarks.agent import run_agent_benchmark
+
+    return run_agent_benchmark(
+        json_path=args.json, events=args.events, blocks_per_event=args.blocks_per_event
     )
 
 
@@ -190,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--concurrency", type=int, default=64)
     sim.add_argument("--max-tokens", type=int, default=4)
     sim.set_defaults(handler=_run_bench_engine_sim)
+    agent_bench = bench_kinds.add_parser("agent", help="agent translate-and-forward throughput")
+    agent_bench.add_argument("--json", type=Path, help="also write the figures here")
+    agent_bench.add_argument("--events", type=int, default=4000, help="event batches to send")
+    agent_bench.add_argument("--blocks-per-event", type=int, default=64, help="blocks per batch")
+    agent_bench.set_defaults(handler=_run_bench_agent)
     return parser
 
 

@@ -71,6 +71,13 @@ async def serving_http(
             await task
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago, for a server that must be told its port."""
+    with contextlib.closing(socket.create_server((host, 0))) as probe:
+        port: int = probe.getsockname()[1]
+        return port
+
+
 async def cancel_task(task: asyncio.Task[None]) -> None:
     """Cancel a background task and wait until it has finished."""
     task.cancel()

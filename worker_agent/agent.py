@@ -10,6 +10,7 @@ incarnation, so the control plane never keeps what the engine no longer holds.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import httpx
@@ -25,6 +26,13 @@ from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
+
+
+def tune_garbage_collector() -> None:
+    """For the agent's process: it keeps one object per engine block it tracks (millions
+    on a large engine), and CPython's default thresholds (a young collection every 700
+    allocations) cost it a third of its ingest rate. Collections stay on, rarer."""
+    gc.set_threshold(100_000, 50, 100)
 
 
 class WorkerAgent:

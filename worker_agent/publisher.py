@@ -91,7 +91,8 @@ class ControlPlanePublisher:
         self._drain_pending = False
         self._wakeup = asyncio.Event()
         self._registered = False
-        self.connected = False
+        self._connected = asyncio.Event()
+        self._flushed = asyncio.Event()
         self.incarnations_started = 1
 
     # -- called by the agent core ---------------------------------------------------
@@ -137,6 +138,16 @@ class ControlPlanePublisher:
         log.info("new incarnation %d: %s", self.incarnation, reason)
         self._wakeup.set()
 
+    async def wait_connected(self) -> None:
+        """Until a stream is registered."""
+        await self._connected.wait()
+
+    async def wait_flushed(self) -> None:
+        """Until everything submitted so far is acknowledged."""
+        while self._outbox or self._in_flight is not None:
+            self._flushed.clear()
+            await self._flushed.wait()
+
     # -- the stream -----------------------------------------------------------------
 
     async def run(self) -> None:
@@ -151,7 +162,7 @@ class ControlPlanePublisher:
             except Exception as error:  # grpc raises several kinds; the agent must go on
                 log.warning("control plane stream ended (%s); reconnecting", _describe(error))
             finally:
-                self.connected = False
+                self._connected.clear()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, self._agent.reconnect_max_s)
 
@@ -166,7 +177,7 @@ class ControlPlanePublisher:
                 continue
             if not self._registered:
                 await self._register(stream)
-                self.connected = True
+                self._connected.set()
             if self._in_flight is None and self._outbox:
                 self._in_flight = self._next_batch()
             if self._in_flight is not None:
@@ -227,6 +238,8 @@ class ControlPlanePublisher:
         kind = reply.WhichOneof("body")
         if kind == "ack" and reply.ack.sequence >= batch.sequence:
             self._acked, self._in_flight = batch.sequence, None
+            if not self._outbox:
+                self._flushed.set()
         elif kind == "resync":
             self.start_new_incarnation(f"the control plane asked: {reply.resync.reason}")
         elif kind == "reject":

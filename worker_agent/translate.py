@@ -20,7 +20,8 @@ keyed and is skipped and counted; a removal of an unknown block is counted.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvplane.keys import KeyNamespace, chain_keys, root_key
 from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
@@ -30,6 +31,9 @@ from worker_agent.events import (
     EngineCacheCleared,
     EngineEvent,
 )
+
+_REF_BITS = 16
+_REF_MASK = (1 << _REF_BITS) - 1
 
 
 class TrackingLimitExceeded(Exception):
@@ -44,20 +48,31 @@ class TranslationCounters:
     mismatched_blocks: int = 0  # engine block size that does not divide the router's
 
 
-@dataclass(slots=True, eq=False)
 class _EngineBlock:
-    position: int  # index of the block in its chain, in engine blocks
-    tokens: tuple[int, ...]
-    parent: int | None  # engine hash of the block before, None at the chain's start
-    chain_key: int  # key of the last router block complete at this position (or the root)
-    router_key: int | None  # the router key this block completes, if it ends one
-    refs: dict[Tier, int] = field(default_factory=dict)
-    # Router keys of groups this block is an earlier member of (router block size > 1).
-    member_of: set[int] = field(default_factory=set)
+    # A plain slotted class: one is built per stored block, on ingest's hot path.
+    __slots__ = ("chain_key", "member_of", "parent", "position", "refs", "router_key", "tokens")
+
+    def __init__(
+        self,
+        position: int,
+        tokens: Sequence[int],
+        parent: int | None,
+        chain_key: int,
+        router_key: int | None,
+    ) -> None:
+        self.position = position  # index of the block in its chain, in engine blocks
+        self.tokens = tokens  # kept only while it may complete a router block (size > 1)
+        self.parent = parent  # engine hash of the block before; None at the chain's start
+        self.chain_key = chain_key  # key of the last router block complete here (or root)
+        self.router_key = router_key  # the router key this block completes, if any
+        # Reference counts per tier, 16 bits each, packed in one int: a dict per block
+        # would double the objects the garbage collector walks on the ingest path.
+        self.refs = 0
+        # Router keys of groups this block is an earlier member of (router block size > 1).
+        self.member_of: set[int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Announced:
+class _Announced(NamedTuple):
     parent_key: int | None
     position: int  # in router blocks
 
@@ -142,6 +157,8 @@ class BlockTranslator:
             chain_key, position = parent.chain_key, parent.position + 1
         self.counters.stored_blocks += count
 
+        # One engine block per router block (the usual case): key the whole run at once.
+        run_keys = chain_keys(chain_key, event.token_ids, engine_size) if group == 1 else None
         runs: list[KvEvent] = []
         run: list[int] = []
         run_start = run_parent = 0
@@ -149,13 +166,24 @@ class BlockTranslator:
         for index, block_hash in enumerate(event.block_hashes):
             block = self._blocks.get(block_hash)
             if block is None:
-                tokens = event.token_ids[index * engine_size : (index + 1) * engine_size]
-                block = self._new_block(parent_hash, position, tokens, chain_key, group)
+                if run_keys is not None:
+                    block = _EngineBlock(
+                        position, (), parent_hash, run_keys[index], run_keys[index]
+                    )
+                else:
+                    tokens = event.token_ids[index * engine_size : (index + 1) * engine_size]
+                    block = self._new_block(parent_hash, position, tokens, chain_key, group)
                 self._blocks[block_hash] = block
-            newly_held = block.refs.get(event.tier, 0) == 0
-            block.refs[event.tier] = block.refs.get(event.tier, 0) + 1
+            shift = _REF_BITS * event.tier
+            held = (block.refs >> shift) & _REF_MASK
+            if held < _REF_MASK:
+                block.refs += 1 << shift
             key = block.router_key
-            if newly_held and key is not None and self._group_held(block, group, event.tier):
+            if (
+                not held
+                and key is not None
+                and (group == 1 or self._group_held(block, group, event.tier))
+            ):
                 router_position = position // group
                 parent_key = chain_key if router_position else None
                 self._announced[(event.tier, key)] = _Announced(parent_key, router_position)
@@ -196,6 +224,8 @@ class BlockTranslator:
                 (key,) = chain_keys(chain_key, group_tokens, self.router_block_size)
                 block.router_key = block.chain_key = key
                 for member in members:
+                    if member.member_of is None:
+                        member.member_of = set()
                     member.member_of.add(key)
         return block
 
@@ -212,21 +242,23 @@ class BlockTranslator:
 
     def _group_held(self, last: _EngineBlock, group: int, tier: Tier) -> bool:
         members = self._earlier_members(last.parent, group - 1)
-        return len(members) == group - 1 and all(m.refs.get(tier, 0) for m in members)
+        shift = _REF_BITS * tier
+        return len(members) == group - 1 and all((m.refs >> shift) & _REF_MASK for m in members)
 
     def _remove(self, event: EngineBlocksRemoved) -> list[KvEvent]:
         withdrawn: list[int] = []
         for block_hash in event.block_hashes:
             block = self._blocks.get(block_hash)
-            held = 0 if block is None else block.refs.get(event.tier, 0)
+            shift = _REF_BITS * event.tier
+            held = 0 if block is None else (block.refs >> shift) & _REF_MASK
             if block is None or not held:
                 self.counters.unknown_removals += 1
                 continue
             if held > 1:
-                block.refs[event.tier] = held - 1
+                block.refs -= 1 << shift
                 continue
-            del block.refs[event.tier]
-            keys = set(block.member_of)
+            block.refs -= 1 << shift
+            keys = set(block.member_of or ())
             if block.router_key is not None:
                 keys.add(block.router_key)
             for key in keys:

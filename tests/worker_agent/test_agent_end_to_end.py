@@ -25,13 +25,12 @@ from kvplane.config import (
     Settings,
 )
 from kvplane.keys import KeyNamespace, block_keys
-from kvplane.serving import cancel_task
+from kvplane.serving import cancel_task, free_port
 from kvplane.tokenizer import load_tokenizer
 from router.app import RunningRouter, running_router
 from simulations.engine.app import RunningEngineSim
 from simulations.engine.block_hash import BlockHasher
 from simulations.engine.config import KVEventsConfig
-from simulations.engine.process import free_port
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent

@@ -1,0 +1,126 @@
+"""`kvplane bench agent`: how many stored blocks per second one agent decodes, translates
+and forwards to a control plane, acknowledged.
+
+The control plane (`kvplane router`, in-memory index) runs as its own process, as in a
+fleet. The agent's pipeline (the vLLM adapter's decoder, the block translator and the
+control-plane publisher over real gRPC) runs here, fed with vLLM 0.32 event batches
+encoded beforehand: each batch is what one engine step announces, one BlockStored of
+`blocks_per_event` blocks of 16 tokens, and half the chains continue an earlier one. The
+clock stops when the control plane has acknowledged the last batch.
+
+A second figure leaves the network out: decode and translate only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvplane.config import AgentSettings, ControlPlaneSettings
+from kvplane.processes import spawn_kvplane
+from kvplane.serving import cancel_task, free_port
+from simulations.engine.block_pool import BlocksStored as EngineStored
+from simulations.engine.kv_events import EventEncoder, WireFormat
+from worker_agent.agent import tune_garbage_collector
+from worker_agent.engines.vllm import VllmAdapter
+from worker_agent.publisher import ControlPlanePublisher, WorkerIdentity
+from worker_agent.translate import BlockTranslator
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class AgentFigures:
+    stored_blocks: int
+    blocks_per_event: int
+    stored_blocks_per_s: float
+    translate_only_blocks_per_s: float
+
+
+def engine_batches(events: int, blocks_per_event: int, seed: int) -> list[bytes]:
+    """Encoded KV event batches of fresh blocks, as an engine would publish them."""
+    generator = random.Random(seed)
+    encoder = EventEncoder(WireFormat.VLLM_0_32)
+    chain_ends: list[bytes] = []
+    payloads = []
+    for _ in range(events):
+        parent = generator.choice(chain_ends) if chain_ends and generator.random() < 0.5 else None
+        digests = tuple(generator.randbytes(32) for _ in range(blocks_per_event))
+        tokens = tuple(generator.randrange(50_000) for _ in range(blocks_per_event * BLOCK_SIZE))
+        stored = EngineStored(digests, parent, tokens, BLOCK_SIZE, None, (None,) * len(digests))
+        payloads.append(encoder.encode_batch(time.time(), [stored]))
+        chain_ends.append(digests[-1])
+    return payloads
+
+
+def _translate_only(payloads: list[bytes]) -> float:
+    adapter, translator = VllmAdapter(), _translator()
+    start = time.perf_counter()
+    for payload in payloads:
+        translator.translate(adapter.decode_batch(payload)[1])
+    return time.perf_counter() - start
+
+
+async def _forward(payloads: list[bytes], grpc_port: int) -> float:
+    adapter, translator = VllmAdapter(), _translator()
+    control_plane = ControlPlaneSettings(block_size=BLOCK_SIZE)
+    publisher = ControlPlanePublisher(
+        WorkerIdentity("bench-worker", "http://127.0.0.1:1", "bench", BLOCK_SIZE, 0, "vllm", {}),
+        AgentSettings(control_plane_address=f"127.0.0.1:{grpc_port}"),
+        control_plane,
+        snapshot=translator.snapshot,
+    )
+    task = asyncio.create_task(publisher.run())
+    try:
+        await publisher.wait_connected()
+        start = time.perf_counter()
+        for index, payload in enumerate(payloads):
+            publisher.submit(translator.translate(adapter.decode_batch(payload)[1]))
+            if index % 16 == 15:
+                await asyncio.sleep(0)  # the ZMQ loop yields between messages too
+        await publisher.wait_flushed()
+        return time.perf_counter() - start
+    finally:
+        await cancel_task(task)
+
+
+def _translator() -> BlockTranslator:
+    return BlockTranslator("bench", BLOCK_SIZE, max_tracked_blocks=50_000_000)
+
+
+def run_agent_benchmark(
+    *, json_path: Path | None, events: int, blocks_per_event: int, seed: int = 1
+) -> int:
+    tune_garbage_collector()  # as `kvplane agent` does for its process
+    payloads = engine_batches(events, blocks_per_event, seed)
+    blocks = events * blocks_per_event
+    translate_s = _translate_only(payloads)
+    grpc_port, http_port = free_port(), free_port()
+    args = ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+    with spawn_kvplane([*args, "--log-level", "WARNING"], f"http://127.0.0.1:{http_port}/healthz"):
+        forward_s = asyncio.run(_forward(payloads, grpc_port))
+    figures = AgentFigures(
+        stored_blocks=blocks,
+        blocks_per_event=blocks_per_event,
+        stored_blocks_per_s=round(blocks / forward_s),
+        translate_only_blocks_per_s=round(blocks / translate_s),
+    )
+    print(
+        f"agent: {blocks:,} stored blocks ({blocks_per_event} per event): "
+        f"{figures.stored_blocks_per_s:,.0f} blocks/s decoded, translated, forwarded and "
+        f"acknowledged; {figures.translate_only_blocks_per_s:,.0f} blocks/s decode and "
+        "translate only"
+    )
+    if json_path is not None:
+        report = {
+            "machine": {"python": platform.python_version(), "platform": platform.platform()},
+            **asdict(figures),
+        }
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0

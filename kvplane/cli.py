@@ -6,32 +6,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvplane.config import Settings, load_settings
+from kvplane.config import AgentSettings, Settings, load_settings
 from kvplane.logsetup import configure_logging
 from simulations.engine.config import add_engine_sim_flags
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="TOML configuration file")
-    parser.add_argument("--index", choices=["memory", "redis", "redis-cluster"])
-    parser.add_argument("--redis-url")
-    parser.add_argument("--grpc-port", type=int)
-    parser.add_argument("--http-port", type=int)
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument("--lease-s", type=float)
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, help="TOML configuration file (flags and KVPLANE_* win)"
+    )
+    parser.add_argument("--block-size", type=int, help="tokens per kvplane block key (default 16)")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", choices=["text", "json"])
 
 
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    _add_common_flags(parser)
+    parser.add_argument(
+        "--index", choices=["memory", "redis", "redis-cluster"], help="location index backend"
+    )
+    parser.add_argument("--redis-url", help="Redis URL for the redis backends")
+    parser.add_argument("--grpc-port", type=int, help="control-plane gRPC port (default 50051)")
+    parser.add_argument("--http-port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument("--lease-s", type=float, help="worker lease in seconds (default 5)")
+
+
 _AGENT_FLAGS = {
     "worker_id": "stable name of this worker (engine replica)",
-    "engine": "engine kind: vllm or sglang",
+    "engine": "which engine's wire forms and metrics to expect (default vllm)",
     "engine_url": "the engine's HTTP base URL (health, metrics, models)",
     "model": "model name to key blocks with (default: the engine's first model)",
     "kv_events_endpoint": "the engine's ZMQ PUB endpoint for KV events",
@@ -44,8 +53,13 @@ _AGENT_FLAGS = {
 
 def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
     for name, help_text in _AGENT_FLAGS.items():
-        kind = float if name.endswith("_s") else str
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+        flag = "--" + name.replace("_", "-")
+        if name == "engine":
+            engines = typing.get_args(AgentSettings.model_fields["engine"].annotation)
+            parser.add_argument(flag, choices=engines, help=help_text)
+        else:
+            kind = float if name.endswith("_s") else str
+            parser.add_argument(flag, type=kind, help=help_text)
 
 
 _FLAG_TO_SETTING = {
@@ -164,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of the --config file or KVPLANE_AGENT__<FIELD>; the router's block size and agent "
         "token (control_plane.block_size, control_plane.agent_token) apply here too.",
     )
-    _add_settings_flags(agent)
+    _add_common_flags(agent)
     _add_agent_flags(agent)
     agent.set_defaults(handler=_run_agent)
 

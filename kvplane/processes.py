@@ -3,10 +3,11 @@ can kill or that must not share the caller's CPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import httpx
@@ -14,14 +15,20 @@ import httpx
 
 @contextmanager
 def spawn_kvplane(
-    args: Sequence[str], health_url: str, *, start_timeout_s: float = 60.0
+    args: Sequence[str],
+    health_url: str | None,
+    *,
+    env: Mapping[str, str] | None = None,
+    start_timeout_s: float = 60.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `kvplane ARGS...` until the block exits (then kill it); returns once
-    `health_url` answers 200. Its log goes to this process's stderr."""
-    process = subprocess.Popen([sys.executable, "-m", "kvplane.cli", *args])
+    """Run `kvplane ARGS...` (with `env` added to the environment) until the block exits,
+    then kill it; returns once `health_url` answers 200 (at once if None). Its log goes
+    to this process's stderr."""
+    command = [sys.executable, "-m", "kvplane.cli", *args]
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + start_timeout_s
-        while not _answers(health_url):
+        while health_url is not None and not _answers(health_url):
             if process.poll() is not None:
                 raise RuntimeError(f"kvplane {args[0]} exited with status {process.returncode}")
             if time.monotonic() > deadline:

@@ -20,18 +20,13 @@ from pathlib import Path
 
 import redis
 
+from kvplane.serving import free_port
+
 INSTALL_HINT = (
     "Redis is needed for these tests: set KVPLANE_TEST_REDIS_URL, run a server on "
     "127.0.0.1:6379, or install redis-server and redis-cli (Debian/Ubuntu: "
     "`apt-get install -y redis-server`)."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _bindable(port: int) -> bool:

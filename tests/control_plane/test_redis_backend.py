@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvplane.config import IndexSettings
+from kvplane.serving import free_port
 from kvplane.v1 import control_plane_pb2 as pb
 from router.app import running_router
 from router.control_plane.client import AgentStream, events_message, register_message
@@ -25,7 +26,6 @@ from tests.control_plane.conftest import (
     stored,
     worker,
 )
-from tests.redis_servers import free_port
 from tests.waiting import wait_until
 
 KEYS_A = prompt_keys(1)

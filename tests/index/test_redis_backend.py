@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from kvplane.serving import free_port
 from router.index.base import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -35,7 +36,6 @@ from router.index.base import (
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import REGISTRY_MAX_AGE_S, ROUND_TRIP_TIMEOUT_S, RedisLocationIndex
 from tests.index.conftest import delete_prefix
-from tests.redis_servers import free_port
 
 LEASE = 30.0
 UNKNOWN_PARENT = b"unknown-parent"  # entries.lua's placeholder for runs without a parent

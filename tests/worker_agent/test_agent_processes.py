@@ -1,0 +1,101 @@
+"""The three commands as real processes, as an operator runs them: `kvplane engine-sim`,
+`kvplane router --index redis` and `kvplane agent`; the test reads the shared Redis index."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from kvplane.keys import KeyNamespace, block_keys
+from kvplane.processes import spawn_kvplane
+from kvplane.serving import free_port
+from kvplane.tokenizer import load_tokenizer
+from router.index.redis import RedisLocationIndex
+from tests.waiting import wait_until
+
+PROMPT = "Write a Python function that returns the longest common prefix of two lists. " * 3
+
+
+def test_agent_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvplane.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["agent", "--help"])
+    text = capsys.readouterr().out
+    flags = [line.split()[0] for line in text.splitlines() if line.strip().startswith("--")]
+    assert "--kv-events-replay-endpoint" in flags
+    assert "--control-plane-address" in flags
+    for flag in flags:
+        block = text[text.index(flag) :].split("\n  --", 1)[0]
+        assert len(block.split()) > 2, f"{flag} has no help text"
+
+
+@pytest.fixture
+def processes(redis_url: str) -> Iterator[tuple[str, str]]:
+    """(engine URL, Redis key prefix) of a running simulator, router and agent."""
+    prefix = f"proc{uuid.uuid4().hex[:8]}"
+    sim_port, grpc_port, http_port = free_port(), free_port(), free_port()
+    events, replay = free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{sim_port}"
+    kv_config = (
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
+        f'"replay_endpoint": "tcp://*:{replay}"}}'
+    )
+    with ExitStack() as stack:
+        stack.enter_context(
+            spawn_kvplane(
+                ["engine-sim", "--port", str(sim_port), "--time-scale", "0",
+                 "--kv-events-config", kv_config],
+                engine_url + "/health",
+            )
+        )  # fmt: skip
+        router_env = ["--index", "redis", "--redis-url", redis_url, "--lease-s", "2"]
+        stack.enter_context(
+            spawn_kvplane(
+                ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                 *router_env],
+                f"http://127.0.0.1:{http_port}/healthz",
+                env={"KVPLANE_INDEX__REDIS_PREFIX": prefix},
+            )
+        )  # fmt: skip
+        stack.enter_context(
+            spawn_kvplane(
+                ["agent", "--worker-id", "proc-worker", "--engine-url", engine_url,
+                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+                 "--control-plane-address", f"127.0.0.1:{grpc_port}"],
+                None,
+            )
+        )  # fmt: skip
+        yield engine_url, prefix
+
+
+async def test_a_prompt_served_by_the_engine_is_in_the_shared_index(
+    processes: tuple[str, str], redis_url: str
+) -> None:
+    engine_url, prefix = processes
+    index = RedisLocationIndex.from_url(redis_url, prefix=prefix)
+    keys = block_keys(load_tokenizer().completion_tokens(PROMPT), KeyNamespace("kvplane-tiny", 16))
+
+    async def indexed_blocks() -> int:
+        match = (await index.lookup(keys)).get("proc-worker")
+        return 0 if match is None else match.blocks
+
+    async def indexed() -> bool:
+        return await indexed_blocks() > 0
+
+    try:
+        async with httpx.AsyncClient() as client:
+            response = await client.post(
+                engine_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}
+            )
+            assert response.status_code == 200
+        await wait_until("the agent's blocks reach Redis", indexed, 20)
+        # Every full block of the prompt but the one with its last token is cached.
+        assert await indexed_blocks() == len(keys)
+    finally:
+        await index.close()

@@ -142,14 +142,15 @@ class WorkerAgent:
                 self.engine_is_down = True
                 translator.clear()
                 source.engine_went_down()
-                publisher.engine_down()
             elif healthy and self.engine_is_down:
                 log.info("the engine at %s is back", agent.engine_url)
                 self.engine_is_down = False
                 # The translator was cleared when the engine went down; what it holds now
                 # came from the engine's new life, and goes into the new incarnation.
                 publisher.engine_up()
-            if metrics is not None and not self.engine_is_down:
+            if self.engine_is_down:
+                publisher.report_engine_down()
+            elif metrics is not None:
                 try:
                     publisher.report_load(self.adapter.parse_load(metrics.text))
                 except ValueError as error:

@@ -29,7 +29,6 @@ from kvplane.v1 import control_plane_pb2 as pb
 from router.control_plane.client import (
     AgentStream,
     StreamClosed,
-    drain_message,
     events_message,
     load_message,
     register_message,
@@ -88,7 +87,7 @@ class ControlPlanePublisher:
         self._acked = 0
         self._load: EngineLoad | None = None
         self._engine_down = False
-        self._drain_pending = False
+        self._down_report_pending = False
         self._wakeup = asyncio.Event()
         self._registered = False
         self._connected = asyncio.Event()
@@ -113,14 +112,13 @@ class ControlPlanePublisher:
         self._load = load
         self._wakeup.set()
 
-    def engine_down(self) -> None:
-        """Stop publishing and tell the control plane to stop routing here; the lease
-        then runs out and the index forgets the worker."""
-        if self._engine_down:
-            return
+    def report_engine_down(self) -> None:
+        """The engine is not answering: publish nothing and say so in a Load (called once
+        per health probe while it lasts). The control plane stops routing here and lets
+        the lease, and with it the worker's entries, run out."""
         self._engine_down = True
         self._outbox, self._outbox_blocks, self._load = [], 0, None
-        self._drain_pending = True
+        self._down_report_pending = True
         self._wakeup.set()
 
     def engine_up(self) -> None:
@@ -169,10 +167,10 @@ class ControlPlanePublisher:
     async def _serve(self, stream: AgentStream) -> None:
         self._registered = False
         while True:
-            if self._drain_pending and self._registered:
-                await stream.send(drain_message())
-            self._drain_pending = False
-            if self._engine_down:  # nothing to say until it is back, under a new incarnation
+            if self._down_report_pending and self._registered:
+                await stream.send(load_message(0, 0, 0.0, engine_down=True))
+            self._down_report_pending = False
+            if self._engine_down:  # nothing else until it is back, under a new incarnation
                 await self._wait()
                 continue
             if not self._registered:

@@ -135,16 +135,18 @@ class KvEvents(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms")
+    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms", "engine_down")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     timestamp_ms: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+    engine_down: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ..., engine_down: _Optional[bool] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ()

@@ -113,13 +113,16 @@ def events_message(sequence: int, events: Iterable[KvEvent]) -> pb.AgentMessage:
     )
 
 
-def load_message(running: int, waiting: int, kv_usage: float) -> pb.AgentMessage:
+def load_message(
+    running: int, waiting: int, kv_usage: float, *, engine_down: bool = False
+) -> pb.AgentMessage:
     return pb.AgentMessage(
         load=pb.Load(
             running=running,
             waiting=waiting,
             kv_usage=kv_usage,
             timestamp_ms=time.time_ns() // 1_000_000,
+            engine_down=engine_down,
         )
     )
 

@@ -304,9 +304,17 @@ class _Stream:
         report = parse_load(message)
         if isinstance(report, Rejection):
             return report
-        failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
-        if failed is not None:
-            return failed
+        if report.engine_down:
+            # Stop routing there at once, but let the lease (and the entries) run out.
+            if record.state is not WorkerState.DRAINING:
+                failed = await self._renew(record, draining=True)
+                if failed is not None:
+                    return failed
+                log.info("worker %s reports its engine down", record.info.worker_id)
+        else:
+            failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
+            if failed is not None:
+                return failed
         self.view.load(record.info.worker_id, record.incarnation, report, time.monotonic())
         if report.timestamp_ms:
             lag = time.time() - report.timestamp_ms / 1000

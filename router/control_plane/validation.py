@@ -69,6 +69,7 @@ class LoadReport:
     waiting: int
     kv_usage: float
     timestamp_ms: int  # the agent's wall clock; 0 when it sent none
+    engine_down: bool = False
 
 
 class SequenceVerdict(enum.Enum):
@@ -231,6 +232,7 @@ def parse_load(message: pb.Load) -> LoadReport | Rejection:
         waiting=message.waiting,
         kv_usage=message.kv_usage,
         timestamp_ms=message.timestamp_ms,
+        engine_down=message.engine_down,
     )
 
 

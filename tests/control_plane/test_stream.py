@@ -419,6 +419,29 @@ async def test_disconnected_worker_keeps_entries_until_its_lease_ends() -> None:
         assert (await again.request(register_message(worker("w1", 2)))).ack.sequence == 0
 
 
+async def test_an_engine_down_load_drains_and_lets_the_lease_run_out() -> None:
+    async with router_with_channel(make_settings(lease_s=1.5)) as (router, channel):
+        stream = await registered(channel)
+        await stream.request(events_message(1, [stored(KEYS_A)]))
+        await stream.send(load_message(0, 0, 0.0, engine_down=True))
+        assert (await stream.request(register_message(worker()))).ack.sequence == 1
+
+        [status] = await router.index.workers()
+        assert status.state is WorkerState.DRAINING
+        record = router.workers.get("w1")
+        assert record is not None
+        assert record.last_load is not None
+        assert record.last_load.engine_down
+
+        async def purged() -> bool:
+            # More engine-down reports keep coming, and renew nothing.
+            await stream.send(load_message(0, 0, 0.0, engine_down=True))
+            return await router.index.workers() == []
+
+        await wait_until("the engine-down worker's lease to run out", purged)
+        assert await router.index.lookup(KEYS_A) == {}
+
+
 async def test_kv_events_keep_the_lease_alive() -> None:
     async with router_with_channel(make_settings(lease_s=0.5)) as (router, channel):
         stream = await registered(channel)

@@ -24,12 +24,14 @@ class EngineBlocksStored:
     tier: Tier
     lora_name: str | None
     cache_salt: str | None  # only for a chain that starts at token 0
+    group_idx: int = 0  # vLLM's KV cache group (hybrid models have several)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineBlocksRemoved:
     block_hashes: tuple[int, ...]
     tier: Tier
+    group_idx: int = 0
 
 
 @dataclass(frozen=True, slots=True)

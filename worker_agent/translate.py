@@ -46,6 +46,7 @@ class TranslationCounters:
     orphan_blocks: int = 0  # stored after a parent the agent does not know: skipped
     unknown_removals: int = 0  # removals of blocks the agent does not hold
     mismatched_blocks: int = 0  # engine block size that does not divide the router's
+    other_group_blocks: int = 0  # events of KV cache groups other than the first: ignored
 
 
 class _EngineBlock:
@@ -102,6 +103,13 @@ class BlockTranslator:
         """
         out: list[KvEvent] = []
         for event in events:
+            if not isinstance(event, EngineCacheCleared) and event.group_idx != 0:
+                # Hybrid models keep several groups (sliding-window layers, ...) that store
+                # and evict the same hashes on their own schedules. A prefix is reusable
+                # while the first (full-attention) group holds it; counting the others'
+                # references too would keep keys the first group evicted.
+                self.counters.other_group_blocks += len(event.block_hashes)
+                continue
             if isinstance(event, EngineBlocksStored):
                 out.extend(self._store(event))
             elif isinstance(event, EngineBlocksRemoved):
@@ -121,17 +129,22 @@ class BlockTranslator:
         self._announced.clear()
 
     def snapshot(self) -> list[KvEvent]:
-        """Every announced key, as one-key stored events in chain order (parents first),
-        for a new incarnation that must send the whole picture."""
+        """Every announced key, for a new incarnation that must send the whole picture:
+        chained runs, parents before children."""
+        runs: list[tuple[Tier, int, int | None, list[int]]] = []
+        open_runs: dict[tuple[Tier, int], list[int]] = {}  # (tier, last key) -> run keys
         ordered = sorted(self._announced.items(), key=lambda item: item[1].position)
+        for (tier, key), announced in ordered:
+            parent = announced.parent_key
+            run = None if parent is None else open_runs.pop((tier, parent), None)
+            if run is None:
+                run = []
+                runs.append((tier, announced.position, parent, run))
+            run.append(key)
+            open_runs[(tier, key)] = run
         return [
-            BlocksStored(
-                keys=[key],
-                tier=tier,
-                first_position=announced.position,
-                parent_key=announced.parent_key,
-            )
-            for (tier, key), announced in ordered
+            BlocksStored(keys=keys, tier=tier, first_position=position, parent_key=parent)
+            for tier, position, parent, keys in runs
         ]
 
     def _store(self, event: EngineBlocksStored) -> list[KvEvent]:
@@ -172,18 +185,20 @@ class BlockTranslator:
                     )
                 else:
                     tokens = event.token_ids[index * engine_size : (index + 1) * engine_size]
-                    block = self._new_block(parent_hash, position, tokens, chain_key, group)
+                    new_block = self._new_block(parent_hash, position, tokens, chain_key, group)
+                    if new_block is None:
+                        # An earlier block of its router block is gone: neither it nor
+                        # anything after it in the chain can be keyed. Never guess.
+                        self.counters.orphan_blocks += count - index
+                        break
+                    block = new_block
                 self._blocks[block_hash] = block
             shift = _REF_BITS * event.tier
             held = (block.refs >> shift) & _REF_MASK
             if held < _REF_MASK:
                 block.refs += 1 << shift
             key = block.router_key
-            if (
-                not held
-                and key is not None
-                and (group == 1 or self._group_held(block, group, event.tier))
-            ):
+            if not held and key is not None and self._group_held(block, key, group, event.tier):
                 router_position = position // group
                 parent_key = chain_key if router_position else None
                 self._announced[(event.tier, key)] = _Announced(parent_key, router_position)
@@ -206,7 +221,9 @@ class BlockTranslator:
         tokens: Sequence[int],
         chain_key: int,
         group: int,
-    ) -> _EngineBlock:
+    ) -> _EngineBlock | None:
+        """The engine block's record; None when it ends a router block whose earlier
+        blocks the translator no longer has (their tokens are needed for the key)."""
         block = _EngineBlock(
             position=position,
             tokens=tuple(tokens),
@@ -216,17 +233,14 @@ class BlockTranslator:
         )
         if position % group == group - 1:
             members = self._earlier_members(parent_hash, group - 1)
-            if len(members) == group - 1:
-                group_tokens: list[int] = []
-                for member in reversed(members):
-                    group_tokens.extend(member.tokens)
-                group_tokens.extend(tokens)
-                (key,) = chain_keys(chain_key, group_tokens, self.router_block_size)
-                block.router_key = block.chain_key = key
-                for member in members:
-                    if member.member_of is None:
-                        member.member_of = set()
-                    member.member_of.add(key)
+            if len(members) < group - 1:
+                return None
+            group_tokens: list[int] = []
+            for member in reversed(members):
+                group_tokens.extend(member.tokens)
+            group_tokens.extend(tokens)
+            (key,) = chain_keys(chain_key, group_tokens, self.router_block_size)
+            block.router_key = block.chain_key = key
         return block
 
     def _earlier_members(self, parent_hash: int | None, count: int) -> list[_EngineBlock]:
@@ -240,10 +254,21 @@ class BlockTranslator:
             parent_hash = member.parent
         return members
 
-    def _group_held(self, last: _EngineBlock, group: int, tier: Tier) -> bool:
+    def _group_held(self, last: _EngineBlock, key: int, group: int, tier: Tier) -> bool:
+        """Whether every engine block of the router block `last` completes is held on
+        `tier`; if so, each is marked as a member of `key` (so that its removal withdraws
+        the key, even if it was forgotten and stored again since the key was made)."""
+        if group == 1:
+            return True
         members = self._earlier_members(last.parent, group - 1)
         shift = _REF_BITS * tier
-        return len(members) == group - 1 and all((m.refs >> shift) & _REF_MASK for m in members)
+        if len(members) < group - 1 or not all((m.refs >> shift) & _REF_MASK for m in members):
+            return False
+        for member in members:
+            if member.member_of is None:
+                member.member_of = set()
+            member.member_of.add(key)
+        return True
 
     def _remove(self, event: EngineBlocksRemoved) -> list[KvEvent]:
         withdrawn: list[int] = []

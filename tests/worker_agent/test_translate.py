@@ -103,10 +103,12 @@ def test_clear_and_snapshot() -> None:
     agent = translator()
     agent.translate([stored([1, 2], TOKENS[:32]), stored([3], TOKENS[32:48], parent=2)])
     agent.translate([stored([1], TOKENS[:16], tier=Tier.HOST)])
-    snapshot = agent.snapshot()
     expected = block_keys(TOKENS[:48], KeyNamespace(MODEL, 16))
-    assert [event.keys[0] for event in snapshot] == [expected[0], expected[0], *expected[1:]]  # type: ignore[union-attr]
-    assert [event.first_position for event in snapshot] == [0, 0, 1, 2]  # type: ignore[union-attr]
+    # Whole chains, per tier, parents first.
+    assert agent.snapshot() == [
+        BlocksStored(keys=expected, tier=Tier.DEVICE, first_position=0, parent_key=None),
+        BlocksStored(keys=expected[:1], tier=Tier.HOST, first_position=0, parent_key=None),
+    ]
     assert agent.translate([EngineCacheCleared()]) == [AllBlocksCleared()]
     assert agent.snapshot() == []
     assert agent.tracked_blocks == 0
@@ -116,3 +118,42 @@ def test_the_map_is_bounded() -> None:
     agent = translator(limit=2)
     with pytest.raises(TrackingLimitExceeded):
         agent.translate([stored([1, 2, 3], TOKENS[:48])])
+
+
+def test_a_router_block_missing_an_earlier_engine_block_stops_the_chain() -> None:
+    agent = translator(router_block_size=48)  # three engine blocks per router block
+    tokens = list(range(1000, 1000 + 16 * 6))
+    first = agent.translate([stored([1, 2, 3], tokens[:48])])
+    assert len(all_keys(first)) == 1
+    agent.translate([stored([4, 5], tokens[48:80], parent=3)])  # the next group, part way
+    agent.translate([removed([4])])  # an earlier block of that group is evicted
+    # Its last block arrives: the group cannot be keyed, nor anything after it.
+    assert agent.translate([stored([6, 7], [*tokens[80:96], 1, 2, 3] + [0] * 13, parent=5)]) == []
+    assert agent.counters.orphan_blocks == 2
+    assert agent.announced_keys == 1
+
+
+def test_a_key_is_withdrawn_when_a_restored_member_leaves_again() -> None:
+    agent = translator(router_block_size=32)
+    keys = all_keys(agent.translate([stored([1, 2], TOKENS[:32])]))
+    # Block 1 leaves the device; its record is dropped, and block 2 is moved to the host.
+    assert agent.translate([removed([1])]) == [BlocksRemoved(keys=keys, tier=Tier.DEVICE)]
+    agent.translate([stored([1], TOKENS[:16], tier=Tier.HOST)])
+    agent.translate([stored([2], TOKENS[16:32], parent=1, tier=Tier.HOST)])
+    assert agent.snapshot() == [
+        BlocksStored(keys=keys, tier=Tier.HOST, first_position=0, parent_key=None)
+    ]
+    # Block 1 (stored again since the key was made) leaves the host: the key goes too.
+    assert agent.translate([removed([1], Tier.HOST)]) == [BlocksRemoved(keys=keys, tier=Tier.HOST)]
+    assert agent.snapshot() == []
+
+
+def test_events_of_other_kv_cache_groups_are_ignored() -> None:
+    agent = translator()
+    sliding = EngineBlocksStored((1,), None, tuple(TOKENS[:16]), 16, Tier.DEVICE, None, None, 1)
+    assert agent.translate([sliding]) == []
+    keys = all_keys(agent.translate([stored([1], TOKENS[:16])]))
+    # The sliding-window group evicting its copy does not withdraw the full group's.
+    assert agent.translate([EngineBlocksRemoved((1,), Tier.DEVICE, group_idx=1)]) == []
+    assert agent.snapshot()[0].keys == keys  # type: ignore[union-attr]
+    assert agent.counters.other_group_blocks == 2

@@ -293,7 +293,7 @@ def test_unknown_map_keys_and_trailing_batch_elements_are_ignored(adapter: Any) 
     payload = encode([2.5, [newer, removed_map(group_idx=1, locality=None)], 0, "future", {}])
     assert adapter.decode_batch(payload) == (
         2.5,
-        (STORED_11_12, EngineBlocksRemoved((11,), Tier.DEVICE)),
+        (STORED_11_12, EngineBlocksRemoved((11,), Tier.DEVICE, group_idx=1)),
     )
 
 

@@ -96,6 +96,7 @@ def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent | None:
         return EngineBlocksRemoved(
             block_hashes=_hashes(fields.get("block_hashes")),
             tier=_tier(fields.get("medium"), dialect),
+            group_idx=_group(fields.get("group_idx")),
         )
     if tag == "AllBlocksCleared":
         return EngineCacheCleared()
@@ -136,6 +137,7 @@ def _stored(fields: Mapping[str, Any], dialect: WireDialect) -> EngineBlocksStor
         tier=_tier(fields.get("medium"), dialect),
         lora_name=lora_name or None,
         cache_salt=(salt or None) if parent is None else None,
+        group_idx=_group(fields.get("group_idx")),
     )
 
 
@@ -167,6 +169,14 @@ def _tier(medium: Any, dialect: WireDialect) -> Tier:
     if not isinstance(medium, str) or medium not in dialect.mediums:
         raise WireDecodeError("an event names an unknown medium")
     return dialect.mediums[medium]
+
+
+def _group(value: Any) -> int:
+    if value is None:
+        return 0  # before vLLM 0.20 there was one group
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**16:
+        raise WireDecodeError("group_idx is not a small integer")
+    return value
 
 
 def _optional_str(value: Any, name: str) -> str | None:

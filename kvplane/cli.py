@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvplane.config import AgentSettings, Settings, load_settings
+from kvplane.flags import add_model_flags, given_flags
 from kvplane.logsetup import configure_logging
 from simulations.engine.config import add_engine_sim_flags
 
@@ -23,8 +23,12 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, help="TOML configuration file (flags and KVPLANE_* win)"
     )
     parser.add_argument("--block-size", type=int, help="tokens per kvplane block key (default 16)")
-    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    parser.add_argument("--log-format", choices=["text", "json"])
+    parser.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO"
+    )
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], help="text, or JSON lines (default text)"
+    )
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,32 +42,14 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, help="worker lease in seconds (default 5)")
 
 
-_AGENT_FLAGS = {
-    "worker_id": "stable name of this worker (engine replica)",
-    "engine": "which engine's wire forms and metrics to expect (default vllm)",
-    "engine_url": "the engine's HTTP base URL (health, metrics, models)",
-    "model": "model name to key blocks with (default: the engine's first model)",
-    "kv_events_endpoint": "the engine's ZMQ PUB endpoint for KV events",
-    "kv_events_replay_endpoint": "the engine's ZMQ replay endpoint (recovers missed batches)",
-    "kv_events_topic": "ZMQ topic the engine publishes under",
-    "control_plane_address": "host:port of the control plane's gRPC server",
-    "load_interval_s": "seconds between health probes and load reports",
-}
+_AGENT_DEST = "agent_"
 
 
 def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
-    for name, help_text in _AGENT_FLAGS.items():
-        flag = "--" + name.replace("_", "-")
-        if name == "engine":
-            engines = typing.get_args(AgentSettings.model_fields["engine"].annotation)
-            parser.add_argument(flag, choices=engines, help=help_text)
-        else:
-            kind = float if name.endswith("_s") else str
-            parser.add_argument(flag, type=kind, help=help_text)
+    add_model_flags(parser, AgentSettings, dest_prefix=_AGENT_DEST)
 
 
 _FLAG_TO_SETTING = {
-    **{name: ("agent", name) for name in _AGENT_FLAGS},
     "index": ("index", "backend"),
     "redis_url": ("index", "redis_url"),
     "grpc_port": ("control_plane", "grpc_port"),
@@ -81,6 +67,9 @@ def _settings_from(args: argparse.Namespace) -> Settings:
         value = getattr(args, flag, None)
         if value is not None:
             overrides.setdefault(section, {})[name] = value
+    agent = given_flags(args, AgentSettings.model_fields, _AGENT_DEST)
+    if agent:
+        overrides.setdefault("agent", {}).update(agent)
     return load_settings(args.config, overrides)
 
 

@@ -68,25 +68,70 @@ class AgentSettings(_Section):
     The agent keys blocks with `control_plane.block_size` and authenticates with
     `control_plane.agent_token`, the same settings the router reads."""
 
-    worker_id: str = Field(default="worker-0", pattern=r"^[A-Za-z0-9._:-]{1,128}$")
-    engine: Literal["vllm", "sglang"] = "vllm"
-    engine_url: str = "http://127.0.0.1:8000"
-    model: str | None = None  # None: the engine's first model in GET /v1/models
-    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
-    kv_events_replay_endpoint: str | None = None  # None: a gap is lost state at once
-    kv_events_topic: str = ""
-    control_plane_address: str = "127.0.0.1:50051"
-    tls_ca_file: Path | None = None  # set: TLS to the control plane, verified with this CA
-    tls_cert_file: Path | None = None  # with tls_key_file: the agent's certificate (mTLS)
-    tls_key_file: Path | None = None
-    load_interval_s: float = Field(default=1.0, gt=0)
-    engine_down_after_failures: int = Field(default=2, ge=1)
-    reconnect_min_s: float = Field(default=0.1, gt=0)
-    reconnect_max_s: float = Field(default=5.0, gt=0)
-    replay_timeout_s: float = Field(default=2.0, gt=0)
-    max_unacked_batches: int = Field(default=1024, ge=1)
-    max_tracked_blocks: int = Field(default=4_000_000, ge=1)
-    labels: dict[str, str] = Field(default_factory=dict)
+    worker_id: str = Field(
+        default="worker-0",
+        pattern=r"^[A-Za-z0-9._:-]{1,128}$",
+        description="stable name of this worker (engine replica)",
+    )
+    engine: Literal["vllm", "sglang"] = Field(
+        default="vllm", description="which engine's wire forms and metrics to expect"
+    )
+    engine_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="the engine's HTTP base URL, as the agent reaches it (health, metrics)",
+    )
+    advertise_url: str | None = Field(
+        default=None,
+        description="the engine's base URL as routers reach it (default: --engine-url)",
+    )
+    model: str | None = Field(
+        default=None,
+        description="model name to key blocks with (default: the engine's first model)",
+    )
+    kv_events_endpoint: str = Field(
+        default="tcp://127.0.0.1:5557", description="the engine's ZMQ PUB endpoint"
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        default=None,
+        description="the engine's ZMQ replay endpoint (without it, a missed batch costs "
+        "the agent its whole picture)",
+    )
+    kv_events_topic: str = Field(default="", description="ZMQ topic the engine publishes under")
+    control_plane_address: str = Field(
+        default="127.0.0.1:50051", description="host:port of the control plane's gRPC server"
+    )
+    tls_ca_file: Path | None = Field(
+        default=None, description="CA to verify the control plane with (turns TLS on)"
+    )
+    tls_cert_file: Path | None = Field(
+        default=None, description="the agent's certificate, for mutual TLS"
+    )
+    tls_key_file: Path | None = Field(default=None, description="its private key")
+    load_interval_s: float = Field(
+        default=1.0, gt=0, description="seconds between health probes and load reports"
+    )
+    engine_down_after_failures: int = Field(
+        default=2, ge=1, description="failed health probes before the engine counts as down"
+    )
+    reconnect_min_s: float = Field(
+        default=0.1, gt=0, description="first reconnect delay (it doubles, with jitter)"
+    )
+    reconnect_max_s: float = Field(default=5.0, gt=0, description="longest reconnect delay")
+    replay_timeout_s: float = Field(
+        default=2.0, gt=0, description="how long to wait for each replay reply"
+    )
+    max_pending_blocks: int = Field(
+        default=2_000_000,
+        ge=1,
+        description="blocks of events kept while the control plane is unreachable; past "
+        "it, a new incarnation sends the current picture instead",
+    )
+    max_tracked_blocks: int = Field(
+        default=4_000_000, ge=1, description="engine blocks tracked; past it, start over"
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="labels registered with the worker (JSON object)"
+    )
 
     @model_validator(mode="after")
     def _tls_pairs(self) -> AgentSettings:

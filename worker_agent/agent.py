@@ -17,8 +17,8 @@ import httpx
 
 from kvplane.config import Settings
 from worker_agent.engines import adapter_for
-from worker_agent.engines.base import EngineAdapter
-from worker_agent.events import EngineCacheConfig
+from worker_agent.engines.base import EngineAdapter, process_start_time
+from worker_agent.events import EngineCacheConfig, EngineLoad
 from worker_agent.kv_event_source import KvEventSource, StateLost
 from worker_agent.publisher import ControlPlanePublisher, PublisherRejected, WorkerIdentity
 from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
@@ -47,6 +47,14 @@ class WorkerAgent:
         agent = self.settings.agent
         async with httpx.AsyncClient(base_url=agent.engine_url, timeout=_PROBE_TIMEOUT_S) as http:
             model, cache = await self._engine_facts(http)
+            router_block = self.settings.control_plane.block_size
+            if cache is not None and cache.block_size and router_block % cache.block_size:
+                log.error(
+                    "the engine's block size %d does not divide the router's %d: no block "
+                    "can be keyed; set control_plane.block_size to a multiple of it",
+                    cache.block_size,
+                    router_block,
+                )
             self.translator = BlockTranslator(
                 model,
                 self.settings.control_plane.block_size,
@@ -55,7 +63,7 @@ class WorkerAgent:
             self.publisher = ControlPlanePublisher(
                 WorkerIdentity(
                     worker_id=agent.worker_id,
-                    base_url=agent.engine_url,
+                    base_url=agent.advertise_url or agent.engine_url,
                     model=model,
                     block_size=self.settings.control_plane.block_size,
                     kv_capacity_blocks=(cache.num_blocks or 0) if cache else 0,
@@ -111,14 +119,13 @@ class WorkerAgent:
         publisher: ControlPlanePublisher,
     ) -> None:
         async for item in source.items():
+            if isinstance(item, StateLost):
+                _start_over(item.reason, translator, publisher)
+                continue
             try:
-                if isinstance(item, StateLost):
-                    raise TrackingLimitExceeded(item.reason)
                 publisher.submit(translator.translate(item.events))
             except TrackingLimitExceeded as error:
-                log.warning("the agent's picture of the engine is lost: %s", error)
-                translator.clear()
-                publisher.start_new_incarnation(str(error))
+                _start_over(str(error), translator, publisher)
 
     async def _watch_engine(
         self,
@@ -127,32 +134,57 @@ class WorkerAgent:
         translator: BlockTranslator,
         publisher: ControlPlanePublisher,
     ) -> None:
+        """Probe the engine every load interval: down and up, a restart in place (its
+        process start time changed), and its load for the heartbeats."""
         agent = self.settings.agent
         failures = 0
+        started_at: float | None = None
+        load = EngineLoad(0, 0, 0.0)
         while True:
-            try:
-                health = await http.get("/health")
-                healthy = health.status_code == 200
-                metrics = await http.get("/metrics") if healthy else None
-            except httpx.HTTPError:
-                healthy, metrics = False, None
-            failures = 0 if healthy else failures + 1
+            metrics = await _probe(http)
+            failures = 0 if metrics is not None else failures + 1
             if failures >= agent.engine_down_after_failures and not self.engine_is_down:
                 log.warning("the engine at %s is down; publishing stops", agent.engine_url)
                 self.engine_is_down = True
                 translator.clear()
                 source.engine_went_down()
-            elif healthy and self.engine_is_down:
-                log.info("the engine at %s is back", agent.engine_url)
-                self.engine_is_down = False
-                # The translator was cleared when the engine went down; what it holds now
-                # came from the engine's new life, and goes into the new incarnation.
-                publisher.engine_up()
+            elif metrics is not None:
+                start = process_start_time(metrics)
+                if self.engine_is_down:
+                    log.info("the engine at %s is back", agent.engine_url)
+                    self.engine_is_down = False
+                    # The translator was cleared when the engine went down: what it holds
+                    # now came from the engine's new life, and goes into the new incarnation.
+                    publisher.engine_up()
+                elif None not in (start, started_at) and start != started_at:
+                    # Restarted between two probes: the cache and the event sequence
+                    # started again, whatever the events have shown so far.
+                    translator.clear()
+                    source.engine_went_down()
+                    _start_over("the engine process restarted", translator, publisher)
+                started_at = start if start is not None else started_at
+                try:
+                    load = self.adapter.parse_load(metrics)
+                except ValueError as error:
+                    log.warning("no load from the engine's metrics (%s): the last is sent", error)
             if self.engine_is_down:
                 publisher.report_engine_down()
             elif metrics is not None:
-                try:
-                    publisher.report_load(self.adapter.parse_load(metrics.text))
-                except ValueError as error:
-                    log.warning("no load from the engine's metrics: %s", error)
+                publisher.report_load(load)  # a heartbeat whether or not the metrics parsed
             await asyncio.sleep(agent.load_interval_s)
+
+
+async def _probe(http: httpx.AsyncClient) -> str | None:
+    """The engine's metrics text if it is healthy, else None."""
+    try:
+        if (await http.get("/health")).status_code != 200:
+            return None
+        return (await http.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+
+
+def _start_over(reason: str, translator: BlockTranslator, publisher: ControlPlanePublisher) -> None:
+    log.warning("the agent's picture of the engine is lost: %s", reason)
+    translator.clear()
+    publisher.start_new_incarnation(reason)

@@ -14,6 +14,7 @@ Replay replies come in two forms: up to vLLM 0.25 `[b"", seq, payload]` ending w
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 END_OF_REPLAY = b"\xff" * 8
 _IDLE_POLL_MS = 250
+_CATCH_UP_TRIES = 40  # idle polls (10 s) to fetch a restarted engine's first batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +59,22 @@ class KvEventSource:
         self._replay_timeout_s = replay_timeout_s
         self._context = zmq.asyncio.Context()
         self._last: int | None = None  # last sequence delivered
-        self._catch_up = False
+        # Sequences the last replay delivered: the same batches may still come over SUB.
+        self._replayed: tuple[int, int] | None = None
+        # Bumped when the engine goes down: answers to requests made before are the old
+        # engine's and must not be delivered.
+        self._epoch = 0
+        self._catch_up_tries = 0
 
     def engine_went_down(self) -> None:
         """The engine is gone (its cache with it). Its next life counts from 0 again, and
-        its first batches may be published before our subscription reconnects: once the
-        engine answers again, fetch them by replay rather than wait for a later batch to
-        reveal the gap."""
+        its first batches may be published before our subscription reconnects: until a
+        batch arrives over SUB, fetch them by replay when idle rather than wait for a
+        later batch to reveal the gap."""
+        self._epoch += 1
         self._last = None
-        self._catch_up = True
+        self._replayed = None
+        self._catch_up_tries = _CATCH_UP_TRIES
 
     def close(self) -> None:
         self._context.destroy(linger=0)
@@ -83,12 +92,15 @@ class KvEventSource:
                     yield item
             while True:
                 if not await subscriber.poll(_IDLE_POLL_MS):
-                    if self._catch_up:
-                        async for item in self._catch_up_after_outage():
+                    if self._catch_up_tries:
+                        self._catch_up_tries -= 1
+                        async for item in self._replay_from(self._next_expected(), idle=True):
                             yield item
                     continue
                 frames = await subscriber.recv_multipart()
+                self._catch_up_tries = 0  # the subscription works: gaps show as usual
                 if len(frames) != 3 or len(frames[1]) != 8:
+                    self._last = None
                     yield StateLost(f"a malformed message ({len(frames)} frames)")
                     continue
                 sequence = int.from_bytes(frames[1], "big")
@@ -97,53 +109,67 @@ class KvEventSource:
         finally:
             subscriber.close(linger=0)
 
+    def _next_expected(self) -> int:
+        return 0 if self._last is None else self._last + 1
+
     async def _deliver(self, sequence: int, payload: bytes) -> AsyncIterator[SourceItem]:
+        replayed = self._replayed
+        if replayed is not None and replayed[0] <= sequence <= replayed[1]:
+            return  # the replay delivered it already
+        self._replayed = None
         if self._last is not None and sequence <= self._last:
             # The counter went back: a new engine process with an empty cache.
             last, self._last = self._last, None
             yield StateLost(f"the engine restarted (sequence {sequence} after {last})")
-        expected = 0 if self._last is None else self._last + 1
-        if sequence > expected:
-            async for item in self._replay_from(expected):
+        if sequence > self._next_expected():
+            epoch = self._epoch
+            async for item in self._replay_from(self._next_expected()):
                 yield item
+            if self._epoch != epoch:
+                return  # the engine went down meanwhile: this batch was the old one's
             if self._last is not None and sequence <= self._last:
                 return  # the replay delivered it already
         yield self._decode(sequence, payload)
 
-    async def _replay_from(self, start: int, *, startup: bool = False) -> AsyncIterator[SourceItem]:
+    async def _replay_from(
+        self, start: int, *, startup: bool = False, idle: bool = False
+    ) -> AsyncIterator[SourceItem]:
         """Deliver the buffered batches from `start`; StateLost first if `start` itself
-        cannot be had. At startup a buffer that begins later is expected: the engine ran
-        before the agent, and what it cached then stays unknown (not announced: safe)."""
+        cannot be had. At startup (and when catching up while idle) a buffer that begins
+        later, or no answer, is expected: what the engine cached before stays unknown
+        (not announced), which is safe."""
+        lenient = startup or idle
         if self._replay_endpoint is None:
-            self._last = None
-            yield StateLost(f"batch {start} was missed and there is no replay socket")
+            if not lenient:
+                self._last = None
+                yield StateLost(f"batch {start} was missed and there is no replay socket")
             return
+        epoch = self._epoch
         replies = await self._fetch_replay(start)
+        if self._epoch != epoch:
+            return  # asked before the engine went down: the answer is the old engine's
         if replies is None:
-            self._last = None
-            yield StateLost("the replay socket did not answer")
+            if not lenient:
+                self._last = None
+                yield StateLost("the replay socket did not answer whole")
             return
-        if replies and replies[0][0] > start and not startup:
+        sequences = [sequence for sequence, _ in replies]
+        if any(after != before + 1 for before, after in itertools.pairwise(sequences)):
+            self._last = None
+            yield StateLost(f"the engine's replay from batch {start} has a hole")
+            return
+        if sequences and sequences[0] > start and not lenient:
             self._last = None
             yield StateLost(f"the engine's replay buffer no longer holds batch {start}")
-        for sequence, payload in replies:
-            if self._last is None or sequence > self._last:
-                yield self._decode(sequence, payload)
-
-    async def _catch_up_after_outage(self) -> AsyncIterator[SourceItem]:
-        if self._replay_endpoint is None:
-            self._catch_up = False
-            return
-        start = 0 if self._last is None else self._last + 1
-        replies = await self._fetch_replay(start)
-        if replies is None:
-            return  # not back yet: try again when idle
-        self._catch_up = False
+        if sequences:
+            self._replayed = (sequences[0], sequences[-1])
         for sequence, payload in replies:
             if self._last is None or sequence > self._last:
                 yield self._decode(sequence, payload)
 
     async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Every reply up to the end marker; None if the socket stops answering or an
+        answer is malformed (a partial replay would be a hole)."""
         assert self._replay_endpoint is not None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -151,16 +177,17 @@ class KvEventSource:
         replies: list[tuple[int, bytes]] = []
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(self._replay_timeout_s):
-                while True:
+            while True:
+                # A time limit per reply, not for the whole replay: a full buffer is long.
+                async with asyncio.timeout(self._replay_timeout_s):
                     frames = await dealer.recv_multipart()
-                    if END_OF_REPLAY in frames[1:3]:
-                        return replies
-                    # [b"", seq, payload] or [b"", topic, seq, payload]
-                    if len(frames) not in (3, 4) or len(frames[-2]) != 8:
-                        log.warning("ignoring a malformed replay reply (%d frames)", len(frames))
-                        continue
-                    replies.append((int.from_bytes(frames[-2], "big"), frames[-1]))
+                if END_OF_REPLAY in frames[1:3]:
+                    return replies
+                # [b"", seq, payload] (up to vLLM 0.25) or [b"", topic, seq, payload]
+                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+                    log.warning("a malformed replay reply (%d frames)", len(frames))
+                    return None
+                replies.append((int.from_bytes(frames[-2], "big"), frames[-1]))
         except TimeoutError:
             return None
         finally:

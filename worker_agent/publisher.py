@@ -18,6 +18,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -81,8 +82,9 @@ class ControlPlanePublisher:
         self._token = None if token is None else token.get_secret_value()
         self._snapshot = snapshot
         self.incarnation = new_incarnation_id()
-        self._outbox: list[KvEvent] = snapshot()
+        self._outbox: deque[KvEvent] = deque()
         self._outbox_blocks = 0
+        self._outbox_limit = agent.max_pending_blocks
         self._in_flight: _Batch | None = None
         self._acked = 0
         self._load: EngineLoad | None = None
@@ -101,10 +103,9 @@ class ControlPlanePublisher:
             return
         self._outbox.extend(events)
         self._outbox_blocks += sum(_blocks(event) for event in events)
-        # Bounded: past the limit the pending events are replaced by the snapshot, which
-        # the engine's capacity bounds, under a new incarnation.
-        limit = self._agent.max_unacked_batches * self._limits.max_batch_blocks
-        if self._outbox_blocks > limit:
+        # Bounded: past the limit the pending events are replaced by the snapshot (which
+        # the engine's capacity bounds) under a new incarnation.
+        if self._outbox_blocks > self._outbox_limit:
             self.start_new_incarnation("the outbox overflowed while disconnected")
         self._wakeup.set()
 
@@ -117,7 +118,8 @@ class ControlPlanePublisher:
         per health probe while it lasts). The control plane stops routing here and lets
         the lease, and with it the worker's entries, run out."""
         self._engine_down = True
-        self._outbox, self._outbox_blocks, self._load = [], 0, None
+        self._outbox.clear()
+        self._outbox_blocks, self._load = 0, None
         self._down_report_pending = True
         self._wakeup.set()
 
@@ -130,8 +132,9 @@ class ControlPlanePublisher:
         self.incarnations_started += 1
         self._acked = 0
         self._in_flight = None
-        self._outbox = self._snapshot()
+        self._outbox = deque(self._snapshot())
         self._outbox_blocks = sum(_blocks(event) for event in self._outbox)
+        self._outbox_limit = self._outbox_blocks + self._agent.max_pending_blocks
         self._registered = False
         log.info("new incarnation %d: %s", self.incarnation, reason)
         self._wakeup.set()
@@ -176,14 +179,14 @@ class ControlPlanePublisher:
             if not self._registered:
                 await self._register(stream)
                 self._connected.set()
+            if self._load is not None:  # first, so that heartbeats go on under traffic
+                load, self._load = self._load, None
+                await stream.send(load_message(load.running, load.waiting, load.kv_usage))
             if self._in_flight is None and self._outbox:
                 self._in_flight = self._next_batch()
             if self._in_flight is not None:
                 await self._send_batch(stream, self._in_flight)
                 continue
-            if self._load is not None:
-                load, self._load = self._load, None
-                await stream.send(load_message(load.running, load.waiting, load.kv_usage))
             await self._wait()
 
     async def _wait(self) -> None:
@@ -203,6 +206,8 @@ class ControlPlanePublisher:
                 labels=self._identity.labels,
             )
             reply = await stream.request(register_message(info))
+            if self.incarnation != info.incarnation:
+                continue  # a new incarnation began meanwhile: register that one instead
             kind = reply.WhichOneof("body")
             if kind == "reject":
                 self._rejected(reply.reject)
@@ -232,7 +237,10 @@ class ControlPlanePublisher:
         )
 
     async def _send_batch(self, stream: AgentStream, batch: _Batch) -> None:
+        incarnation = self.incarnation
         reply = await stream.request(batch.message)
+        if self.incarnation != incarnation:
+            return  # the reply is about an incarnation that is over
         kind = reply.WhichOneof("body")
         if kind == "ack" and reply.ack.sequence >= batch.sequence:
             self._acked, self._in_flight = batch.sequence, None
@@ -248,14 +256,14 @@ class ControlPlanePublisher:
     def _next_batch(self) -> _Batch:
         """Everything pending, up to the control plane's batch limits."""
         max_events, max_blocks = self._limits.max_batch_events, self._limits.max_batch_blocks
-        taken = blocks = 0
-        while taken < len(self._outbox) and taken < max_events:
-            size = _blocks(self._outbox[taken])
-            if taken and blocks + size > max_blocks:
+        events: list[KvEvent] = []
+        blocks = 0
+        while self._outbox and len(events) < max_events:
+            size = _blocks(self._outbox[0])
+            if events and blocks + size > max_blocks:
                 break
+            events.append(self._outbox.popleft())
             blocks += size
-            taken += 1
-        events, self._outbox = self._outbox[:taken], self._outbox[taken:]
         self._outbox_blocks -= blocks
         sequence = self._acked + 1
         return _Batch(sequence, events_message(sequence, events))

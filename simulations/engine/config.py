@@ -10,16 +10,14 @@ be set from the environment as `KVPLANE_ENGINE_SIM_<FIELD>`; flags win.
 from __future__ import annotations
 
 import argparse
-import enum
 import json
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvplane.flags import add_model_flags, given_flags
 from simulations.engine.kv_events import WireFormat
 from simulations.engine.scheduler import SchedulerLimits
 from simulations.engine.timing import TimingModel
@@ -167,40 +165,9 @@ class EngineSimConfig(BaseSettings):
 
 def add_engine_sim_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per field of EngineSimConfig, named after the field."""
-    for name, field in EngineSimConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = field.get_default(call_default_factory=True)
-        shown = default.model_dump_json() if isinstance(default, BaseModel) else default
-        help_text = field.description or ""
-        if default is not None:  # a None default is explained in the description
-            help_text += f" (default: {shown})"
-        kind = _unwrap_optional(field.annotation)
-        options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
-        elif typing.get_origin(kind) is list:
-            parser.add_argument(flag, nargs="+", metavar="NAME", **options)
-        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
-            parser.add_argument(flag, choices=[member.value for member in kind], **options)
-        elif typing.get_origin(kind) is Literal:
-            parser.add_argument(flag, choices=list(typing.get_args(kind)), **options)
-        else:
-            metavar = "JSON" if kind is KVEventsConfig else None
-            parser.add_argument(flag, metavar=metavar, **options)
+    add_model_flags(parser, EngineSimConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineSimConfig:
     """Flags given on the command line over environment over defaults."""
-    given = {name: value for name, value in vars(args).items() if name in _FIELD_NAMES}
-    return EngineSimConfig(**given)
-
-
-_FIELD_NAMES = frozenset(EngineSimConfig.model_fields)
-
-
-def _unwrap_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
+    return EngineSimConfig(**given_flags(args, EngineSimConfig.model_fields))

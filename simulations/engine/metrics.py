@@ -6,7 +6,14 @@ labels on every series, counters exposed with `_total`.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 # vLLM's buckets for time to first token (v1 engine).
 _TTFT_BUCKETS = (
@@ -22,6 +29,7 @@ class EngineMetrics:
     ) -> None:
         self._arguments = (model_name, cache_config, engine_index)
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # process_start_time_seconds, as vLLM
         labels = {"model_name": model_name, "engine": str(engine_index)}
 
         def gauge(name: str, doc: str) -> Gauge:

@@ -49,7 +49,7 @@ def test_bad_flags_are_refused_with_a_clear_message() -> None:
         timeout=60,
     )
     assert result.returncode == 2
-    assert "kv_events_config" in result.stderr
+    assert "--kv-events-config" in result.stderr
     assert "Traceback" not in result.stderr
 
 

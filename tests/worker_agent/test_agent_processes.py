@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -10,6 +11,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from kvplane.config import AgentSettings
 from kvplane.keys import KeyNamespace, block_keys
 from kvplane.processes import spawn_kvplane
 from kvplane.serving import free_port
@@ -26,12 +28,19 @@ def test_agent_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["agent", "--help"])
     text = capsys.readouterr().out
-    flags = [line.split()[0] for line in text.splitlines() if line.strip().startswith("--")]
-    assert "--kv-events-replay-endpoint" in flags
-    assert "--control-plane-address" in flags
-    for flag in flags:
-        block = text[text.index(flag) :].split("\n  --", 1)[0]
-        assert len(block.split()) > 2, f"{flag} has no help text"
+    # Option entries start at two spaces; their help follows on the same or next lines.
+    entries = re.split(r"\n(?=  -)", text.split("options:", 1)[1])
+    documented = {}
+    for entry in entries:
+        words = entry.split()
+        if not words:
+            continue
+        flag = words[0].rstrip(",")
+        documented[flag] = len(words) > 2  # the flag, its metavar, then the help
+    for name in AgentSettings.model_fields:
+        flag = "--" + name.replace("_", "-")
+        assert documented.get(flag), f"{flag} is missing or has no help text"
+    assert all(documented.values())
 
 
 @pytest.fixture

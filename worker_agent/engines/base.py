@@ -63,3 +63,13 @@ def mean(samples: Iterable[Sample], *names: str) -> float | None:
     """The mean over data-parallel engines (each reports its own fraction)."""
     found = values(samples, *names)
     return sum(found) / len(found) if found else None
+
+
+def process_start_time(metrics_text: str) -> float | None:
+    """The engine process's start time (prometheus_client's standard process metrics,
+    which vLLM and SGLang expose): a change means the engine restarted."""
+    try:
+        start = total(metric_samples(metrics_text), "process_start_time_seconds")
+    except ValueError:
+        return None
+    return start

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import Iterator
@@ -11,13 +12,15 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from kvplane.config import AgentSettings
+from kvplane.config import AgentSettings, ControlPlaneSettings, HttpSettings, Settings
 from kvplane.keys import KeyNamespace, block_keys
 from kvplane.processes import spawn_kvplane
-from kvplane.serving import free_port
+from kvplane.serving import cancel_task, free_port
 from kvplane.tokenizer import load_tokenizer
+from router.app import running_router
 from router.index.redis import RedisLocationIndex
 from tests.waiting import wait_until
+from worker_agent.agent import WorkerAgent
 
 PROMPT = "Write a Python function that returns the longest common prefix of two lists. " * 3
 
@@ -108,3 +111,61 @@ async def test_a_prompt_served_by_the_engine_is_in_the_shared_index(
         assert await indexed_blocks() == len(keys)
     finally:
         await index.close()
+
+
+async def test_an_engine_restarted_between_two_probes_starts_a_new_incarnation() -> None:
+    """The engine restarts faster than the health probes notice (they are told to be
+    patient here): its new process start time tells the agent its picture is gone."""
+    sim_port, events, replay = free_port(), free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{sim_port}"
+    sim_args = [
+        "engine-sim", "--port", str(sim_port), "--time-scale", "0", "--kv-events-config",
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
+        f'"replay_endpoint": "tcp://*:{replay}"}}',
+    ]  # fmt: skip
+    settings = Settings(
+        control_plane=ControlPlaneSettings(grpc_port=free_port(), block_size=16, lease_s=30),
+        http=HttpSettings(port=0),
+        agent=AgentSettings(
+            worker_id="restarting",
+            engine_url=engine_url,
+            kv_events_endpoint=f"tcp://127.0.0.1:{events}",
+            kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            control_plane_address="",  # set below
+            load_interval_s=0.2,
+            engine_down_after_failures=1000,
+        ),
+    )
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        agent_settings = settings.agent.model_copy(
+            update={"control_plane_address": f"127.0.0.1:{router.grpc_port}"}
+        )
+        agent = WorkerAgent(settings.model_copy(update={"agent": agent_settings}))
+        task = asyncio.create_task(agent.run())
+
+        async def entries() -> int:
+            statuses = await router.index.workers()
+            return sum(s.entries for s in statuses if s.info.worker_id == "restarting")
+
+        async def blocks_held() -> int:
+            cached = (await client.get(engine_url + "/sim/blocks")).json()["blocks"]
+            return len({block["hash"] for block in cached})
+
+        async def index_matches_engine() -> bool:
+            return await entries() == await blocks_held() > 0
+
+        try:
+            with spawn_kvplane(sim_args, engine_url + "/health"):
+                await client.post(engine_url + "/v1/completions", json={"prompt": PROMPT})
+                await wait_until("the first engine's blocks", index_matches_engine, 20)
+            assert agent.publisher is not None
+            first = agent.publisher.incarnation
+            with spawn_kvplane(sim_args, engine_url + "/health"):
+                other = "A different prompt, so that the new engine holds other blocks. " * 3
+                await client.post(engine_url + "/v1/completions", json={"prompt": other})
+                await wait_until(
+                    "a new incarnation", lambda: agent.publisher.incarnation > first, 20
+                )
+                await wait_until("only the new engine's blocks", index_matches_engine, 20)
+        finally:
+            await cancel_task(task)

@@ -1,12 +1,13 @@
 """`kvplane bench agent`: how many stored blocks per second one agent decodes, translates
 and forwards to a control plane, acknowledged.
 
-The control plane (`kvplane router`, in-memory index) runs as its own process, as in a
-fleet. The agent's pipeline (the vLLM adapter's decoder, the block translator and the
-control-plane publisher over real gRPC) runs here, fed with vLLM 0.32 event batches
-encoded beforehand: each batch is what one engine step announces, one BlockStored of
-`blocks_per_event` blocks of 16 tokens, and half the chains continue an earlier one. The
-clock stops when the control plane has acknowledged the last batch.
+Three processes, as in a fleet: an engine stand-in that publishes vLLM 0.32 event
+batches on a ZMQ PUB socket as fast as ZMQ takes them (each batch what one engine step
+announces: one BlockStored of `blocks_per_event` blocks of 16 tokens, half the chains
+continuing an earlier one); the control plane (`kvplane router`, in-memory index); and
+here the agent's pipeline: the event source (SUB), the vLLM adapter's decoder, the block
+translator and the publisher over real gRPC. The clock runs from the first batch
+received to the control plane's acknowledgement of the last.
 
 A second figure leaves the network out: decode and translate only.
 """
@@ -15,11 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import platform
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import zmq
 
 from kvplane.config import AgentSettings, ControlPlaneSettings
 from kvplane.processes import spawn_kvplane
@@ -28,6 +33,7 @@ from simulations.engine.block_pool import BlocksStored as EngineStored
 from simulations.engine.kv_events import EventEncoder, WireFormat
 from worker_agent.agent import tune_garbage_collector
 from worker_agent.engines.vllm import VllmAdapter
+from worker_agent.kv_event_source import KvEventSource, StateLost
 from worker_agent.publisher import ControlPlanePublisher, WorkerIdentity
 from worker_agent.translate import BlockTranslator
 
@@ -66,27 +72,57 @@ def _translate_only(payloads: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def _engine_publisher(payloads: list[bytes], endpoint: str, ready: Any) -> None:
+    """The engine's side, in its own process: publish every batch as fast as ZMQ takes
+    them, once the agent has subscribed."""
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, len(payloads) + 1)
+    pub.bind(endpoint)
+    ready.wait()
+    time.sleep(0.5)  # the subscription reaching the PUB socket
+    for sequence, payload in enumerate(payloads):
+        pub.send_multipart([b"", sequence.to_bytes(8, "big"), payload])
+    time.sleep(5)  # let the last messages drain before the socket closes
+    context.destroy(linger=0)
+
+
 async def _forward(payloads: list[bytes], grpc_port: int) -> float:
-    adapter, translator = VllmAdapter(), _translator()
-    control_plane = ControlPlaneSettings(block_size=BLOCK_SIZE)
+    """The agent's side: SUB, decode, translate, publish over gRPC, until the control
+    plane acknowledged the last batch. Timed from the first batch received."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ready = multiprocessing.get_context("spawn").Event()
+    engine = multiprocessing.get_context("spawn").Process(
+        target=_engine_publisher, args=(payloads, endpoint, ready), daemon=True
+    )
+    engine.start()
+    translator = _translator()
     publisher = ControlPlanePublisher(
         WorkerIdentity("bench-worker", "http://127.0.0.1:1", "bench", BLOCK_SIZE, 0, "vllm", {}),
         AgentSettings(control_plane_address=f"127.0.0.1:{grpc_port}"),
-        control_plane,
+        ControlPlaneSettings(block_size=BLOCK_SIZE),
         snapshot=translator.snapshot,
     )
+    source = KvEventSource(VllmAdapter(), endpoint, replay_endpoint=None)
     task = asyncio.create_task(publisher.run())
     try:
         await publisher.wait_connected()
-        start = time.perf_counter()
-        for index, payload in enumerate(payloads):
-            publisher.submit(translator.translate(adapter.decode_batch(payload)[1]))
-            if index % 16 == 15:
-                await asyncio.sleep(0)  # the ZMQ loop yields between messages too
+        ready.set()
+        start = 0.0
+        async for item in source.items():
+            if isinstance(item, StateLost):
+                raise RuntimeError(f"the benchmark lost batches: {item.reason}")
+            if item.sequence == 0:
+                start = time.perf_counter()
+            publisher.submit(translator.translate(item.events))
+            if item.sequence == len(payloads) - 1:
+                break
         await publisher.wait_flushed()
         return time.perf_counter() - start
     finally:
         await cancel_task(task)
+        source.close()
+        engine.kill()
 
 
 def _translator() -> BlockTranslator:

@@ -170,8 +170,8 @@ class BlockTranslator:
             chain_key, position = parent.chain_key, parent.position + 1
         self.counters.stored_blocks += count
 
-        # One engine block per router block (the usual case): key the whole run at once.
-        run_keys = chain_keys(chain_key, event.token_ids, engine_size) if group == 1 else None
+        if group == 1:
+            return self._store_run(event, chain_key, position)
         runs: list[KvEvent] = []
         run: list[int] = []
         run_start = run_parent = 0
@@ -179,20 +179,14 @@ class BlockTranslator:
         for index, block_hash in enumerate(event.block_hashes):
             block = self._blocks.get(block_hash)
             if block is None:
-                if run_keys is not None:
-                    block = _EngineBlock(
-                        position, (), parent_hash, run_keys[index], run_keys[index]
-                    )
-                else:
-                    tokens = event.token_ids[index * engine_size : (index + 1) * engine_size]
-                    new_block = self._new_block(parent_hash, position, tokens, chain_key, group)
-                    if new_block is None:
-                        # An earlier block of its router block is gone: neither it nor
-                        # anything after it in the chain can be keyed. Never guess.
-                        self.counters.orphan_blocks += count - index
-                        break
-                    block = new_block
-                self._blocks[block_hash] = block
+                tokens = event.token_ids[index * engine_size : (index + 1) * engine_size]
+                new_block = self._new_block(parent_hash, position, tokens, chain_key, group)
+                if new_block is None:
+                    # An earlier block of its router block is gone: neither it nor anything
+                    # after it in the chain can be keyed. Never guess.
+                    self.counters.orphan_blocks += count - index
+                    break
+                block = self._blocks[block_hash] = new_block
             shift = _REF_BITS * event.tier
             held = (block.refs >> shift) & _REF_MASK
             if held < _REF_MASK:
@@ -212,6 +206,42 @@ class BlockTranslator:
             parent_hash, position = block_hash, position + 1
         if run:
             runs.append(_stored(run, event.tier, run_start, run_parent))
+        return runs
+
+    def _store_run(self, event: EngineBlocksStored, chain_key: int, position: int) -> list[KvEvent]:
+        """`_store` when a router block is one engine block: the hot path of ingest, so
+        the whole run is keyed in one call and the loop keeps to local names."""
+        keys = chain_keys(chain_key, event.token_ids, event.block_size)
+        tier = event.tier
+        shift = _REF_BITS * tier
+        one_ref = 1 << shift
+        blocks, announced = self._blocks, self._announced
+        runs: list[KvEvent] = []
+        run: list[int] = []
+        run_start, run_parent = 0, chain_key
+        previous_key = chain_key  # the key before the current block (the root at 0)
+        parent_hash = event.parent_hash
+        for block_hash, key in zip(event.block_hashes, keys, strict=True):
+            block = blocks.get(block_hash)
+            if block is None:
+                block = blocks[block_hash] = _EngineBlock(position, (), parent_hash, key, key)
+                block.refs = one_ref
+                held = 0
+            else:
+                held = (block.refs >> shift) & _REF_MASK
+                if held < _REF_MASK:
+                    block.refs += one_ref
+            if not held:
+                parent_key = previous_key if position else None
+                announced[(tier, key)] = _Announced(parent_key, position)
+                if not run or run[-1] != previous_key:
+                    if run:
+                        runs.append(_stored(run, tier, run_start, run_parent))
+                    run, run_start, run_parent = [], position, previous_key
+                run.append(key)
+            previous_key, parent_hash, position = key, block_hash, position + 1
+        if run:
+            runs.append(_stored(run, tier, run_start, run_parent))
         return runs
 
     def _new_block(

@@ -160,6 +160,11 @@ def _salt_from_extra_keys(extra_keys: Any, lora_name: str | None) -> str | None:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise WireDecodeError("an event has no block_hashes")
+    if set(map(type, value)) == {int}:
+        try:  # the usual case (vLLM's unsigned integers), checked in C
+            return tuple(array("Q", value))
+        except OverflowError:
+            pass  # signed (SGLang) or out of range: one by one
     return tuple(normalise_hash(item) for item in value)
 
 

@@ -10,8 +10,10 @@ incarnation, so the control plane never keeps what the engine no longer holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
+import time
 
 import httpx
 
@@ -26,6 +28,7 @@ from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
+_COUNTERS_LOG_INTERVAL_S = 60.0
 
 
 def tune_garbage_collector() -> None:
@@ -140,7 +143,14 @@ class WorkerAgent:
         failures = 0
         started_at: float | None = None
         load = EngineLoad(0, 0, 0.0)
+        reported = dataclasses.replace(translator.counters)
+        next_report = time.monotonic() + _COUNTERS_LOG_INTERVAL_S
         while True:
+            if time.monotonic() >= next_report:
+                next_report += _COUNTERS_LOG_INTERVAL_S
+                if translator.counters != reported:
+                    reported = dataclasses.replace(translator.counters)
+                    log.info("translation so far: %s", dataclasses.asdict(reported))
             metrics = await _probe(http)
             failures = 0 if metrics is not None else failures + 1
             if failures >= agent.engine_down_after_failures and not self.engine_is_down:

@@ -67,31 +67,22 @@ class AllBlocksClearedEvent(_Tagged, tag="AllBlocksCleared"):
     pass
 
 
-# Before 0.24: positional arrays whose first element is the tag.
-class _Positional(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+# Before 0.24: positional arrays whose first element is the tag; up to 0.23 with the
+# same fields as above.
+class LegacyBlockStored(BlockStored, array_like=True, tag="BlockStored"):
     pass
 
 
-class LegacyBlockStored(_Positional, tag="BlockStored"):
-    block_hashes: list[WireHash]
-    parent_block_hash: WireHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str
-    lora_name: str | None
-    extra_keys: list[list[str] | None]
-    group_idx: int
-    kv_cache_spec_kind: str
+class LegacyBlockRemoved(BlockRemovedEvent, array_like=True, tag="BlockRemoved"):
+    pass
 
 
-class LegacyBlockRemoved(_Positional, tag="BlockRemoved"):
-    block_hashes: list[WireHash]
-    medium: str
-    group_idx: int
+class LegacyAllBlocksCleared(AllBlocksClearedEvent, array_like=True, tag="AllBlocksCleared"):
+    pass
 
 
-class EarlyBlockStored(_Positional, tag="BlockStored"):
+# vLLM 0.9: the fields of that time only.
+class EarlyBlockStored(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True):
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None
     token_ids: list[int]
@@ -99,12 +90,8 @@ class EarlyBlockStored(_Positional, tag="BlockStored"):
     lora_id: int | None
 
 
-class EarlyBlockRemoved(_Positional, tag="BlockRemoved"):
+class EarlyBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True):
     block_hashes: list[WireHash]
-
-
-class LegacyAllBlocksCleared(_Positional, tag="AllBlocksCleared"):
-    pass
 
 
 class EventBatch(msgspec.Struct, array_like=True):

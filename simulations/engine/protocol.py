@@ -162,90 +162,57 @@ def usage_body(
     }
 
 
+def _envelope(
+    request_id: str, kind: str, model: str, choice: dict[str, Any] | None, **extra: Any
+) -> dict[str, Any]:
+    """The fields every response and chunk has; `choice` is the one choice, if any."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if choice is None else [{"index": 0, **choice, "logprobs": None}],
+        **extra,
+    }
+
+
 def completion_body(
     request_id: str, model: str, text: str, finish_reason: str | None, usage: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-        ],
-        "usage": usage,
+    choice = {
+        "text": text,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "prompt_logprobs": None,
     }
+    return _envelope(request_id, "text_completion", model, choice, usage=usage)
 
 
 def completion_chunk(
     request_id: str, model: str, text: str, finish_reason: str | None
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        ],
-    }
+    choice = {"text": text, "finish_reason": finish_reason, "stop_reason": None}
+    return _envelope(request_id, "text_completion", model, choice)
 
 
 def chat_body(
     request_id: str, model: str, text: str, finish_reason: str | None, usage: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        ],
-        "usage": usage,
-    }
+    message = {"role": "assistant", "content": text, "tool_calls": []}
+    choice = {"message": message, "finish_reason": finish_reason, "stop_reason": None}
+    return _envelope(request_id, "chat.completion", model, choice, usage=usage)
 
 
 def chat_chunk(
     request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    choice = {"delta": delta, "finish_reason": finish_reason}
+    return _envelope(request_id, "chat.completion.chunk", model, choice)
 
 
 def usage_chunk(request_id: str, model: str, chat: bool, usage: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": usage,
-    }
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return _envelope(request_id, kind, model, None, usage=usage)
 
 
 def models_body(

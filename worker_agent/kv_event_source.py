@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 END_OF_REPLAY = b"\xff" * 8
 _IDLE_POLL_MS = 250
+_DRAIN_YIELD_EVERY = 64
 _CATCH_UP_TRIES = 40  # idle polls (10 s) to fetch a restarted engine's first batches
 
 
@@ -59,8 +60,9 @@ class KvEventSource:
         self._replay_timeout_s = replay_timeout_s
         self._context = zmq.asyncio.Context()
         self._last: int | None = None  # last sequence delivered
-        # Sequences the last replay delivered: the same batches may still come over SUB.
-        self._replayed: tuple[int, int] | None = None
+        # What the last replay delivered, sequence -> payload hash: the same batches may
+        # still come over SUB. A different payload under a replayed number is a restart.
+        self._replayed: dict[int, int] = {}
         # Bumped when the engine goes down: answers to requests made before are the old
         # engine's and must not be delivered.
         self._epoch = 0
@@ -73,7 +75,7 @@ class KvEventSource:
         later batch to reveal the gap."""
         self._epoch += 1
         self._last = None
-        self._replayed = None
+        self._replayed = {}
         self._catch_up_tries = _CATCH_UP_TRIES
 
     def close(self) -> None:
@@ -101,7 +103,7 @@ class KvEventSource:
                         async for item in self._replay_from(self._next_expected(), idle=True):
                             yield item
                     continue
-                while True:
+                for drained in itertools.count(1):
                     try:
                         frames = draining.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -109,6 +111,8 @@ class KvEventSource:
                     self._catch_up_tries = 0  # the subscription works: gaps show as usual
                     async for item in self._frames(frames):
                         yield item
+                    if drained % _DRAIN_YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # heartbeats and probes go on under a flood
         finally:
             subscriber.close(linger=0)
 
@@ -124,10 +128,10 @@ class KvEventSource:
         return 0 if self._last is None else self._last + 1
 
     async def _deliver(self, sequence: int, payload: bytes) -> AsyncIterator[SourceItem]:
-        replayed = self._replayed
-        if replayed is not None and replayed[0] <= sequence <= replayed[1]:
-            return  # the replay delivered it already
-        self._replayed = None
+        if self._replayed:
+            if self._replayed.get(sequence) == hash(payload):
+                return  # the replay delivered it already
+            self._replayed = {}
         if self._last is not None and sequence <= self._last:
             # The counter went back: a new engine process with an empty cache.
             last, self._last = self._last, None
@@ -149,7 +153,8 @@ class KvEventSource:
         cannot be had. At startup (and when catching up while idle) a buffer that begins
         later, or no answer, is expected: what the engine cached before stays unknown
         (not announced), which is safe."""
-        lenient = startup or idle
+        # Lenient only while nothing is known yet: a hole after a known batch is a hole.
+        lenient = startup or (idle and self._last is None)
         if self._replay_endpoint is None:
             if not lenient:
                 self._last = None
@@ -172,8 +177,7 @@ class KvEventSource:
         if sequences and sequences[0] > start and not lenient:
             self._last = None
             yield StateLost(f"the engine's replay buffer no longer holds batch {start}")
-        if sequences:
-            self._replayed = (sequences[0], sequences[-1])
+        self._replayed = {sequence: hash(payload) for sequence, payload in replies}
         for sequence, payload in replies:
             if self._last is None or sequence > self._last:
                 yield self._decode(sequence, payload)

@@ -182,6 +182,7 @@ class ControlPlanePublisher:
             if self._load is not None:  # first, so that heartbeats go on under traffic
                 load, self._load = self._load, None
                 await stream.send(load_message(load.running, load.waiting, load.kv_usage))
+                continue  # an incarnation may have begun meanwhile: register it first
             if self._in_flight is None and self._outbox:
                 self._in_flight = self._next_batch()
             if self._in_flight is not None:

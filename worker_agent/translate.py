@@ -231,6 +231,8 @@ class BlockTranslator:
                 held = (block.refs >> shift) & _REF_MASK
                 if held < _REF_MASK:
                     block.refs += one_ref
+                # What removals will withdraw (equal to `key` unless hashes collide).
+                key = block.chain_key
             if not held:
                 parent_key = previous_key if position else None
                 announced[(tier, key)] = _Announced(parent_key, position)

@@ -84,6 +84,15 @@ class ResyncCause(enum.Enum):
     LEASE_EXPIRED = "lease_expired"
 
 
+def _ending(reply: pb.ControlMessage | Rejection) -> Rejection:
+    """What a Load or Drain that cannot be applied gets. They have no replies, so an
+    agent waiting for the reply to its next request would take a Resync here for that
+    one: the stream ends instead, and the agent's Register on the next stream is told."""
+    if isinstance(reply, Rejection):
+        return reply
+    return Rejection(pb.REJECT_CODE_NOT_REGISTERED, reply.resync.reason)
+
+
 def _ack(sequence: int) -> pb.ControlMessage:
     return pb.ControlMessage(ack=pb.Ack(sequence=sequence))
 
@@ -306,15 +315,15 @@ class _Stream:
             return report
         if report.engine_down:
             # Stop routing there at once, but let the lease (and the entries) run out.
-            if record.state is not WorkerState.DRAINING:
+            if record.state is WorkerState.LIVE:
                 failed = await self._renew(record, draining=True)
                 if failed is not None:
-                    return failed
+                    return _ending(failed)
                 log.info("worker %s reports its engine down", record.info.worker_id)
         else:
             failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
             if failed is not None:
-                return failed
+                return _ending(failed)
         self.view.load(record.info.worker_id, record.incarnation, report, time.monotonic())
         if report.timestamp_ms:
             lag = time.time() - report.timestamp_ms / 1000
@@ -325,7 +334,8 @@ class _Stream:
         failed = await self._renew(record, draining=True)
         if failed is None:
             log.info("worker %s incarnation %d draining", record.info.worker_id, record.incarnation)
-        return failed
+            return None
+        return _ending(failed)
 
     async def _renew(self, record: WorkerRecord, *, draining: bool) -> Reply:
         """Extend the lease; None on success, else the reply that ends the incarnation."""

@@ -442,6 +442,22 @@ async def test_an_engine_down_load_drains_and_lets_the_lease_run_out() -> None:
         assert await router.index.lookup(KEYS_A) == {}
 
 
+async def test_a_load_after_the_lease_ran_out_ends_the_stream() -> None:
+    async with router_with_channel(make_settings(lease_s=0.3)) as (router, channel):
+        stream = await registered(channel)
+
+        async def purged() -> bool:
+            return await router.index.workers() == []
+
+        await wait_until("the reaper to purge the silent worker", purged)
+        # Load gets no reply, so a Resync here would be taken for the reply to the
+        # agent's next request; the stream ends instead.
+        await stream.send(load_message(1, 0, 0.5))
+        await assert_rejected(
+            stream, pb.REJECT_CODE_NOT_REGISTERED, grpc.StatusCode.FAILED_PRECONDITION
+        )
+
+
 async def test_kv_events_keep_the_lease_alive() -> None:
     async with router_with_channel(make_settings(lease_s=0.5)) as (router, channel):
         stream = await registered(channel)

@@ -306,6 +306,8 @@ async def test_a_killed_engine_leaves_the_index_within_the_lease_and_comes_back(
                 await wait_until("the index matches the engine", running.matches_engine)
                 first = running.incarnation
 
+                assert agent.publisher is not None
+                started = agent.publisher.incarnations_started
                 await engine_life.aclose()  # the engine dies: its HTTP and ZMQ sockets close
                 await wait_until(
                     "the dead engine's entries are gone",
@@ -317,6 +319,11 @@ async def test_a_killed_engine_leaves_the_index_within_the_lease_and_comes_back(
                 await running.send(client, PROMPTS[4])
                 await wait_until("a new incarnation", lambda: running.incarnation > first)
                 await wait_until("the index matches the new engine", running.matches_engine)
+                await asyncio.sleep(1.0)
+                # One new incarnation for the new engine (two if the restart also shows in
+                # its event sequence), not a storm of them.
+                assert agent.publisher.incarnations_started - started <= 3
+                assert await running.matches_engine()
             finally:
                 await cancel_task(task)
 

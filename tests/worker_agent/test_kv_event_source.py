@@ -139,3 +139,12 @@ async def test_a_replay_that_starts_after_the_gap_loses_the_state() -> None:
         await engine.publish(5)
         assert await take(items, 4) == [0, "lost", 3, 4]
         assert await take(items, 1) == [5]
+
+
+async def test_a_restarted_engine_is_not_mistaken_for_replayed_batches() -> None:
+    engine = ScriptedEngine(lambda start: batches(0, 1, 2) if start == 0 else [])
+    async with source_of(engine) as items:
+        assert await take(items, 3) == [0, 1, 2]  # the startup replay
+        # A new engine process: sequence 1 again, with a different payload.
+        await engine.pub.send_multipart([TOPIC, (1).to_bytes(8, "big"), payload(99)])
+        assert await take(items, 1) == ["lost"]

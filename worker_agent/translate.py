@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvplane.keys import KeyNamespace, chain_keys, root_key
 from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
@@ -73,9 +72,9 @@ class _EngineBlock:
         self.member_of: set[int] | None = None
 
 
-class _Announced(NamedTuple):
-    parent_key: int | None
-    position: int  # in router blocks
+# An announced key's (parent key, position in router blocks): a plain tuple, built once
+# per stored block on the hot path (a NamedTuple's constructor is a Python call).
+_Announced = tuple[int | None, int]
 
 
 class BlockTranslator:
@@ -133,13 +132,12 @@ class BlockTranslator:
         chained runs, parents before children."""
         runs: list[tuple[Tier, int, int | None, list[int]]] = []
         open_runs: dict[tuple[Tier, int], list[int]] = {}  # (tier, last key) -> run keys
-        ordered = sorted(self._announced.items(), key=lambda item: item[1].position)
-        for (tier, key), announced in ordered:
-            parent = announced.parent_key
+        ordered = sorted(self._announced.items(), key=lambda item: item[1][1])
+        for (tier, key), (parent, position) in ordered:
             run = None if parent is None else open_runs.pop((tier, parent), None)
             if run is None:
                 run = []
-                runs.append((tier, announced.position, parent, run))
+                runs.append((tier, position, parent, run))
             run.append(key)
             open_runs[(tier, key)] = run
         return [
@@ -195,7 +193,7 @@ class BlockTranslator:
             if not held and key is not None and self._group_held(block, key, group, event.tier):
                 router_position = position // group
                 parent_key = chain_key if router_position else None
-                self._announced[(event.tier, key)] = _Announced(parent_key, router_position)
+                self._announced[(event.tier, key)] = (parent_key, router_position)
                 if run and run[-1] == parent_key:  # the key right after the run's last
                     run.append(key)
                 else:
@@ -235,7 +233,7 @@ class BlockTranslator:
                 key = block.chain_key
             if not held:
                 parent_key = previous_key if position else None
-                announced[(tier, key)] = _Announced(parent_key, position)
+                announced[(tier, key)] = (parent_key, position)
                 if not run or run[-1] != previous_key:
                     if run:
                         runs.append(_stored(run, tier, run_start, run_parent))

@@ -58,6 +58,27 @@ class ControlPlaneSettings(_Section):
         return self
 
 
+class ScoringSettings(_Section):
+    """Weights of the routing score (router/scoring), every term in prefill tokens."""
+
+    # Queue: each waiting request delays this one by about its prompt's prefill.
+    waiting_request_tokens: float = Field(default=1024.0, ge=0)
+    queued_prefill_weight: float = Field(default=1.0, ge=0)  # per prefill token queued ahead
+    # Memory pressure: past this KV usage, a request's new blocks evict cached ones.
+    memory_pressure_start: float = Field(default=0.9, ge=0, lt=1)
+    memory_pressure_weight: float = Field(default=1.0, ge=0)  # per new token, at full pressure
+    # Tenant risk, for the `private` isolation class.
+    co_residence_tokens: float = Field(default=2048.0, ge=0)  # per other tenant's request
+    missing_label_tokens: float = Field(default=8192.0, ge=0)  # per required label missing
+    # What a hit on a slower tier is worth: restoring a token's KV (bytes / bandwidth)
+    # against recomputing it (1 / prefill rate). Defaults: an 8B model on one H100.
+    prefill_tokens_per_s: float = Field(default=12_500.0, gt=0)
+    kv_bytes_per_token: int = Field(default=131_072, gt=0)  # 32 layers x 8 KV heads x 128 x 2 x 2
+    host_bandwidth_bytes_per_s: float = Field(default=25e9, ge=0)  # PCIe 5 x16, half of peak
+    disk_bandwidth_bytes_per_s: float = Field(default=5e9, ge=0)  # a local NVMe drive
+    remote_bandwidth_bytes_per_s: float = Field(default=1.25e9, ge=0)  # 10 Gbit/s
+
+
 class HttpSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -155,6 +176,7 @@ class Settings(BaseSettings):
     index: IndexSettings = IndexSettings()
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
     http: HttpSettings = HttpSettings()
+    scoring: ScoringSettings = ScoringSettings()
     agent: AgentSettings = AgentSettings()
     logging: LoggingSettings = LoggingSettings()
 

@@ -1,0 +1,1 @@
+"""Routing decisions: pure functions from what the router knows to a ranked choice."""

@@ -1,0 +1,110 @@
+"""The routing score: each term in prefill tokens, pure, explainable, ties at random."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvplane.config import ScoringSettings
+from router.index.base import Tier
+from router.scoring.score import (
+    RequestFacts,
+    WorkerState,
+    hit_value,
+    rank_workers,
+    score_worker,
+)
+
+WEIGHTS = ScoringSettings()
+
+
+def worker(worker_id: str, device: int = 0, **state: object) -> WorkerState:
+    return WorkerState(worker_id, {Tier.DEVICE: device} if device else {}, **state)  # type: ignore[arg-type]
+
+
+def best(request: RequestFacts, *workers: WorkerState, seed: int = 0) -> str:
+    return rank_workers(request, workers, WEIGHTS, random.Random(seed))[0].worker_id
+
+
+def test_slower_tiers_are_worth_what_restoring_saves_over_recomputing() -> None:
+    assert hit_value(Tier.DEVICE, WEIGHTS) == 1.0
+    # 128 KiB per token over 25 GB/s against 12,500 tokens/s of prefill.
+    assert hit_value(Tier.HOST, WEIGHTS) == pytest.approx(1 - 131_072 / 25e9 * 12_500)
+    assert 0 < hit_value(Tier.DISK, WEIGHTS) < hit_value(Tier.HOST, WEIGHTS)
+    assert hit_value(Tier.REMOTE, WEIGHTS) == 0.0  # slower than recomputing: worth nothing
+    no_host = WEIGHTS.model_copy(update={"host_bandwidth_bytes_per_s": 0.0})
+    assert hit_value(Tier.HOST, no_host) == 0.0
+
+
+def test_the_longest_cached_prefix_wins_when_all_else_is_equal() -> None:
+    request = RequestFacts(prompt_tokens=4096)
+    assert best(request, worker("a", 1024), worker("b", 3072), worker("c")) == "b"
+    host = WorkerState("h", {Tier.HOST: 3072})
+    assert best(request, worker("d", 2048), host) == "h"  # 3072 x 0.93 > 2048
+
+
+def test_a_long_queue_sends_a_hot_prefix_elsewhere() -> None:
+    request = RequestFacts(prompt_tokens=2048)
+    idle = worker("idle", 0)
+    busy = worker("busy", 2048, waiting_requests=3)
+    assert best(request, busy, idle) == "idle"
+    assert best(request, worker("busy", 2048, waiting_requests=1), idle) == "busy"
+    queued = worker("queued", 2048, queued_prefill_tokens=4096)
+    assert best(request, queued, idle) == "idle"
+
+
+def test_memory_pressure_counts_only_near_full_and_only_new_tokens() -> None:
+    request = RequestFacts(prompt_tokens=1000)
+    calm = score_worker(request, worker("a", 0, kv_usage=0.85), WEIGHTS)
+    assert calm.memory_penalty == 0.0
+    full = score_worker(request, worker("b", 400, kv_usage=0.95), WEIGHTS)
+    assert full.memory_penalty == pytest.approx(0.5 * 600)  # half way into the last 10 %
+
+
+def test_private_tenants_pay_for_company_and_missing_labels() -> None:
+    request = RequestFacts(prompt_tokens=1000, isolation="private", required_labels={"zone": "a"})
+    crowded = score_worker(
+        request, worker("x", other_tenants_running=2, labels={"zone": "a"}), WEIGHTS
+    )
+    assert crowded.tenant_penalty == 2 * WEIGHTS.co_residence_tokens
+    elsewhere = score_worker(request, worker("y", labels={"zone": "b"}), WEIGHTS)
+    assert elsewhere.tenant_penalty == WEIGHTS.missing_label_tokens
+    shared = score_worker(RequestFacts(1000), worker("x", other_tenants_running=2), WEIGHTS)
+    assert shared.tenant_penalty == 0.0
+
+
+def test_dedicated_tenants_only_see_their_pool() -> None:
+    request = RequestFacts(prompt_tokens=1000, isolation="dedicated", pool="gold")
+    ranked = rank_workers(
+        request,
+        [worker("other", 1000), worker("mine", 0, pool="gold")],
+        WEIGHTS,
+        random.Random(1),
+    )
+    assert [r.worker_id for r in ranked] == ["mine"]
+    no_pool = RequestFacts(prompt_tokens=1000, isolation="dedicated")
+    assert rank_workers(no_pool, [worker("mine", pool="gold")], WEIGHTS, random.Random(1)) == []
+
+
+def test_ties_are_broken_at_random_not_by_list_order() -> None:
+    request = RequestFacts(prompt_tokens=512)
+    picks = Counter(
+        best(request, worker("a", 256), worker("b", 256), worker("c", 256), seed=seed)
+        for seed in range(300)
+    )
+    assert set(picks) == {"a", "b", "c"}
+    assert min(picks.values()) > 50
+
+
+def test_the_breakdown_adds_up_and_the_cached_prefix_is_capped() -> None:
+    request = RequestFacts(prompt_tokens=100)
+    breakdown = score_worker(request, worker("a", 512, waiting_requests=1, kv_usage=1.0), WEIGHTS)
+    assert breakdown.cached_tokens == 100
+    assert breakdown.score == pytest.approx(
+        breakdown.saved_tokens
+        - breakdown.queue_penalty
+        - breakdown.memory_penalty
+        - breakdown.tenant_penalty
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 from dataclasses import dataclass
@@ -15,10 +16,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from kvplane.config import AgentSettings, ControlPlaneSettings
+from kvplane.keys import KeyNamespace, block_keys
+from kvplane.serving import cancel_task
 from kvplane.v1 import control_plane_pb2 as pb
 from router.app import running_router
 from router.control_plane.client import AgentStream, events_message, register_message
+from router.index.base import Tier
 from tests.control_plane.conftest import (
+    BLOCK_SIZE,
+    MODEL,
     body,
     make_settings,
     prompt_keys,
@@ -26,6 +33,9 @@ from tests.control_plane.conftest import (
     stored,
     worker,
 )
+from worker_agent.events import EngineBlocksStored
+from worker_agent.publisher import ControlPlanePublisher, PublisherRejected, WorkerIdentity
+from worker_agent.translate import BlockTranslator
 
 TOKEN = "t0ken-for-tests"
 
@@ -176,3 +186,52 @@ async def test_server_tls_without_client_certificates(pki: Pki) -> None:
     async with running_router(settings) as router:
         reply = await _register_over_tls(router.grpc_port, grpc.ssl_channel_credentials(pki.ca))
         assert reply.ack.sequence == 0
+
+
+def _publisher(
+    port: int, pki: Pki, directory: Path, token: str | None
+) -> tuple[ControlPlanePublisher, BlockTranslator]:
+    (directory / "agent.pem").write_bytes(pki.client_cert)
+    (directory / "agent-key.pem").write_bytes(pki.client_key)
+    agent = AgentSettings(
+        control_plane_address=f"127.0.0.1:{port}",
+        tls_ca_file=pki.ca_file,
+        tls_cert_file=directory / "agent.pem",
+        tls_key_file=directory / "agent-key.pem",
+    )
+    translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=1000)
+    publisher = ControlPlanePublisher(
+        WorkerIdentity("tls-agent", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", {}),
+        agent,
+        ControlPlaneSettings(block_size=BLOCK_SIZE, agent_token=token),  # type: ignore[arg-type]
+        snapshot=translator.snapshot,
+    )
+    return publisher, translator
+
+
+async def test_the_agent_publishes_over_mutual_tls_with_its_token(pki: Pki, tmp_path: Path) -> None:
+    settings = make_settings(
+        tls_cert_file=pki.server_cert,
+        tls_key_file=pki.server_key,
+        tls_client_ca_file=pki.ca_file,
+        agent_token=TOKEN,
+    )
+    tokens = list(range(2 * BLOCK_SIZE))
+    async with running_router(settings) as router:
+        publisher, translator = _publisher(router.grpc_port, pki, tmp_path, TOKEN)
+        task = asyncio.create_task(publisher.run())
+        try:
+            await publisher.wait_connected()
+            engine_event = EngineBlocksStored(
+                (1, 2), None, tuple(tokens), BLOCK_SIZE, Tier.DEVICE, None, None
+            )
+            publisher.submit(translator.translate([engine_event]))
+            await publisher.wait_flushed()
+            keys = block_keys(tokens, KeyNamespace(MODEL, BLOCK_SIZE))
+            assert (await router.index.lookup(keys))["tls-agent"].blocks == 2
+        finally:
+            await cancel_task(task)
+
+        wrong, _ = _publisher(router.grpc_port, pki, tmp_path, "wrong")
+        with pytest.raises(PublisherRejected, match="UNAUTHENTICATED"):
+            await asyncio.wait_for(wrong.run(), timeout=10)

@@ -63,6 +63,18 @@ class Subscriber:
         self._context.term()
 
 
+@contextlib.asynccontextmanager
+async def subscribed(sim: RunningEngineSim) -> AsyncIterator[Subscriber]:
+    """A subscriber to the simulator's KV events, ready to receive."""
+    assert sim.events_endpoint is not None
+    subscriber = Subscriber(sim.events_endpoint)
+    try:
+        await subscriber.ready()
+        yield subscriber
+    finally:
+        subscriber.close()
+
+
 async def replay(endpoint: str, start: int, timeout_s: float = 5.0) -> list[list[bytes]]:
     """Ask the replay socket for everything from `start`; returns every reply message,
     the end marker included."""

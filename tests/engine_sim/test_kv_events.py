@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from typing import Any
 
@@ -11,7 +10,7 @@ import msgspec
 import pytest
 
 from simulations.engine.config import KVEventsConfig
-from tests.engine_sim.conftest import END, EVENTS, Subscriber, decode_payload, engine_sim, replay
+from tests.engine_sim.conftest import END, EVENTS, decode_payload, engine_sim, replay, subscribed
 
 PROMPT = "Each block of sixteen tokens gets a key that depends on every token before it. " * 3
 
@@ -58,17 +57,15 @@ async def complete(client: httpx.AsyncClient, prompt: str, **extra: Any) -> None
 
 
 async def test_events_are_vllm_0_32_frames_and_maps() -> None:
-    async with engine_sim() as sim, httpx.AsyncClient(base_url=sim.base_url) as client:
-        assert sim.events_endpoint is not None
-        subscriber = Subscriber(sim.events_endpoint)
-        try:
-            await subscriber.ready()
-            await complete(client, PROMPT)
-            await complete(client, PROMPT + " and a little more text to fill a new block")
-            await complete(client, PROMPT, cache_salt="tenant-a")
-            messages = await subscriber.drain()
-        finally:
-            subscriber.close()
+    async with (
+        engine_sim() as sim,
+        httpx.AsyncClient(base_url=sim.base_url) as client,
+        subscribed(sim) as subscriber,
+    ):
+        await complete(client, PROMPT)
+        await complete(client, PROMPT + " and a little more text to fill a new block")
+        await complete(client, PROMPT, cache_salt="tenant-a")
+        messages = await subscriber.drain()
     assert [frames[0] for frames in messages] == [b"kv-events"] * len(messages)
     assert [int.from_bytes(frames[1], "big") for frames in messages] == list(range(len(messages)))
     assert all(len(frames[1]) == 8 for frames in messages)
@@ -126,16 +123,11 @@ async def test_eviction_removes_exactly_the_evicted_blocks() -> None:
 
 async def test_replay_returns_the_missed_batches_then_the_end_marker() -> None:
     async with engine_sim() as sim, httpx.AsyncClient(base_url=sim.base_url) as client:
-        assert sim.events_endpoint is not None
         assert sim.replay_endpoint is not None
-        subscriber = Subscriber(sim.events_endpoint)
-        try:
-            await subscriber.ready()
+        async with subscribed(sim) as subscriber:
             for index in range(4):
                 await complete(client, f"{index} {PROMPT}")
             published = await subscriber.drain()
-        finally:
-            subscriber.close()
         replies = await replay(sim.replay_endpoint, 2)
     assert len(published) == 4
     # DEALER side of a 0.26+ reply: [b"", topic, seq, payload], then [b"", b"", END, b""].
@@ -162,16 +154,11 @@ async def test_dropped_batches_leave_a_gap_that_replay_fills() -> None:
         engine_sim(drop_event_fraction=0.5, seed=3) as sim,
         httpx.AsyncClient(base_url=sim.base_url) as client,
     ):
-        assert sim.events_endpoint is not None
         assert sim.replay_endpoint is not None
-        subscriber = Subscriber(sim.events_endpoint)
-        try:
-            await subscriber.ready()
+        async with subscribed(sim) as subscriber:
             for index in range(12):
                 await complete(client, f"{index} {PROMPT}")
             received = await subscriber.drain()
-        finally:
-            subscriber.close()
         replies = await replay(sim.replay_endpoint, 0)
     seen = [int.from_bytes(frames[1], "big") for frames in received]
     replayed = [int.from_bytes(frames[2], "big") for frames in replies[:-1]]
@@ -224,11 +211,8 @@ async def test_hashes_are_32_byte_digests_when_vllm_is_told_so(
 
 async def test_reset_and_restart_faults_show_on_the_wire() -> None:
     async with engine_sim() as sim, httpx.AsyncClient(base_url=sim.base_url) as client:
-        assert sim.events_endpoint is not None
         assert sim.replay_endpoint is not None
-        subscriber = Subscriber(sim.events_endpoint)
-        try:
-            await subscriber.ready()
+        async with subscribed(sim) as subscriber:
             await complete(client, PROMPT)
             assert (await client.post("/reset_prefix_cache")).status_code == 200
             assert (await client.get("/sim/blocks")).json()["blocks"] == []
@@ -236,8 +220,6 @@ async def test_reset_and_restart_faults_show_on_the_wire() -> None:
             assert fault.status_code == 200
             await complete(client, PROMPT)
             messages = await subscriber.drain()
-        finally:
-            subscriber.close()
         after_restart = await replay(sim.replay_endpoint, 0)
     sequences = [int.from_bytes(frames[1], "big") for frames in messages]
     assert sequences == [0, 1, 0]  # stored, cleared, then a fresh counter
@@ -250,7 +232,6 @@ async def test_bad_fault_requests_change_nothing() -> None:
         unknown = await client.post("/sim/faults", json={"explode": True})
         negative = await client.post("/sim/faults", json={"stall_s": -1})
         not_json = await client.post("/sim/faults", content=b"{")
-        await asyncio.sleep(0)
     assert unknown.status_code == negative.status_code == not_json.status_code == 400
     assert sim.engine.publisher is not None
     assert sim.engine.publisher.drop_fraction == 0.0

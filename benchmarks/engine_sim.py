@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import h11
-import httpx
+import httpx2
 
 from simulations.engine.process import spawn_engine_sim
 
@@ -70,19 +70,27 @@ def _prompts(count: int, seed: int) -> list[str]:
 
 
 async def _load(
-    base_url: str, prompts: list[str], concurrency: int, max_tokens: int
+    base_url: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    *,
+    model: str | None = None,
 ) -> tuple[float, list[float], int]:
     """Send every prompt over `concurrency` keep-alive connections; returns the elapsed
-    seconds, each request's latency and the number of non-200 answers.
+    seconds, each request's latency and the number of non-200 answers. With `model` the
+    bodies name it (a router requires one; the simulator defaults to its own).
 
     The client speaks HTTP/1.1 with h11 over asyncio streams rather than through httpx:
     httpx spends 2 to 6 ms of CPU per request here, more than the simulator itself, and
     on a 2-core machine the benchmark would measure its own client.
     """
-    url = httpx.URL(base_url)
+    url = httpx2.URL(base_url)
     host, port = url.host, url.port or 80
+    named = {} if model is None else {"model": model}
     bodies = iter(
-        json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode() for prompt in prompts
+        json.dumps({**named, "prompt": prompt, "max_tokens": max_tokens}).encode()
+        for prompt in prompts
     )
     latencies: list[float] = []
     errors = 0

@@ -28,6 +28,7 @@ from pathlib import Path
 import xxhash
 
 from kvplane.keys import KeyNamespace, block_keys
+from kvplane.reporting import percentile
 from router.index.base import BlocksStored, LocationIndex, Tier, WorkerInfo
 from router.index.memory import MemoryLocationIndex
 
@@ -92,11 +93,6 @@ def _batches(prompts: list[int]) -> Iterator[list[BlocksStored]]:
                 batch = []
     if batch:
         yield batch
-
-
-def _percentile(samples: list[float], share: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 async def _fill(index: LocationIndex, layout: dict[int, list[int]]) -> tuple[int, float]:
@@ -182,7 +178,7 @@ async def measure_index(
         apply_entries_per_s=applied / seconds,
         apply_small_batches_per_s=await _small_batches(index, SMALL_BATCHES),
         lookup_p50_us=statistics.median(samples),
-        lookup_p99_us=_percentile(samples, 0.99),
+        lookup_p99_us=percentile(samples, 0.99),
         bytes_per_entry=memory_bytes / max(1, stats.entries),
     )
 

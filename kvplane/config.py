@@ -24,6 +24,11 @@ from pydantic_settings import (
 from kvplane.keys import SCHEME_VERSION
 
 
+class ConfigError(ValueError):
+    """Configuration that passed validation field by field but does not hold together
+    (checked where it is used, e.g. the tenants); the CLI reports it in one line."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,9 +66,19 @@ class ControlPlaneSettings(_Section):
 class ScoringSettings(_Section):
     """Weights of the routing score (router/scoring), every term in prefill tokens."""
 
-    # Queue: each waiting request delays this one by about its prompt's prefill.
-    waiting_request_tokens: float = Field(default=1024.0, ge=0)
-    queued_prefill_weight: float = Field(default=1.0, ge=0)  # per prefill token queued ahead
+    # `round-robin` ignores the scores (they are still computed and reported): a
+    # baseline to compare against, as `kvplane demo` does.
+    policy: Literal["kvplane", "round-robin"] = "kvplane"
+
+    # Queue: each waiting request costs its fixed overhead (its prefill work is in
+    # queued_prefill_tokens when this router sent it, unknown when the engine reports it).
+    waiting_request_tokens: float = Field(default=256.0, ge=0)
+    # Per prefill token queued ahead. 0.5, not 1: in the fleet simulator (docs/simulation.md)
+    # it raised the hit rate and cut TTFT p90 on the Mooncake trace, a shared-prefix
+    # workload and llm-d's benchmark shape alike (queued tokens often hit the cache too).
+    queued_prefill_weight: float = Field(default=0.5, ge=0)
+    # Decoding requests slow every step a little: a light tie-breaker towards idle workers.
+    running_request_tokens: float = Field(default=32.0, ge=0)
     # Memory pressure: past this KV usage, a request's new blocks evict cached ones.
     memory_pressure_start: float = Field(default=0.9, ge=0, lt=1)
     memory_pressure_weight: float = Field(default=1.0, ge=0)  # per new token, at full pressure
@@ -82,6 +97,71 @@ class ScoringSettings(_Section):
 class HttpSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    # The fleet API (/fleet/...) answers only this bearer token; without one it is off.
+    admin_token: SecretStr | None = None
+    # Set: the fleet API and /metrics move to this port, so that the port clients reach
+    # serves only the OpenAI API and the probes.
+    admin_port: int | None = Field(default=None, ge=0, le=65535)
+
+
+class ProxySettings(_Section):
+    """The OpenAI-compatible proxy: tokenisation, upstream timeouts, failover."""
+
+    # The served models' Hugging Face tokenizers (local directories): one per model
+    # name, else tokenizer_dir for every model, else kvplane's shipped tiny tokenizer.
+    tokenizer_dir: Path | None = None
+    tokenizer_dirs: dict[str, Path] = Field(default_factory=dict)
+    max_attempts: int = Field(default=3, ge=1, le=16)  # workers tried before the first byte
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)  # includes queueing and prefill
+    idle_timeout_s: float = Field(default=60.0, gt=0)  # longest gap inside a response
+    retry_after_s: int = Field(default=1, ge=0)  # the Retry-After of a 503
+    unreachable_backoff_s: float = Field(default=2.0, ge=0)  # a refused worker sits out
+    index_timeout_s: float = Field(default=0.25, gt=0)  # past it, route on load alone
+    predicted_ttl_s: float = Field(default=3.0, ge=0)  # routed prefixes, before events
+    suspect_after_misses: int = Field(default=5, ge=1)  # predictions in a row the engine
+    # did not confirm before a worker's index entries count as suspect
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_connections: int = Field(default=1024, ge=1)  # upstream connections, all workers
+    token_cache_tokens: int = Field(default=2_000_000, ge=0)  # recent tokenisations (4 B each)
+
+
+IsolationClass = Literal["shared", "private", "dedicated"]
+_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+
+
+class TenantSpec(_Section):
+    """One tenant: its API keys (SHA-256 hex digests, never the keys) and isolation."""
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    api_key_sha256: list[str] = Field(default_factory=list)
+    # Tenants naming the same scope share cached blocks (an explicit opt-in); without
+    # one a tenant's scope is its own ("tenant:<name>", which no name can match). The
+    # scope "shared" is the unsalted cache that requests without a cache_salt use.
+    cache_scope: str | None = Field(default=None, pattern=_NAME_PATTERN)
+    isolation: IsolationClass = "shared"
+    required_labels: dict[str, str] = Field(default_factory=dict)  # `private`: soft
+    pool: str | None = None  # `dedicated`: only workers labelled kvplane.io/pool=<pool>
+
+    @model_validator(mode="after")
+    def _check(self) -> TenantSpec:
+        for digest in self.api_key_sha256:
+            if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+                raise ValueError(f"tenant {self.name}: api_key_sha256 entries are 64 hex digits")
+        if self.isolation == "dedicated" and not self.pool:
+            raise ValueError(f"tenant {self.name}: the dedicated class needs a pool")
+        return self
+
+
+class TenantSettings(_Section):
+    tenants: list[TenantSpec] = Field(default_factory=list)
+    # A TOML file of [[tenants]] tables, read at start (mounted from a secret, say).
+    tenants_file: Path | None = None
+    # Derives each scope's cache salt; routers sharing an index need the same one.
+    # Unset: a random secret per process (salts, and so tenants' hits, die with it).
+    cache_salt_secret: SecretStr | None = None
+    # Requests without a key: None allows them only while no tenant is configured.
+    allow_anonymous: bool | None = None
 
 
 class AgentSettings(_Section):
@@ -163,6 +243,14 @@ class AgentSettings(_Section):
         return self
 
 
+class TracingSettings(_Section):
+    """OpenTelemetry spans of the router's decisions, exported over OTLP/HTTP."""
+
+    otlp_endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; None: off
+    service_name: str = "kvplane-router"
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+
+
 class LoggingSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     format: Literal["text", "json"] = "text"
@@ -177,7 +265,10 @@ class Settings(BaseSettings):
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
     http: HttpSettings = HttpSettings()
     scoring: ScoringSettings = ScoringSettings()
+    proxy: ProxySettings = ProxySettings()
+    tenants: TenantSettings = TenantSettings()
     agent: AgentSettings = AgentSettings()
+    tracing: TracingSettings = TracingSettings()
     logging: LoggingSettings = LoggingSettings()
 
     @classmethod

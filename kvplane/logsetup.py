@@ -41,3 +41,7 @@ def configure_logging(settings: LoggingSettings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level)
+    # httpx logs every request at INFO (the agent's probes, the proxy's upstream calls:
+    # thousands a minute); their failures reach kvplane's own logs as they matter.
+    for chatty in ("httpx", "httpcore", "httpx2", "httpcore2"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))

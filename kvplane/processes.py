@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-import httpx
+import httpx2
 
 
 @contextmanager
@@ -42,6 +42,6 @@ def spawn_kvplane(
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
-    except httpx.TransportError:
+        return httpx2.get(url, timeout=1.0).status_code == 200
+    except httpx2.TransportError:
         return False

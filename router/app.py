@@ -1,4 +1,5 @@
-"""`kvplane router`: the gRPC control plane and the HTTP endpoints in one event loop.
+"""`kvplane router`: the gRPC control plane, the OpenAI proxy, the fleet API and the
+operators' endpoints in one event loop.
 
 running_router() starts everything on the configured ports (0 picks free ones) and
 yields the bound ports, which the tests and the demo use; serve() runs it until
@@ -11,63 +12,174 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from opentelemetry.sdk.trace.export import SpanExporter
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute
 
 from kvplane.config import ControlPlaneSettings, Settings
 from kvplane.serving import cancel_task, serving_http, wait_for_stop_signal
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
+from router.fleet_api import FleetApi
 from router.http import create_http_app
 from router.index import open_index
 from router.index.base import LocationIndex
 from router.metrics import RouterMetrics
+from router.proxy.service import ProxyService
+from router.proxy.upstream import Upstream
+from router.routing.accuracy import PredictionAccuracy
+from router.routing.decide import RoutingPlanner
+from router.routing.fleet import Fleet
+from router.routing.predicted import PredictedPrefixes
+from router.tenants import TenantDirectory
+from router.tracing import open_tracing
 
 log = logging.getLogger(__name__)
 
 _GRPC_STOP_GRACE_S = 1.0
 _HTTP_STOP_GRACE_S = 2
+REGISTRY_REFRESH_S = 0.25
+"""How often the router re-reads the workers' registrations from the index."""
+SCOPE_REFRESH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class RunningRouter:
     grpc_port: int
     http_port: int
+    admin_port: int | None  # the fleet API's and /metrics' own port, when configured
     index: LocationIndex
     workers: WorkerView
     metrics: RouterMetrics
+    fleet: Fleet
+    planner: RoutingPlanner
+    tenants: TenantDirectory
 
 
 @contextlib.asynccontextmanager
-async def running_router(settings: Settings) -> AsyncIterator[RunningRouter]:
-    cp = settings.control_plane
+async def running_router(
+    settings: Settings, *, span_exporter: SpanExporter | None = None
+) -> AsyncIterator[RunningRouter]:
+    """The router on the configured ports; `span_exporter` receives its spans (tests)."""
+    cp, proxy_settings = settings.control_plane, settings.proxy
     async with contextlib.AsyncExitStack() as stack:
         # Unwound in reverse: readiness fails first, then gRPC stops (streams still open
         # are cancelled after a grace period; their clean-up, dropping drained workers,
-        # needs the index), then HTTP and the reaper, and the index closes last.
+        # needs the index), then HTTP, the upstream connections and the background
+        # tasks, and the index closes last.
         index = open_index(settings.index)
         stack.push_async_callback(index.close)
+        tracer, tracer_provider = open_tracing(settings.tracing, span_exporter)
+        if tracer_provider is not None:
+            stack.callback(tracer_provider.shutdown)
         view = WorkerView()
         metrics = RouterMetrics()
+        tenants = TenantDirectory.from_settings(settings.tenants)
+        fleet = Fleet(index, view, unreachable_backoff_s=proxy_settings.unreachable_backoff_s)
+        predicted = PredictedPrefixes(proxy_settings.predicted_ttl_s)
+        accuracy = PredictionAccuracy(
+            proxy_settings.suspect_after_misses, tolerance_tokens=cp.block_size
+        )
+        planner = RoutingPlanner(
+            index=index,
+            fleet=fleet,
+            predicted=predicted,
+            accuracy=accuracy,
+            weights=settings.scoring,
+            block_size=cp.block_size,
+            index_timeout_s=proxy_settings.index_timeout_s,
+            tracer=tracer,
+        )
+        with contextlib.suppress(Exception):  # the index is down: the tasks below retry
+            async with asyncio.timeout(proxy_settings.index_timeout_s * 4):
+                tenants.apply_generations(await index.scope_generations())
+                await fleet.refresh()
         reaper = asyncio.create_task(reap_forever(index, view, cp.lease_s))
         stack.push_async_callback(cancel_task, reaper)
+        refresher = asyncio.create_task(
+            fleet.refresh_forever(REGISTRY_REFRESH_S, proxy_settings.index_timeout_s * 4)
+        )
+        stack.push_async_callback(cancel_task, refresher)
+        generations = asyncio.create_task(follow_scope_generations(index, tenants))
+        stack.push_async_callback(cancel_task, generations)
+        upstream = Upstream(proxy_settings)
+        stack.push_async_callback(upstream.close)
+        proxy = ProxyService(
+            settings=proxy_settings,
+            tenants=tenants,
+            fleet=fleet,
+            planner=planner,
+            accuracy=accuracy,
+            upstream=upstream,
+            metrics=metrics,
+            tracer=tracer,
+        )
+        await asyncio.to_thread(proxy.prompt_tokens.tokenizers.preload)
+        admin_token = settings.http.admin_token
+        fleet_api = FleetApi(
+            admin_token=None if admin_token is None else admin_token.get_secret_value(),
+            index=index,
+            view=view,
+            fleet=fleet,
+            planner=planner,
+            accuracy=accuracy,
+            tenants=tenants,
+            prompt_tokens=proxy.prompt_tokens,
+            max_body_bytes=proxy_settings.max_body_bytes,
+        )
 
         serving = asyncio.Event()  # set while the gRPC server accepts streams
-        http_app = create_http_app(
-            index=index, view=view, metrics=metrics, grpc_serving=serving.is_set
-        )
+        token_cache = proxy.prompt_tokens.cache
+
+        def before_scrape() -> None:
+            metrics.set_routing_view(fleet, planner, accuracy)
+            metrics.set_token_cache(token_cache.hits, token_cache.misses, token_cache.tokens)
+
+        def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> Starlette:
+            return create_http_app(
+                index=index,
+                view=view,
+                metrics=metrics,
+                grpc_serving=serving.is_set,
+                routes=routes,
+                before_scrape=before_scrape,
+                serve_metrics=serve_metrics,
+            )
+
+        http = settings.http
+        separate_admin = http.admin_port is not None
+        public_routes = [*proxy.routes(), *([] if separate_admin else fleet_api.routes())]
         http_port = await stack.enter_async_context(
             serving_http(
-                http_app, settings.http.host, settings.http.port, stop_grace_s=_HTTP_STOP_GRACE_S
+                http_app(public_routes, serve_metrics=not separate_admin),
+                http.host,
+                http.port,
+                stop_grace_s=_HTTP_STOP_GRACE_S,
             )
         )
+        admin_port = None
+        if http.admin_port is not None:
+            admin_port = await stack.enter_async_context(
+                serving_http(
+                    http_app(fleet_api.routes(), serve_metrics=True),
+                    http.host,
+                    http.admin_port,
+                    stop_grace_s=_HTTP_STOP_GRACE_S,
+                )
+            )
 
         grpc_server = grpc.aio.server(options=_grpc_options(cp))
         grpc_server.add_generic_rpc_handlers(
-            [ControlPlaneService(index, view, metrics, cp).rpc_handler()]
+            [
+                ControlPlaneService(
+                    index, view, metrics, cp, on_removed=_forget(predicted, accuracy)
+                ).rpc_handler()
+            ]
         )
         grpc_port = _bind_grpc(grpc_server, cp)
         await grpc_server.start()
@@ -78,9 +190,13 @@ async def running_router(settings: Settings) -> AsyncIterator[RunningRouter]:
         yield RunningRouter(
             grpc_port=grpc_port,
             http_port=http_port,
+            admin_port=admin_port,
             index=index,
             workers=view,
             metrics=metrics,
+            fleet=fleet,
+            planner=planner,
+            tenants=tenants,
         )
 
 
@@ -99,6 +215,17 @@ async def serve(settings: Settings) -> None:
         log.info("stopping")
 
 
+async def follow_scope_generations(index: LocationIndex, tenants: TenantDirectory) -> None:
+    """Keep the tenants' salts on the scope generations in the index: a purge through
+    another router replica takes effect here within SCOPE_REFRESH_S."""
+    while True:
+        try:
+            tenants.apply_generations(await index.scope_generations())
+        except Exception as error:  # the index is down: keep the salts we have
+            log.debug("reading scope generations failed (%s)", type(error).__name__)
+        await asyncio.sleep(SCOPE_REFRESH_S)
+
+
 async def reap_forever(index: LocationIndex, view: WorkerView, lease_s: float) -> None:
     """Purge expired workers about four times per lease, so a dead worker's entries
     outlive its lease by a quarter of one at most."""
@@ -111,11 +238,27 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float) -> N
     try:
         purged = await index.purge_expired()
     except Exception as error:  # the reaper outlives index outages and tries again
+        # No sweep either: while the index is down no agent can renew its lease, and
+        # expiring them all here would stop routing to a healthy fleet. A worker that
+        # really died meanwhile costs a failover, not a failed request.
         log.warning("purging expired workers failed (%s)", type(error).__name__)
-        purged = []
+        return
     view.sweep(purged, time.monotonic(), lease_s)
     if purged:
         log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
+
+
+def _forget(
+    predicted: PredictedPrefixes, accuracy: PredictionAccuracy
+) -> Callable[[str, Sequence[int] | None], None]:
+    def on_removed(worker_id: str, keys: Sequence[int] | None) -> None:
+        if keys is None:
+            predicted.forget_worker(worker_id)
+            accuracy.forget(worker_id)
+        else:
+            predicted.removed(worker_id, keys)
+
+    return on_removed
 
 
 def _grpc_options(cp: ControlPlaneSettings) -> list[tuple[str, int]]:

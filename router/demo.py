@@ -1,214 +1,232 @@
-"""`kvplane demo`: a smoke run of the control plane, until the full demo exists.
+"""`kvplane demo`: kvplane against round-robin on the same fleet and the same traffic.
 
-It starts a router in this process on free loopback ports, connects two simulated
-agents over real gRPC, streams the KV events of a few prompts, queries the index the
-way the router will, and shows /readyz and /metrics.
+Three engine simulators with small caches and their agents, and a router with the
+embedded index, all in this process on free loopback ports. The official OpenAI
+client sends a multi-tenant workload (each tenant has a few long system prompts that
+its requests share) through the router, once with kvplane's scoring and once with
+round-robin on a fresh fleet, and the demo prints both side by side. Everything it
+started is stopped before it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import random
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
-import grpc.aio
+import openai
+from pydantic import SecretStr
 
-from kvplane.config import Settings
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.v1 import control_plane_pb2 as pb
-from router.app import RunningRouter, running_router
-from router.control_plane.client import (
-    AgentStream,
-    drain_message,
-    events_message,
-    load_message,
-    register_message,
+from kvplane.config import (
+    ControlPlaneSettings,
+    HttpSettings,
+    IndexSettings,
+    ScoringSettings,
+    Settings,
+    TenantSettings,
+    TenantSpec,
 )
-from router.index.base import BlocksStored, Tier, WorkerInfo, WorkerState
+from kvplane.reporting import format_table, percentile
+from router.app import running_router
+from router.tenants import api_key_digest
+from simulations.local_fleet import local_workers
 
-MODEL = "demo-model"
-_SYSTEM_BLOCKS = 4  # blocks of the shared system prompt every demo prompt starts with
-_WAIT_S = 3.0
-_UNSHOWN_SERIES = ("_created", "_bucket")  # creation times and histogram buckets: noise here
+MODEL = "kvplane-tiny"
+WORKERS = 3
+TENANTS = ("acme", "globex", "initech")
+PREFIXES_PER_TENANT = 2
+REQUESTS = 180
+CONCURRENCY = 6
+MAX_TOKENS = 8
+# Each worker caches about two prefix groups: kvplane can keep every group on one
+# worker; round-robin makes every worker hold all six, and they evict each other.
+SIM_OPTIONS = {"num_gpu_blocks_override": 160, "time_scale": 1.0, "max_num_seqs": 8}
+_TOPICS = ("billing", "shipping", "returns", "warranty", "accounts", "security")
 
 
 @dataclass(frozen=True, slots=True)
-class _Agent:
-    worker_id: str
-    tier: Tier
-    prompts: Sequence[Sequence[int]]
+class DemoRequest:
+    tenant: str
+    system: str
+    question: str
 
 
-def _prompt(block_size: int, *parts: int) -> list[int]:
-    """A synthetic prompt: the shared system prompt, then one question block per part."""
-    tokens = list(range(1000, 1000 + _SYSTEM_BLOCKS * block_size))
-    for part in parts:
-        tokens += [part * 100_000 + i for i in range(block_size)]
-    return tokens
+@dataclass(slots=True)
+class RunResult:
+    policy: str
+    seconds: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    per_worker: Counter[str] = field(default_factory=Counter)
+    failed: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _newly_stored(keys: Sequence[int], held: set[int], tier: Tier) -> BlocksStored:
-    """What an engine reports after caching a prompt: the blocks it did not hold yet,
-    chained onto the prefix it held (prompts here share their start, never a middle)."""
-    first = next((i for i, key in enumerate(keys) if key not in held), len(keys))
-    held.update(keys)
-    return BlocksStored(
-        keys=keys[first:],
-        tier=tier,
-        first_position=first,
-        parent_key=keys[first - 1] if first else None,
+def workload(seed: int = 7) -> list[DemoRequest]:
+    """Each tenant's few long system prompts, each request one of them and a question;
+    the order is shuffled, so the groups interleave."""
+    rng = random.Random(seed)
+    systems = {
+        tenant: [
+            f"You are {tenant}'s assistant for {topic}. "
+            + " ".join(
+                f"Rule {n}: answer {topic} questions for {tenant} politely." for n in range(40)
+            )
+            for topic in rng.sample(_TOPICS, PREFIXES_PER_TENANT)
+        ]
+        for tenant in TENANTS
+    }
+    requests = []
+    for number in range(REQUESTS):
+        tenant = rng.choice(TENANTS)
+        requests.append(
+            DemoRequest(tenant, rng.choice(systems[tenant]), f"Question {number}: what now?")
+        )
+    return requests
+
+
+def _settings(policy: str) -> Settings:
+    return Settings(
+        index=IndexSettings(backend="memory"),
+        control_plane=ControlPlaneSettings(grpc_port=0),
+        http=HttpSettings(port=0),
+        scoring=ScoringSettings(policy=policy),  # type: ignore[arg-type]
+        tenants=TenantSettings(
+            tenants=[
+                TenantSpec(name=tenant, api_key_sha256=[api_key_digest(_key(tenant))])
+                for tenant in TENANTS
+            ],
+            cache_salt_secret=SecretStr("kvplane-demo"),
+        ),
     )
 
 
-async def run_demo(settings: Settings) -> int:
+def _key(tenant: str) -> str:
+    return f"sk-demo-{tenant}"
+
+
+@contextlib.asynccontextmanager
+async def _fleet(policy: str) -> AsyncIterator[str]:
+    """A router and its workers; yields the router's base URL once all are routable."""
+    async with (
+        running_router(_settings(policy)) as router,
+        local_workers(WORKERS, grpc_port=router.grpc_port, sim_options=SIM_OPTIONS) as workers,
+    ):
+        deadline = time.monotonic() + 10
+        while len(router.fleet.candidates(MODEL)) < len(workers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the workers did not register with the router")
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{router.http_port}/v1"
+
+
+async def run_policy(policy: str, requests: Sequence[DemoRequest]) -> RunResult:
+    result = RunResult(policy)
+    async with _fleet(policy) as base_url:
+        clients = {
+            tenant: openai.AsyncOpenAI(base_url=base_url, api_key=_key(tenant), max_retries=0)
+            for tenant in TENANTS
+        }
+        queue: asyncio.Queue[DemoRequest] = asyncio.Queue()
+        for request in requests:
+            queue.put_nowait(request)
+
+        async def client_loop() -> None:
+            while not queue.empty():
+                request = queue.get_nowait()
+                try:
+                    await _send(clients[request.tenant], request, result)
+                except openai.APIError:
+                    result.failed += 1
+
+        started = time.monotonic()
+        await asyncio.gather(*(client_loop() for _ in range(CONCURRENCY)))
+        result.seconds = time.monotonic() - started
+        for client in clients.values():
+            await client.close()
+    return result
+
+
+async def _send(client: openai.AsyncOpenAI, request: DemoRequest, result: RunResult) -> None:
+    sent = time.perf_counter()
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": request.system},
+            {"role": "user", "content": request.question},
+        ],
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    first_token_at = None
+    usage = None
+    async for chunk in raw.parse():
+        if first_token_at is None and chunk.choices and chunk.choices[0].delta.content:
+            first_token_at = time.perf_counter()
+        if chunk.usage is not None:
+            usage = chunk.usage
+    result.per_worker[raw.headers["x-kvplane-worker"]] += 1
+    if first_token_at is not None:
+        result.ttft_s.append(first_token_at - sent)
+    if usage is not None:
+        result.prompt_tokens += usage.prompt_tokens
+        details = usage.prompt_tokens_details
+        result.cached_tokens += details.cached_tokens or 0 if details is not None else 0
+
+
+def render_table(results: Sequence[RunResult]) -> str:
+    workers = sorted({worker for result in results for worker in result.per_worker})
+    rows = [
+        ("", *(result.policy for result in results)),
+        ("cache hit rate", *(f"{result.hit_rate:.1%}" for result in results)),
+        ("prefill tokens saved", *(f"{result.cached_tokens:,}" for result in results)),
+        ("TTFT p50", *(f"{percentile(r.ttft_s, 0.5) * 1000:.0f} ms" for r in results)),
+        ("TTFT p99", *(f"{percentile(r.ttft_s, 0.99) * 1000:.0f} ms" for r in results)),
+        *(
+            (f"requests on {worker}", *(str(r.per_worker[worker]) for r in results))
+            for worker in workers
+        ),
+        ("failed requests", *(str(result.failed) for result in results)),
+        ("wall time", *(f"{result.seconds:.1f} s" for result in results)),
+    ]
+    return format_table(rows)
+
+
+async def run_demo(settings: Settings | None = None) -> int:
+    """Run both policies and print the comparison; 0 on success, 1 on failure.
+
+    The demo builds its own settings (free ports, memory index, demo tenants); of the
+    caller's it keeps the log level, raised to WARNING unless DEBUG was asked for: the
+    components' routine INFO lines would bury the report."""
+    if settings is None or settings.logging.level != "DEBUG":
+        logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))
+    started = time.monotonic()
+    requests = workload()
+    print(
+        f"kvplane demo: {WORKERS} simulated engines ({SIM_OPTIONS['num_gpu_blocks_override']} "
+        f"KV blocks each), {len(TENANTS)} tenants x {PREFIXES_PER_TENANT} shared system "
+        f"prompts, {len(requests)} streamed chat requests, {CONCURRENCY} at a time"
+    )
     try:
-        await _demo(_demo_settings(settings))
+        results = []
+        for policy in ("kvplane", "round-robin"):
+            print(f"running with {policy} routing ...", flush=True)
+            results.append(await run_policy(policy, requests))
     except Exception as error:  # the demo's one job is to say clearly what failed
         print(f"demo failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    return 0
-
-
-def _demo_settings(settings: Settings) -> Settings:
-    """Free loopback ports and plaintext gRPC: the agents live in this process and have
-    no client certificate. The index backend and the agent token are kept."""
-    control_plane = settings.control_plane.model_copy(
-        update={
-            "grpc_host": "127.0.0.1",
-            "grpc_port": 0,
-            "tls_cert_file": None,
-            "tls_key_file": None,
-            "tls_client_ca_file": None,
-        }
-    )
-    http = settings.http.model_copy(update={"host": "127.0.0.1", "port": 0})
-    return settings.model_copy(update={"control_plane": control_plane, "http": http})
-
-
-async def _demo(settings: Settings) -> None:
-    cp = settings.control_plane
-    namespace = KeyNamespace(model=MODEL, block_size=cp.block_size)
-    token = None if cp.agent_token is None else cp.agent_token.get_secret_value()
-    agents = [
-        _Agent(
-            "demo-worker-a", Tier.DEVICE, [_prompt(cp.block_size, 1, 2), _prompt(cp.block_size, 3)]
-        ),
-        _Agent("demo-worker-b", Tier.HOST, [_prompt(cp.block_size, 4)]),
-    ]
-    sample = _prompt(cp.block_size, 1, 2, 5)
-    started = time.monotonic()
-    async with running_router(settings) as router:
-        print("kvplane control-plane demo")
-        print(
-            f"router: gRPC 127.0.0.1:{router.grpc_port}, HTTP 127.0.0.1:{router.http_port}, "
-            f"index {settings.index.backend}, block size {cp.block_size}"
-        )
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
-            streams = [AgentStream(channel, token=token) for _ in agents]
-            for agent, stream in zip(agents, streams, strict=True):
-                await _run_agent(agent, stream, namespace)
-            await streams[1].send(drain_message())
-            await _show_state(router, block_keys(sample, namespace))
-            status, body = await _http_get(router, "/readyz")
-            print(f"GET /readyz -> {status} {body}")
-            status, metrics = await _http_get(router, "/metrics")
-            print(f"GET /metrics -> {status}, its kvplane series:")
-            for line in metrics.splitlines():
-                name = line.partition("{")[0].partition(" ")[0]
-                if name.startswith("kvplane_") and not name.endswith(_UNSHOWN_SERIES):
-                    print(f"  {line}")
-            await streams[1].close()
-            await _wait_dropped(router, agents[1].worker_id)
-            print(f"{agents[1].worker_id} closed its stream while draining: dropped from the index")
-            await streams[0].close()
-            await router.index.drop_worker(agents[0].worker_id)  # leave a shared index clean
-    print(f"demo finished in {time.monotonic() - started:.1f} s")
-
-
-async def _run_agent(agent: _Agent, stream: AgentStream, namespace: KeyNamespace) -> None:
-    info = WorkerInfo(
-        worker_id=agent.worker_id,
-        incarnation=time.time_ns(),
-        base_url=f"http://127.0.0.1:8000/{agent.worker_id}",
-        model=MODEL,
-        block_size=namespace.block_size,
-        engine_kind="demo",
-    )
-    reply = await stream.request(register_message(info))  # the scheme block_keys hashes with
-    if reply.WhichOneof("body") != "ack":
-        raise RuntimeError(f"{agent.worker_id}: Register answered with {_describe(reply)}")
-    held: set[int] = set()
-    for sequence, prompt in enumerate(agent.prompts, start=1):
-        stored = _newly_stored(block_keys(prompt, namespace), held, agent.tier)
-        reply = await stream.request(events_message(sequence, [stored]))
-        if reply.WhichOneof("body") != "ack" or reply.ack.sequence != sequence:
-            raise RuntimeError(
-                f"{agent.worker_id}: batch {sequence} answered with {_describe(reply)}"
-            )
-    await stream.send(load_message(running=len(agent.prompts), waiting=0, kv_usage=0.25))
-    print(f"agent {agent.worker_id}: registered, {len(agent.prompts)} batches acked, load sent")
-
-
-def _describe(reply: pb.ControlMessage) -> str:
-    if reply.HasField("reject"):
-        return f"Reject {pb.RejectCode.Name(reply.reject.code)}: {reply.reject.reason}"
-    if reply.HasField("resync"):
-        return f"Resync: {reply.resync.reason}"
-    return f"Ack {reply.ack.sequence}"
-
-
-async def _show_state(router: RunningRouter, sample_keys: Sequence[int]) -> None:
-    async def load_and_drain_seen() -> bool:  # neither gets a reply
-        records = router.workers.records()
-        return all(r.last_load is not None for r in records) and any(
-            r.state is WorkerState.DRAINING for r in records
-        )
-
-    await _wait_for("the router to take the load reports and the drain", load_and_drain_seen)
-    states = {r.info.worker_id: r.state.value for r in router.workers.records()}
-    print("workers in the index:")
-    for status in sorted(await router.index.workers(), key=lambda s: s.info.worker_id):
-        print(
-            f"  {status.info.worker_id}  state {status.state.value:<8} "
-            f"entries {status.entries:>3}  lease {status.lease_remaining_s:.1f} s  "
-            f"(this router: {states.get(status.info.worker_id, '-')})"
-        )
-    matches = await router.index.lookup(sample_keys)
-    print(f"lookup of a sample prompt ({len(sample_keys)} blocks), longest prefix per worker:")
-    for worker_id, match in sorted(matches.items()):
-        tiers = ", ".join(f"{tier.name.lower()} {n}" for tier, n in sorted(match.by_tier.items()))
-        print(f"  {worker_id}  {match.blocks} blocks ({tiers})")
-
-
-async def _wait_for(what: str, condition: Callable[[], Awaitable[bool]]) -> None:
-    deadline = time.monotonic() + _WAIT_S
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-async def _wait_dropped(router: RunningRouter, worker_id: str) -> None:
-    async def dropped() -> bool:
-        return all(status.info.worker_id != worker_id for status in await router.index.workers())
-
-    await _wait_for(f"{worker_id} to be dropped after its drained stream closed", dropped)
-
-
-async def _http_get(router: RunningRouter, path: str) -> tuple[int, str]:
-    """GET over real HTTP; the standard library suffices and keeps httpx a test-only
-    dependency."""
-    url = f"http://127.0.0.1:{router.http_port}{path}"
-
-    def get() -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as error:  # a 503 from /readyz still has a body
-            return error.code, error.read().decode()
-
-    return await asyncio.to_thread(get)
+    print()
+    print(render_table(results))
+    print(f"\ndemo finished in {time.monotonic() - started:.1f} s")
+    return 1 if any(result.failed for result in results) else 0

@@ -1,16 +1,21 @@
-"""The router's HTTP side for operators: liveness, readiness and Prometheus metrics."""
+"""The router's HTTP app: liveness, readiness and Prometheus metrics, plus the routes
+the caller adds (the OpenAI proxy, the fleet API).
+
+Readiness does not depend on the index: when it is unreachable the router still
+serves (routing on load alone) and /readyz says so in its body.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from router.control_plane.workers import WorkerView
 from router.index.base import IndexStats, LocationIndex
@@ -28,6 +33,9 @@ def create_http_app(
     view: WorkerView,
     metrics: RouterMetrics,
     grpc_serving: Callable[[], bool],
+    routes: Sequence[BaseRoute] = (),
+    before_scrape: Callable[[], None] = lambda: None,
+    serve_metrics: bool = True,
 ) -> Starlette:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -35,24 +43,26 @@ def create_http_app(
     async def readyz(request: Request) -> Response:
         index_problem = await _index_problem(index)
         serving = grpc_serving()
-        ready = serving and index_problem is None
         body = {
-            "ready": ready,
+            "ready": serving,
             "grpc": "serving" if serving else "not serving",
             "index": index_problem or "ok",
+            "routing": "cache-aware" if index_problem is None else "load-only",
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     async def metrics_endpoint(request: Request) -> Response:
         metrics.set_index_stats(await _index_stats(index))
         metrics.set_worker_counts(view.counts_by_state())
+        before_scrape()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics_endpoint, methods=["GET"]),
+            *([Route("/metrics", metrics_endpoint, methods=["GET"])] if serve_metrics else []),
+            *routes,
         ]
     )
 

@@ -9,6 +9,7 @@ nothing between scrapes and are never older than the scrape itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -21,10 +22,31 @@ from router.index.base import (
     WorkerState,
 )
 
+if TYPE_CHECKING:
+    from router.routing.accuracy import PredictionAccuracy
+    from router.routing.decide import RoutingPlanner
+    from router.routing.fleet import Fleet
+
 # Latency of index.apply: an in-memory apply takes microseconds, a Redis one a round
 # trip or a few.
 _APPLY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# A routing decision takes tens of microseconds in memory, a Redis round trip or two.
+_DECISION_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+)
+_TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 def _event_kind(event: KvEvent) -> str:
@@ -94,6 +116,91 @@ class RouterMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+        self.requests = Counter(
+            "kvplane_requests",
+            "Proxied requests by outcome and the worker that answered (none: no worker did)",
+            ["outcome", "worker"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvplane_routing_decisions",
+            "Routing decisions by the score term that set the winner apart",
+            ["factor"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvplane_decision_seconds",
+            "Time to decide: key, look up, score (tokenisation not included)",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_seconds = Histogram(
+            "kvplane_tokenize_seconds",
+            "Time to tokenise a request's prompt",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.first_byte_seconds = Histogram(
+            "kvplane_upstream_first_byte_seconds",
+            "Time from sending to an engine to its first byte (a stream's time to first token)",
+            buckets=_TTFB_BUCKETS,
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvplane_predicted_cached_tokens",
+            "Cached prompt tokens the router predicted, for requests whose engine reported",
+            ["worker"],
+            registry=r,
+        )
+        self.reported_cached_tokens = Counter(
+            "kvplane_reported_cached_tokens",
+            "Cached prompt tokens engines reported (usage.prompt_tokens_details)",
+            ["worker"],
+            registry=r,
+        )
+        self.prefill_tokens_saved = Counter(
+            "kvplane_prefill_tokens_saved",
+            "Prompt tokens served from cache (reported by the engine, else predicted)",
+            registry=r,
+        )
+        self.prediction_verdicts = Counter(
+            "kvplane_prediction_verdicts",
+            "Predicted against reported cached tokens: confirmed, stale (a location the "
+            "engine no longer had: a stale-location miss), better",
+            ["worker", "verdict"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "kvplane_failovers",
+            "Attempts abandoned before the first byte for the next worker",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.index_degraded = Gauge(
+            "kvplane_index_degraded",
+            "1 while the index does not answer lookups and routing uses load only",
+            registry=r,
+        )
+        self.worker_load = Gauge(
+            "kvplane_worker_load",
+            "Each worker's load as this router sees it (reports plus its own traffic)",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.suspect_workers = Gauge(
+            "kvplane_suspect_workers",
+            "Workers whose index entries keep failing predictions (counted as uncached)",
+            registry=r,
+        )
+        self.token_cache_lookups = Gauge(
+            "kvplane_token_cache_lookups",
+            "Tokenisations looked up in the cache of identical prompts since start, by result",
+            ["result"],
+            registry=r,
+        )
+        self.token_cache_tokens = Gauge(
+            "kvplane_token_cache_tokens", "Token ids held by that cache", registry=r
+        )
         for state in WorkerState:
             self.workers.labels(state=state.value)
 
@@ -118,6 +225,31 @@ class RouterMetrics:
             self.index_keys.set(stats.keys)
             self.index_workers.set(stats.workers)
             self.index_bytes.set(stats.bytes)
+
+    def set_routing_view(
+        self, fleet: Fleet, planner: RoutingPlanner, accuracy: PredictionAccuracy
+    ) -> None:
+        """Refresh the gauges of the router's picture of its workers (on scrape)."""
+        answering = planner.index_answering and fleet.registry_is_current()
+        self.index_degraded.set(0 if answering else 1)
+        self.suspect_workers.set(len(accuracy.suspects()))
+        self.worker_load.clear()
+        for candidate in fleet.candidates():
+            worker = candidate.worker_id
+            traffic, load = candidate.traffic, candidate.load
+            self.worker_load.labels(worker=worker, kind="router_in_flight").set(traffic.in_flight)
+            self.worker_load.labels(worker=worker, kind="router_prefill_tokens").set(
+                traffic.prefill_tokens
+            )
+            if load is not None:
+                self.worker_load.labels(worker=worker, kind="running").set(load.running)
+                self.worker_load.labels(worker=worker, kind="waiting").set(load.waiting)
+                self.worker_load.labels(worker=worker, kind="kv_usage").set(load.kv_usage)
+
+    def set_token_cache(self, hits: int, misses: int, tokens: int) -> None:
+        self.token_cache_lookups.labels(result="hit").set(hits)
+        self.token_cache_lookups.labels(result="miss").set(misses)
+        self.token_cache_tokens.set(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -118,6 +118,26 @@ def single_redis(workdir: Path) -> Iterator[str]:
         _stop([process])
 
 
+class StoppableRedis:
+    """A private redis-server that a test may stop (never a shared one)."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    def stop(self) -> None:
+        _stop([self.process])
+
+
+@contextmanager
+def stoppable_redis(workdir: Path) -> Iterator[tuple[str, StoppableRedis]]:
+    port = free_port()
+    server = StoppableRedis(_start_server(workdir / "redis-stoppable", port))
+    try:
+        yield f"redis://127.0.0.1:{port}/0", server
+    finally:
+        server.stop()
+
+
 @contextmanager
 def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
     url = os.environ.get("KVPLANE_TEST_REDIS_CLUSTER_URL")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.cli import main
+from kvplane.cli import _settings_from, build_parser, main
 from kvplane.config import load_settings
 
 
@@ -72,3 +72,60 @@ def test_unknown_setting_in_a_file_is_refused(
     with pytest.raises(SystemExit):
         main(["router", "--config", str(path)])
     assert "index.bakend" in capsys.readouterr().err
+
+
+def test_router_flags_land_in_their_settings(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "router",
+            "--http-host",
+            "0.0.0.0",
+            "--tokenizer",
+            str(tmp_path),
+            "--tenants-file",
+            str(tmp_path / "tenants.toml"),
+            "--otlp-endpoint",
+            "http://collector:4318/v1/traces",
+            "--policy",
+            "round-robin",
+        ]
+    )
+    settings = _settings_from(args)
+    assert settings.http.host == "0.0.0.0"
+    assert settings.proxy.tokenizer_dir == tmp_path
+    assert settings.tenants.tenants_file == tmp_path / "tenants.toml"
+    assert settings.tracing.otlp_endpoint == "http://collector:4318/v1/traces"
+    assert settings.scoring.policy == "round-robin"
+
+
+def test_a_dedicated_tenant_without_a_pool_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text("[[tenants.tenants]]\nname = 'acme'\nisolation = 'dedicated'\n")
+    with pytest.raises(SystemExit):
+        main(["router", "--config", str(path)])
+    assert "the dedicated class needs a pool" in capsys.readouterr().err
+
+
+def test_tenants_that_do_not_hold_together_are_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[[tenants]]\nname = 'acme'\n[[tenants]]\nname = 'acme'\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "--http-port", "0", "--grpc-port", "0", "--tenants-file", str(tenants)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "tenant names must be distinct" in error
+    assert "Traceback" not in error
+
+
+def test_a_missing_tokenizer_directory_fails_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-tokenizer"
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "--http-port", "0", "--grpc-port", "0", "--tokenizer", str(missing)])
+    assert exited.value.code == 1
+    assert f"no tokenizer directory at {missing}" in capsys.readouterr().err

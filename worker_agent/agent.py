@@ -15,7 +15,7 @@ import gc
 import logging
 import time
 
-import httpx
+import httpx2
 
 from kvplane.config import Settings
 from worker_agent.engines import adapter_for
@@ -48,7 +48,7 @@ class WorkerAgent:
 
     async def run(self) -> None:
         agent = self.settings.agent
-        async with httpx.AsyncClient(base_url=agent.engine_url, timeout=_PROBE_TIMEOUT_S) as http:
+        async with httpx2.AsyncClient(base_url=agent.engine_url, timeout=_PROBE_TIMEOUT_S) as http:
             model, cache = await self._engine_facts(http)
             router_block = self.settings.control_plane.block_size
             if cache is not None and cache.block_size and router_block % cache.block_size:
@@ -96,7 +96,7 @@ class WorkerAgent:
             finally:
                 source.close()
 
-    async def _engine_facts(self, http: httpx.AsyncClient) -> tuple[str, EngineCacheConfig | None]:
+    async def _engine_facts(self, http: httpx2.AsyncClient) -> tuple[str, EngineCacheConfig | None]:
         """The model name (configured, or the engine's first) and its cache configuration;
         waits for the engine to answer."""
         delay = self.settings.agent.reconnect_min_s
@@ -110,7 +110,7 @@ class WorkerAgent:
                 metrics = await http.get("/metrics")
                 cache = self.adapter.parse_cache_config(metrics.text)
                 return model, cache
-            except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+            except (httpx2.HTTPError, ValueError, KeyError, IndexError) as error:
                 log.info("waiting for the engine at %s (%s)", http.base_url, type(error).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.settings.agent.reconnect_max_s)
@@ -132,7 +132,7 @@ class WorkerAgent:
 
     async def _watch_engine(
         self,
-        http: httpx.AsyncClient,
+        http: httpx2.AsyncClient,
         source: KvEventSource,
         translator: BlockTranslator,
         publisher: ControlPlanePublisher,
@@ -184,13 +184,13 @@ class WorkerAgent:
             await asyncio.sleep(agent.load_interval_s)
 
 
-async def _probe(http: httpx.AsyncClient) -> str | None:
+async def _probe(http: httpx2.AsyncClient) -> str | None:
     """The engine's metrics text if it is healthy, else None."""
     try:
         if (await http.get("/health")).status_code != 200:
             return None
         return (await http.get("/metrics")).text
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return None
 
 

@@ -1,6 +1,6 @@
 """The agent's side of a Connect stream, kept minimal: build the wire messages from
-domain objects and exchange them over a typed stream. router/demo.py and the tests
-speak to the control plane through it.
+domain objects and exchange them over a typed stream. The tests speak to the control
+plane through it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import grpc.aio
@@ -51,6 +51,9 @@ from router.control_plane.workers import (
     needs_renewal,
 )
 from router.index.base import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    KvEvent,
     LocationIndex,
     LocationIndexError,
     StaleIncarnation,
@@ -104,7 +107,11 @@ class ControlPlaneService:
         view: WorkerView,
         metrics: RouterMetrics,
         settings: ControlPlaneSettings,
+        on_removed: Callable[[str, Sequence[int] | None], None] | None = None,
     ) -> None:
+        """`on_removed(worker_id, keys)` hears of every removal this router applies
+        (keys None: all the worker's blocks), so that predictions never outlive one."""
+        self.on_removed = on_removed or (lambda worker_id, keys: None)
         self.index = index
         self.view = view
         self.metrics = metrics
@@ -259,6 +266,8 @@ class _Stream:
         # Only now does this stream speak for the new incarnation: if the index refused
         # it, end() must still see the incarnation the view records for this stream.
         self.worker_id, self.incarnation = info.worker_id, info.incarnation
+        if verdict is RegisterVerdict.NEW:
+            self.service.on_removed(info.worker_id, None)
         record = self.view.registered(info, stream=self.id, now=now, lease_s=self.service.lease_s)
         self.registered = True
         log.info(
@@ -294,6 +303,7 @@ class _Stream:
         except (StaleIncarnation, UnknownWorker) as error:
             return self._index_refused(error)
         self.metrics.batch_applied(events, time.perf_counter() - started)
+        _tell_removals(self.service.on_removed, record.info.worker_id, events)
         if message.timestamp_ms:
             lag = time.time() - message.timestamp_ms / 1000
             self.metrics.event_lag_seconds.observe(max(0.0, lag))
@@ -367,6 +377,7 @@ class _Stream:
     def _resync(self, cause: ResyncCause, detail: str) -> pb.ControlMessage:
         assert self.worker_id is not None
         self.view.dead(self.worker_id, time.monotonic())
+        self.service.on_removed(self.worker_id, None)
         self.view.disconnected(self.worker_id, self.id)
         self.registered = False
         self.metrics.resyncs.labels(reason=cause.value).inc()
@@ -399,3 +410,15 @@ class _Stream:
             return
         self.view.dead(self.worker_id, time.monotonic())
         log.info("worker %s drained and disconnected; dropped", self.worker_id)
+
+
+def _tell_removals(
+    on_removed: Callable[[str, Sequence[int] | None], None],
+    worker_id: str,
+    events: Sequence[KvEvent],
+) -> None:
+    for event in events:
+        if isinstance(event, BlocksRemoved):
+            on_removed(worker_id, event.keys)
+        elif isinstance(event, AllBlocksCleared):
+            on_removed(worker_id, None)

@@ -20,6 +20,7 @@ Semantics every backend keeps:
   by depth; Redis caps each worker at its share and evicts sampled deepest blocks.
 - A worker registered through another router replica is seen by lookups within about
   a second (Redis refreshes its worker list at least that often).
+- Scope generations are plain counters, shared like the registrations.
 """
 
 from __future__ import annotations
@@ -193,6 +194,15 @@ class LocationIndex(Protocol):
     async def workers(self) -> list[WorkerStatus]:
         """Every registered worker, dead ones not yet purged included (in no particular
         order)."""
+
+    async def scope_generations(self) -> dict[str, int]:
+        """Each cache scope's generation, for the scopes whose generation was ever
+        bumped (the others are at 0). Routers derive a scope's cache salt from it."""
+
+    async def bump_scope_generation(self, scope: str) -> int:
+        """Start a new generation of `scope` and return it. Shared by every router on
+        this backend: the scope's salt changes, so its old entries (and the engines'
+        old blocks) are never matched again."""
 
     async def stats(self) -> IndexStats: ...
 

@@ -102,6 +102,7 @@ class MemoryLocationIndex:
         self._slot_owner: list[_Worker | None] = []
         self._free_slots: list[int] = []
         self._live: _Live | None = None
+        self._scope_generations: dict[str, int] = {}
 
     # -- workers ---------------------------------------------------------------------
 
@@ -376,6 +377,14 @@ class MemoryLocationIndex:
             workers=len(self._workers),
             bytes=self._table.nbytes(),
         )
+
+    async def scope_generations(self) -> dict[str, int]:
+        return dict(self._scope_generations)
+
+    async def bump_scope_generation(self, scope: str) -> int:
+        generation = self._scope_generations.get(scope, 0) + 1
+        self._scope_generations[scope] = generation
+        return generation
 
     async def close(self) -> None:
         return None

@@ -145,6 +145,7 @@ class RedisLocationIndex:
         self._exact_key_count_limit = exact_key_count_limit
         self._location = location
         self._registry = f"{prefix}:workers".encode()
+        self._scopes = f"{prefix}:scopes".encode()  # scope -> generation
         # The registry as last read (plus workers registered here since), with each
         # worker's key; _registry_read_at is None until a read succeeds.
         self._workers: dict[str, _WorkerKey] = {}
@@ -450,6 +451,14 @@ class RedisLocationIndex:
             if shares:
                 estimate += count * sum(shares) / len(shares)
         return round(estimate)
+
+    async def scope_generations(self) -> dict[str, int]:
+        (generations,) = await self._run([("HGETALL", self._scopes)])
+        return {scope.decode(): int(value) for scope, value in generations.items()}
+
+    async def bump_scope_generation(self, scope: str) -> int:
+        (generation,) = await self._run([("HINCRBY", self._scopes, scope, 1)])
+        return int(generation)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -13,9 +13,16 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 from kvplane.config import ScoringSettings
 from router.index.base import Tier
+
+_NO_LABELS: Mapping[str, str] = MappingProxyType({})
+
+# WorkerFacts and ScoreBreakdown are NamedTuples: a decision builds one of each per
+# worker, and a frozen dataclass costs several times as much to construct.
 
 
 def hit_value(tier: Tier, weights: ScoringSettings) -> float:
@@ -35,18 +42,19 @@ def hit_value(tier: Tier, weights: ScoringSettings) -> float:
     return max(0.0, 1.0 - restore_s * weights.prefill_tokens_per_s)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerState:
+class WorkerFacts(NamedTuple):
     """What the router knows of one worker when it decides."""
 
     worker_id: str
     matched_tokens: Mapping[Tier, int]  # cached prefix of this request, per tier
     waiting_requests: int = 0
-    queued_prefill_tokens: int = 0  # reported, plus what this router sent since
+    running_requests: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens still to prefill ahead of this request
     kv_usage: float = 0.0
     other_tenants_running: int = 0
-    labels: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = _NO_LABELS
     pool: str | None = None  # a dedicated tenant's pool this worker belongs to
+    suspect: bool = False  # its index entries keep failing: its matches count for nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +65,7 @@ class RequestFacts:
     pool: str | None = None  # for `dedicated`: the only pool it may use
 
 
-@dataclass(frozen=True, slots=True)
-class ScoreBreakdown:
+class ScoreBreakdown(NamedTuple):
     worker_id: str
     cached_tokens: int  # the longest matched prefix, any tier
     saved_tokens: float
@@ -71,7 +78,20 @@ class ScoreBreakdown:
         return self.saved_tokens - self.queue_penalty - self.memory_penalty - self.tenant_penalty
 
 
-def eligible(request: RequestFacts, worker: WorkerState) -> bool:
+def queue_estimate(
+    report: tuple[int, int] | None, sent_since_report: int, in_flight: int, prefilling: int
+) -> tuple[int, int]:
+    """Waiting and running requests at a worker, as a router can tell: the worker's
+    last report (waiting, running) plus this router's requests sent since, which the
+    report cannot have counted; without a report, this router's own requests (those
+    before their first byte wait, the others run)."""
+    if report is None:
+        return prefilling, in_flight - prefilling
+    waiting, running = report
+    return waiting + sent_since_report, max(running, in_flight - prefilling)
+
+
+def eligible(request: RequestFacts, worker: WorkerFacts) -> bool:
     """`dedicated` is a hard filter: only the tenant's own pool."""
     return request.isolation != "dedicated" or (
         request.pool is not None and worker.pool == request.pool
@@ -79,13 +99,14 @@ def eligible(request: RequestFacts, worker: WorkerState) -> bool:
 
 
 def score_worker(
-    request: RequestFacts, worker: WorkerState, weights: ScoringSettings
+    request: RequestFacts, worker: WorkerFacts, weights: ScoringSettings
 ) -> ScoreBreakdown:
     cached = min(sum(worker.matched_tokens.values()), request.prompt_tokens)
     saved = sum(tokens * hit_value(tier, weights) for tier, tokens in worker.matched_tokens.items())
-    saved = min(saved, float(request.prompt_tokens))
+    saved = 0.0 if worker.suspect else min(saved, float(request.prompt_tokens))
     queue = (
         worker.waiting_requests * weights.waiting_request_tokens
+        + worker.running_requests * weights.running_request_tokens
         + worker.queued_prefill_tokens * weights.queued_prefill_weight
     )
     start = weights.memory_pressure_start
@@ -103,15 +124,37 @@ def score_worker(
 
 def rank_workers(
     request: RequestFacts,
-    workers: Sequence[WorkerState],
+    workers: Sequence[WorkerFacts],
     weights: ScoringSettings,
     rng: random.Random,
 ) -> list[ScoreBreakdown]:
     """Eligible workers, best first; equal scores in random order (a shared system
     prompt matches everywhere, and list order would send it all to one worker)."""
     scored = [
-        score_worker(request, worker, weights) for worker in workers if eligible(request, worker)
+        (breakdown.score, rng.random(), breakdown)
+        for breakdown in (
+            score_worker(request, worker, weights)
+            for worker in workers
+            if eligible(request, worker)
+        )
     ]
-    rng.shuffle(scored)
-    scored.sort(key=lambda breakdown: breakdown.score, reverse=True)  # stable: ties stay shuffled
-    return scored
+    scored.sort(key=lambda entry: entry[:2], reverse=True)  # equal scores: random order
+    return [breakdown for _, _, breakdown in scored]
+
+
+def deciding_factor(ranked: Sequence[ScoreBreakdown]) -> str:
+    """The term that set the winner furthest apart from the runner-up: `cache`, `load`,
+    `memory` or `tenant`; `only_choice` with one worker, `tie` when nothing did."""
+    if not ranked:
+        return "none"
+    if len(ranked) == 1:
+        return "only_choice"
+    best, second = ranked[0], ranked[1]
+    margins = {
+        "cache": best.saved_tokens - second.saved_tokens,
+        "load": second.queue_penalty - best.queue_penalty,
+        "memory": second.memory_penalty - best.memory_penalty,
+        "tenant": second.tenant_penalty - best.tenant_penalty,
+    }
+    factor, margin = max(margins.items(), key=lambda item: item[1])
+    return factor if margin > 0 else "tie"

@@ -96,6 +96,9 @@ class EngineSimConfig(BaseSettings):
     decode_step_ms: float = Field(
         _DEFAULT_TIMING.decode_step_ms, ge=0, description="fixed cost of a step that decodes"
     )
+    decode_ms_per_request: float = Field(
+        _DEFAULT_TIMING.decode_ms_per_request, ge=0, description="decode step cost per request"
+    )
     decode_ms_per_context_token: float = Field(
         _DEFAULT_TIMING.decode_ms_per_context_token,
         ge=0,
@@ -155,6 +158,7 @@ class EngineSimConfig(BaseSettings):
             prefill_ms_per_token=self.prefill_ms_per_token,
             prefill_overhead_ms=self.prefill_overhead_ms,
             decode_step_ms=self.decode_step_ms,
+            decode_ms_per_request=self.decode_ms_per_request,
             decode_ms_per_context_token=self.decode_ms_per_context_token,
         )
 

@@ -46,7 +46,7 @@ class SimEngine:
         self.kv_cache = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv_cache, config.limits, sampler_over(output_token_ids))
         self._timing = config.timing
-        self._streams: dict[SimRequest, asyncio.Queue[RequestProgress | None]] = {}
+        self._streams: dict[SimRequest, asyncio.Queue[RequestProgress[SimRequest] | None]] = {}
         self._wakeup = asyncio.Event()
         self._stall_until = 0.0
         self._reported_queries = 0
@@ -77,9 +77,11 @@ class SimEngine:
             sampling_seed=sampling_seed,
         )
 
-    async def generate(self, request: SimRequest) -> AsyncGenerator[RequestProgress, None]:
+    async def generate(
+        self, request: SimRequest
+    ) -> AsyncGenerator[RequestProgress[SimRequest], None]:
         """Run a request; yields after every step that gave it a token."""
-        queue: asyncio.Queue[RequestProgress | None] = asyncio.Queue()
+        queue: asyncio.Queue[RequestProgress[SimRequest] | None] = asyncio.Queue()
         self._streams[request] = queue
         self.scheduler.add(request)
         self._wakeup.set()
@@ -175,7 +177,7 @@ class SimEngine:
         if self.publisher is not None:
             await self.publisher.publish(events)
 
-    def _record(self, progress: RequestProgress, now: float) -> None:
+    def _record(self, progress: RequestProgress[SimRequest], now: float) -> None:
         request = progress.request
         self.metrics.generation_tokens.inc()
         if len(request.output_token_ids) == 1:

@@ -8,9 +8,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from simulations.engine.block_pool import BlockPool, KVBlock
-from simulations.engine.request import SimRequest
+
+
+class CacheRequest(Protocol):
+    """What the cache manager reads of a request: the engine simulator's SimRequest,
+    or the fleet simulator's requests, which carry block ids instead of tokens."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def block_digests(self) -> Sequence[bytes]: ...
+    @property
+    def lora_name(self) -> str | None: ...
+    @property
+    def scope(self) -> str: ...
+    def token_ids_between(self, start: int, stop: int) -> Sequence[int]: ...
+    def block_extra_keys(self, index: int) -> tuple[str, ...] | None: ...
 
 
 @dataclass(slots=True)
@@ -27,7 +47,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # of a request's blocks, how many hashed
 
-    def cached_prefix(self, request: SimRequest) -> list[KVBlock]:
+    def cached_prefix(self, request: CacheRequest) -> list[KVBlock]:
         """The longest run of the request's blocks already in the prefix cache.
 
         At least one token is always left to compute (the engine needs its logits), so a
@@ -45,12 +65,16 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return hits
 
+    def held_tokens(self, request: CacheRequest) -> int:
+        """Tokens the request's blocks have room for (computed or not)."""
+        return len(self._blocks.get(request.request_id, ())) * self.block_size
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def allocate_slots(
         self,
-        request: SimRequest,
+        request: CacheRequest,
         num_new_tokens: int,
         cached_blocks: Sequence[KVBlock] = (),
     ) -> bool:
@@ -74,13 +98,13 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
         return True
 
-    def free(self, request: SimRequest) -> None:
+    def free(self, request: CacheRequest) -> None:
         """Release the request's blocks, tail first (so its tail is evicted first)."""
         blocks = self._blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
-    def _cache_full_blocks(self, request: SimRequest, num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: CacheRequest, num_tokens: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)
         full = min(num_tokens // self.block_size, len(request.block_digests))
         if full <= already:
@@ -94,7 +118,7 @@ class KVCacheManager:
             token_ids=request.token_ids_between(already * size, full * size),
             block_size=size,
             lora_name=request.lora_name,
-            extra_keys=[request.hasher.extra_keys(index) for index in range(already, full)],
+            extra_keys=[request.block_extra_keys(index) for index in range(already, full)],
             scope=request.scope,
         )
         self._num_cached_blocks[request.request_id] = full

@@ -63,6 +63,9 @@ class SimRequest:
         """Which cache scope the request's blocks belong to (LoRA and salt)."""
         return f"{self.lora_name or ''}/{self.cache_salt or ''}"
 
+    def block_extra_keys(self, index: int) -> tuple[str, ...] | None:
+        return self.hasher.extra_keys(index)
+
     def token_ids_between(self, start: int, stop: int) -> list[int]:
         prompt = self.prompt_token_ids
         if stop <= len(prompt):

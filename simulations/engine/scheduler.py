@@ -14,10 +14,31 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
-from simulations.engine.kv_cache_manager import KVCacheManager
+from simulations.engine.kv_cache_manager import CacheRequest, KVCacheManager
 from simulations.engine.request import RequestStatus, SimRequest
 from simulations.engine.timing import StepWork
+
+
+class ScheduledRequest(CacheRequest, Protocol):
+    """What the scheduler reads and changes of a request (besides the cache's part)."""
+
+    status: RequestStatus
+    num_computed_tokens: int
+    num_cached_tokens: int | None
+    num_preemptions: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def is_finished(self) -> bool: ...
+    def append_output(self, token_id: int) -> None: ...
+
+
+R = TypeVar("R", bound=ScheduledRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +48,8 @@ class SchedulerLimits:
 
 
 @dataclass(slots=True)
-class ScheduledStep:
-    tokens: dict[SimRequest, int] = field(default_factory=dict)
+class ScheduledStep(Generic[R]):
+    tokens: dict[R, int] = field(default_factory=dict)
     work: StepWork = field(default_factory=StepWork)
     num_preempted: int = 0
 
@@ -38,10 +59,10 @@ class ScheduledStep:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestProgress:
+class RequestProgress(Generic[R]):
     """What a step did for one request: its new token (if any) and whether it is done."""
 
-    request: SimRequest
+    request: R
     new_token_id: int
     finished: bool
 
@@ -50,18 +71,18 @@ class RequestTooLarge(ValueError):
     """The request could never run: even alone it needs more blocks than the cache has."""
 
 
-class Scheduler:
+class Scheduler(Generic[R]):
     def __init__(
         self,
         kv_cache: KVCacheManager,
         limits: SchedulerLimits,
-        sample_token: Callable[[SimRequest], int],
+        sample_token: Callable[[R], int],
     ) -> None:
         self.kv_cache = kv_cache
         self.limits = limits
         self._sample_token = sample_token
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
+        self.waiting: deque[R] = deque()
+        self.running: list[R] = []
         self.num_preemptions = 0
 
     @property
@@ -79,13 +100,13 @@ class Scheduler:
                 f"{self.kv_cache.pool.num_blocks}."
             )
 
-    def add(self, request: SimRequest) -> None:
+    def add(self, request: R) -> None:
         """Queue a request; RequestTooLarge (and nothing queued) if it can never fit."""
         self.check_fits(request.num_prompt_tokens + request.max_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def abort(self, request: SimRequest) -> None:
+    def abort(self, request: R) -> None:
         """Drop a request wherever it is (client gone, engine restarting)."""
         if request in self.running:
             self.running.remove(request)
@@ -94,8 +115,8 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.ABORTED
 
-    def schedule(self) -> ScheduledStep:
-        step = ScheduledStep()
+    def schedule(self) -> ScheduledStep[R]:
+        step: ScheduledStep[R] = ScheduledStep()
         budget = self.limits.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -132,7 +153,7 @@ class Scheduler:
         step.work = self._work(step)
         return step
 
-    def finish_step(self, step: ScheduledStep) -> list[RequestProgress]:
+    def finish_step(self, step: ScheduledStep[R]) -> list[RequestProgress[R]]:
         """Apply a step's computation: advance requests, sample tokens, retire the done."""
         progress = []
         for request, count in step.tokens.items():
@@ -151,7 +172,7 @@ class Scheduler:
             progress.append(RequestProgress(request, token_id, finished))
         return progress
 
-    def _allocate_or_preempt(self, request: SimRequest, count: int, step: ScheduledStep) -> bool:
+    def _allocate_or_preempt(self, request: R, count: int, step: ScheduledStep[R]) -> bool:
         while not self.kv_cache.allocate_slots(request, count):
             victim = self.running.pop()
             self.kv_cache.free(victim)
@@ -166,7 +187,7 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _work(step: ScheduledStep) -> StepWork:
+    def _work(step: ScheduledStep[R]) -> StepWork:
         prefill = decode_requests = decode_context = 0
         for request, count in step.tokens.items():
             # Decoding: the prompt (and any recomputed output) is in the cache, and the

@@ -33,6 +33,7 @@ from simulations.engine.block_hash import wire_hash
 from simulations.engine.config import EngineSimConfig
 from simulations.engine.engine import EngineStopped, SimEngine
 from simulations.engine.protocol import ChatCompletionRequest, CompletionRequest
+from simulations.engine.request import SimRequest
 from simulations.engine.scheduler import RequestProgress, RequestTooLarge
 
 log = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ async def _json_body(request: Request) -> Any:
         raise RequestError("JSON decode error: nested too deeply") from None
 
 
-async def _collect(progress: AsyncGenerator[RequestProgress, None]) -> list[int]:
+async def _collect(progress: AsyncGenerator[RequestProgress[SimRequest], None]) -> list[int]:
     async with contextlib.aclosing(progress):  # closing it aborts the request if unfinished
         return [step.new_token_id async for step in progress]
 
@@ -322,7 +323,7 @@ async def _disconnect(request: Request) -> None:
 
 async def _sse(
     admitted: _Admitted,
-    progress: AsyncGenerator[RequestProgress, None],
+    progress: AsyncGenerator[RequestProgress[SimRequest], None],
     chat: bool,
     output_text: dict[int, str],
     config: EngineSimConfig,

@@ -43,7 +43,12 @@ async def test_healthz_and_readyz(router: RunningRouter) -> None:
         ready = await client.get(_url(router, "/readyz"))
     assert health.status_code == 200
     assert ready.status_code == 200
-    assert ready.json() == {"ready": True, "grpc": "serving", "index": "ok"}
+    assert ready.json() == {
+        "ready": True,
+        "grpc": "serving",
+        "index": "ok",
+        "routing": "cache-aware",
+    }
 
 
 async def test_readyz_fails_while_grpc_is_not_serving() -> None:
@@ -58,7 +63,12 @@ async def test_readyz_fails_while_grpc_is_not_serving() -> None:
     ) as client:
         response = await client.get("/readyz")
     assert response.status_code == 503
-    assert response.json() == {"ready": False, "grpc": "not serving", "index": "ok"}
+    assert response.json() == {
+        "ready": False,
+        "grpc": "not serving",
+        "index": "ok",
+        "routing": "cache-aware",
+    }
 
 
 async def test_metrics_count_what_the_control_plane_did(

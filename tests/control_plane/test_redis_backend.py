@@ -89,9 +89,11 @@ async def test_unreachable_redis() -> None:
         async with httpx.AsyncClient() as client:
             ready = await client.get(f"http://127.0.0.1:{router.http_port}/readyz")
             metrics = await client.get(f"http://127.0.0.1:{router.http_port}/metrics")
-        assert ready.status_code == 503
+        # Still ready: the proxy serves on load alone while the index is down.
+        assert ready.status_code == 200
         assert ready.json()["grpc"] == "serving"
         assert ready.json()["index"].startswith("unreachable")
+        assert ready.json()["routing"] == "load-only"
         assert "kvplane_index_up 0.0" in metrics.text
 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:

@@ -423,3 +423,12 @@ async def test_max_entries_evicts_dead_workers_first(make_index: IndexFactory):
     assert (await index.lookup(live_prompt))["live"].blocks == 40
     assert (await index.stats()).entries <= 100
     assert [s.info.worker_id for s in await index.workers()] == ["live"]
+
+
+async def test_scope_generations_count_up_per_scope(make_index: IndexFactory):
+    index = await make_index()
+    assert await index.scope_generations() == {}
+    assert await index.bump_scope_generation("acme") == 1
+    assert await index.bump_scope_generation("acme") == 2
+    assert await index.bump_scope_generation("globex") == 1
+    assert await index.scope_generations() == {"acme": 2, "globex": 1}

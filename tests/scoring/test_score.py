@@ -11,7 +11,9 @@ from kvplane.config import ScoringSettings
 from router.index.base import Tier
 from router.scoring.score import (
     RequestFacts,
-    WorkerState,
+    ScoreBreakdown,
+    WorkerFacts,
+    deciding_factor,
     hit_value,
     rank_workers,
     score_worker,
@@ -20,11 +22,11 @@ from router.scoring.score import (
 WEIGHTS = ScoringSettings()
 
 
-def worker(worker_id: str, device: int = 0, **state: object) -> WorkerState:
-    return WorkerState(worker_id, {Tier.DEVICE: device} if device else {}, **state)  # type: ignore[arg-type]
+def worker(worker_id: str, device: int = 0, **state: object) -> WorkerFacts:
+    return WorkerFacts(worker_id, {Tier.DEVICE: device} if device else {}, **state)  # type: ignore[arg-type]
 
 
-def best(request: RequestFacts, *workers: WorkerState, seed: int = 0) -> str:
+def best(request: RequestFacts, *workers: WorkerFacts, seed: int = 0) -> str:
     return rank_workers(request, workers, WEIGHTS, random.Random(seed))[0].worker_id
 
 
@@ -41,17 +43,21 @@ def test_slower_tiers_are_worth_what_restoring_saves_over_recomputing() -> None:
 def test_the_longest_cached_prefix_wins_when_all_else_is_equal() -> None:
     request = RequestFacts(prompt_tokens=4096)
     assert best(request, worker("a", 1024), worker("b", 3072), worker("c")) == "b"
-    host = WorkerState("h", {Tier.HOST: 3072})
+    host = WorkerFacts("h", {Tier.HOST: 3072})
     assert best(request, worker("d", 2048), host) == "h"  # 3072 x 0.93 > 2048
 
 
 def test_a_long_queue_sends_a_hot_prefix_elsewhere() -> None:
     request = RequestFacts(prompt_tokens=2048)
     idle = worker("idle", 0)
-    busy = worker("busy", 2048, waiting_requests=3)
+    # Enough waiting requests to outweigh the whole cached prefix, whatever the weight.
+    enough = int(2048 // WEIGHTS.waiting_request_tokens) + 1
+    busy = worker("busy", 2048, waiting_requests=enough)
     assert best(request, busy, idle) == "idle"
     assert best(request, worker("busy", 2048, waiting_requests=1), idle) == "busy"
-    queued = worker("queued", 2048, queued_prefill_tokens=4096)
+    # Queued prefill work worth more than the cached prefix, whatever the weight.
+    queued_tokens = int(2048 / WEIGHTS.queued_prefill_weight) + 1
+    queued = worker("queued", 2048, queued_prefill_tokens=queued_tokens)
     assert best(request, queued, idle) == "idle"
 
 
@@ -108,3 +114,59 @@ def test_the_breakdown_adds_up_and_the_cached_prefix_is_capped() -> None:
         - breakdown.memory_penalty
         - breakdown.tenant_penalty
     )
+
+
+def breakdown(worker_id: str, saved: float = 0.0, **penalties: float) -> ScoreBreakdown:
+    return ScoreBreakdown(
+        worker_id,
+        cached_tokens=int(saved),
+        saved_tokens=saved,
+        queue_penalty=penalties.get("queue", 0.0),
+        memory_penalty=penalties.get("memory", 0.0),
+        tenant_penalty=penalties.get("tenant", 0.0),
+    )
+
+
+def test_the_deciding_factor_is_the_term_that_set_the_winner_apart() -> None:
+    assert deciding_factor([breakdown("a", 1000), breakdown("b", 200)]) == "cache"
+    assert deciding_factor([breakdown("a"), breakdown("b", queue=1024)]) == "load"
+    assert deciding_factor([breakdown("a"), breakdown("b", memory=300)]) == "memory"
+    assert deciding_factor([breakdown("a"), breakdown("b", tenant=2048)]) == "tenant"
+    # The cache lead outweighs the load handicap that went against it.
+    assert deciding_factor([breakdown("a", 3000, queue=1024), breakdown("b")]) == "cache"
+    # The largest margin wins even when another term also favoured the winner.
+    both = [breakdown("a", 100), breakdown("b", queue=2048)]
+    assert deciding_factor(both) == "load"
+
+
+def test_the_deciding_factor_without_a_contest() -> None:
+    assert deciding_factor([]) == "none"
+    assert deciding_factor([breakdown("a", 500)]) == "only_choice"
+    assert deciding_factor([breakdown("a", 500), breakdown("b", 500)]) == "tie"
+    third_only = [breakdown("a"), breakdown("b"), breakdown("c", queue=100)]
+    assert deciding_factor(third_only) == "tie"  # only the runner-up counts
+
+
+def test_the_deciding_factor_of_a_real_ranking() -> None:
+    request = RequestFacts(prompt_tokens=2048)
+    ranked = rank_workers(request, [worker("cold"), worker("hot", 1024)], WEIGHTS, random.Random(0))
+    assert [r.worker_id for r in ranked] == ["hot", "cold"]
+    assert deciding_factor(ranked) == "cache"
+
+
+def test_running_requests_are_a_light_penalty() -> None:
+    request = RequestFacts(prompt_tokens=1000)
+    decoding = score_worker(request, worker("a", running_requests=3), WEIGHTS)
+    assert decoding.queue_penalty == 3 * WEIGHTS.running_request_tokens
+    assert best(request, worker("a", running_requests=3), worker("b", running_requests=1)) == "b"
+    # Lighter than a cached prefix worth more than the decoding requests' weight.
+    hot = worker("hot", 256, running_requests=3)
+    assert best(request, hot, worker("idle")) == "hot"
+
+
+def test_a_suspect_workers_cached_prefix_saves_nothing() -> None:
+    request = RequestFacts(prompt_tokens=1000)
+    suspect = score_worker(request, worker("a", 512, suspect=True), WEIGHTS)
+    assert suspect.saved_tokens == 0.0
+    assert suspect.cached_tokens == 512  # still reported as believed
+    assert best(request, worker("a", 512, suspect=True), worker("b", 64)) == "b"

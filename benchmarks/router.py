@@ -1,0 +1,544 @@
+"""`kvplane bench router`: the router's routing decision and its proxy, in figures.
+
+Decisions. For each prompt length (1k, 8k, 32k tokens) and fleet size (16, 64, 256
+workers) a fresh index (in-process, and Redis where asked) is filled as a serving
+fleet would leave it: eight prompts of that length share their first eighth (a system
+prompt); worker w holds a prefix of prompt w % 8 whose length is spread evenly over
+the fleet from one block to all of it, plus four unrelated 512-block chains, all on
+the device tier (with `--host-tier`, every fourth worker holds the back half of its
+prefix in host memory, as with KV offloading: lookups then count blocks per tier for
+every matching worker, a cost of its own). The router's own RoutingPlanner then
+decides for the eight prompts in turn, called as the proxy calls it (anonymous
+tenant, shared scope, default weights, no-op tracer), and each winner is recorded as
+a predicted location, as the proxy does after sending. The figures are the wall time
+of `decide()` (block keys, index lookup, predictions, scoring) after a warm-up, with
+the keys and the lookup also timed alone. The prompts are token ids: tokenisation is
+a figure of its own, the default tokenizer encoding an English text prompt of the
+same length as the proxy does for `/v1/completions`.
+
+Proxy. Three child processes: an engine simulator (time scale 0, KV events on), a
+`kvplane router` (in-memory index) and a `kvplane agent` registering the simulator
+with it; the load comes from this process over keep-alive HTTP/1.1 connections with
+the h11 client of `kvplane bench engine-sim` (short prompts, max_tokens 1). The same
+requests go first to the simulator directly, then through the router: one at a time
+for latency (added latency = the proxied p50 minus the direct p50), then
+`concurrency` at a time for throughput. The router's CPU time (user + system, from
+/proc/PID/stat) over the concurrent proxied run, per request, is its cost per request.
+On a small machine the four processes share the cores: the proxied throughput is the
+whole system's, the simulator and the load generator included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx2
+import msgspec
+from opentelemetry import trace
+
+from benchmarks.engine_sim import _load, _prompts
+from kvplane.config import ProxySettings, ScoringSettings
+from kvplane.processes import spawn_kvplane
+from kvplane.reporting import percentile
+from kvplane.serving import free_port
+from kvplane.tokenizer import load_tokenizer
+from router.control_plane.workers import WorkerView
+from router.index.base import BlocksStored, LocationIndex, Tier, WorkerInfo
+from router.index.memory import MemoryLocationIndex
+from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
+from router.proxy.tokens import PromptTokens
+from router.routing.accuracy import PredictionAccuracy
+from router.routing.decide import RoutingPlanner
+from router.routing.fleet import Fleet
+from router.routing.predicted import PredictedPrefixes
+from router.tenants import ANONYMOUS_TENANT
+from simulations.engine.process import spawn_engine_sim
+
+MODEL = "bench"
+BLOCK_SIZE = 16
+PROMPTS = 8  # distinct prompts per length, sharing their first eighth
+UNRELATED_CHAINS = 4  # per worker
+UNRELATED_BLOCKS = 512
+EVENT_BLOCKS = 64  # blocks per BlocksStored, as an engine step announces them
+VOCAB = 512  # the default tokenizer's
+LEASE_S = 3600.0
+WARM_UP = 20
+SIM_MODEL = "kvplane-tiny"  # the simulator's default model name
+_TEXT = (
+    "The cache remembers what the model has already read, so a request that starts the "
+    "same way as an earlier one can skip the work of reading that part again. A router "
+    "that knows which replica holds which prefix sends each request where most of it is "
+    "already cached. Summarise the following document for an engineer who has five "
+    "minutes to read it, then list the three questions it leaves open. "
+)
+
+
+@dataclass(frozen=True)
+class DecisionFigures:
+    prompt_tokens: int
+    workers: int
+    index: str
+    entries: int
+    decisions: int
+    decision_p50_us: float
+    decision_p99_us: float
+    keys_p50_us: float
+    lookup_p50_us: float
+    tokenize_p50_us: float
+    tokenize_repeat_p50_us: float  # the same prompt again: the proxy's token cache
+
+
+@dataclass(frozen=True)
+class ProxyFigures:
+    requests: int
+    concurrency: int
+    direct_latency_p50_ms: float
+    proxied_latency_p50_ms: float
+    added_latency_p50_ms: float
+    direct_requests_per_s: float
+    requests_per_s: float
+    router_cpu_ms_per_request: float
+    engine_cpu_ms_per_request: float
+    errors: int
+
+
+# -- the decision path -------------------------------------------------------------
+
+
+def bench_prompts(prompt_tokens: int, seed: int) -> list[list[int]]:
+    """PROMPTS token-id prompts of `prompt_tokens`, sharing their first eighth."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(prompt_tokens // 8)]
+    return [
+        shared + [rng.randrange(VOCAB) for _ in range(prompt_tokens - len(shared))]
+        for _ in range(PROMPTS)
+    ]
+
+
+def _runs(keys: Sequence[int], tier: Tier, first: int, parent: int | None) -> list[BlocksStored]:
+    """`keys` (a chain's blocks from position `first`) as engine-sized stored runs."""
+    runs = []
+    for start in range(0, len(keys), EVENT_BLOCKS):
+        runs.append(
+            BlocksStored(
+                keys=list(keys[start : start + EVENT_BLOCKS]),
+                tier=tier,
+                first_position=first + start,
+                parent_key=keys[start - 1] if start else parent,
+            )
+        )
+    return runs
+
+
+def worker_holdings(
+    prompt_keys: list[list[int]], workers: int, seed: int, *, host_tier: bool = False
+) -> Iterator[tuple[WorkerInfo, list[BlocksStored]]]:
+    """Each worker's registration and what it stores (see the module docstring)."""
+    rng = random.Random(seed + 1)
+    blocks = len(prompt_keys[0])
+    depths = [max(1, blocks * (i + 1) // workers) for i in range(workers)]
+    rng.shuffle(depths)
+    for worker in range(workers):
+        info = WorkerInfo(f"worker-{worker}", 1, f"http://w{worker}:8000", MODEL, BLOCK_SIZE)
+        held = prompt_keys[worker % PROMPTS][: depths[worker]]
+        if host_tier and worker % 4 == 3 and len(held) > 1:  # the back half offloaded
+            half = len(held) // 2
+            events = _runs(held[:half], Tier.DEVICE, 0, None)
+            events += _runs(held[half:], Tier.HOST, half, held[half - 1])
+        else:
+            events = _runs(held, Tier.DEVICE, 0, None)
+        for _ in range(UNRELATED_CHAINS):
+            chain = [rng.getrandbits(64) for _ in range(UNRELATED_BLOCKS)]
+            events += _runs(chain, Tier.DEVICE, 0, None)
+        yield info, events
+
+
+def _planner(index: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
+    """A RoutingPlanner wired as router/app.py wires it, with default settings."""
+    proxy = ProxySettings()
+    fleet = Fleet(index, WorkerView(), unreachable_backoff_s=proxy.unreachable_backoff_s)
+    planner = RoutingPlanner(
+        index=index,
+        fleet=fleet,
+        predicted=PredictedPrefixes(proxy.predicted_ttl_s),
+        accuracy=PredictionAccuracy(proxy.suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
+        weights=ScoringSettings(),
+        block_size=BLOCK_SIZE,
+        index_timeout_s=proxy.index_timeout_s,
+        tracer=trace.NoOpTracer(),
+        rng=random.Random(0),
+    )
+    return planner, fleet
+
+
+async def _timed_us(call: Callable[[], Awaitable[object]], repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter_ns()
+        await call()
+        samples.append((time.perf_counter_ns() - started) / 1000)
+    return samples
+
+
+@dataclass(frozen=True)
+class DecisionCase:
+    prompt_tokens: int
+    workers: int
+    decisions: int
+    tokenize_us: float  # measured once per prompt length, reported in each row
+    tokenize_repeat_us: float
+    host_tier: bool = False
+    seed: int = 1
+
+
+async def measure_decisions(
+    index: LocationIndex, index_name: str, case: DecisionCase
+) -> DecisionFigures:
+    """Fill `index` with the case's fleet, then time the planner's decisions."""
+    planner, fleet = _planner(index)
+    prompts = bench_prompts(case.prompt_tokens, case.seed)
+    prompt_keys = [planner.keys(MODEL, "", tokens) for tokens in prompts]
+    holdings = worker_holdings(prompt_keys, case.workers, case.seed, host_tier=case.host_tier)
+    for info, events in holdings:
+        await index.register(info, LEASE_S)
+        await index.apply(info.worker_id, info.incarnation, events)
+    await fleet.refresh()
+    entries = (await index.stats()).entries
+    turn = 0
+
+    async def decide() -> None:
+        nonlocal turn
+        decision = await planner.decide(
+            model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=prompts[turn % PROMPTS]
+        )
+        turn += 1
+        if not decision.index_answered or len(decision.ranked) < case.workers:
+            raise RuntimeError(f"a decision without the index or some workers: {decision}")
+        planner.routed(decision, decision.ranked[0].worker_id)  # as the proxy does
+
+    async def keys() -> None:
+        planner.keys(MODEL, "", prompts[0])
+
+    async def lookup() -> None:
+        await index.lookup(prompt_keys[0])
+
+    await _timed_us(decide, WARM_UP)
+    decide_us = await _timed_us(decide, case.decisions)
+    keys_us = await _timed_us(keys, max(10, case.decisions // 4))
+    lookup_us = await _timed_us(lookup, max(10, case.decisions // 4))
+    return DecisionFigures(
+        prompt_tokens=case.prompt_tokens,
+        workers=case.workers,
+        index=index_name,
+        entries=entries,
+        decisions=case.decisions,
+        decision_p50_us=round(statistics.median(decide_us), 1),
+        decision_p99_us=round(percentile(decide_us, 0.99), 1),
+        keys_p50_us=round(statistics.median(keys_us), 1),
+        lookup_p50_us=round(statistics.median(lookup_us), 1),
+        tokenize_p50_us=round(case.tokenize_us, 1),
+        tokenize_repeat_p50_us=round(case.tokenize_repeat_us, 1),
+    )
+
+
+def text_prompt(prompt_tokens: int) -> str:
+    """English text that the default tokenizer encodes (BOS included) as about
+    `prompt_tokens` tokens."""
+    tokenizer = load_tokenizer()
+    per_copy = len(tokenizer.completion_tokens(_TEXT)) - 1
+    tokens = tokenizer.completion_tokens(_TEXT * (prompt_tokens // per_copy + 2))
+    return tokenizer.decode(tokens[1:prompt_tokens])
+
+
+def measure_tokenize_us(prompt_tokens: int) -> tuple[float, float]:
+    """p50s of tokenising a `prompt_tokens` text prompt as the proxy does: a prompt
+    not seen before, and the same prompt again (a hit in the proxy's token cache)."""
+    return asyncio.run(_measure_tokenize_us(text_prompt(prompt_tokens), prompt_tokens))
+
+
+async def _measure_tokenize_us(text: str, prompt_tokens: int) -> tuple[float, float]:
+    prompt_tokens_of = PromptTokens(ProxySettings())
+    repeats = max(10, 200_000 // prompt_tokens)
+
+    def request(suffix: str) -> tuple[ParsedRequest, int]:
+        raw = msgspec.json.encode({"model": MODEL, "prompt": text + suffix})
+        return parse_body(raw, Endpoint.COMPLETIONS), len(raw)
+
+    async def fresh() -> None:
+        await prompt_tokens_of.of(*request(f" {time.perf_counter_ns()}"), "")
+
+    repeated_request = request("")
+
+    async def repeated() -> None:
+        await prompt_tokens_of.of(*repeated_request, "")
+
+    await _timed_us(fresh, 3)
+    await _timed_us(repeated, 3)
+    return (
+        statistics.median(await _timed_us(fresh, repeats)),
+        statistics.median(await _timed_us(repeated, repeats)),
+    )
+
+
+def _decisions_for(prompt_tokens: int, workers: int, decisions: int) -> int:
+    """Fewer decisions where each costs more (the 32k-token, 256-worker case)."""
+    weight = prompt_tokens * workers / (8192 * 64)
+    return max(20, int(decisions / max(1.0, weight**0.5)))
+
+
+async def _measure_memory(case: DecisionCase) -> DecisionFigures:
+    index = MemoryLocationIndex()
+    try:
+        return await measure_decisions(index, "memory", case)
+    finally:
+        await index.close()
+
+
+async def _measure_redis(url: str, case: DecisionCase) -> DecisionFigures:
+    import redis.asyncio as aioredis
+
+    from router.index.redis import RedisLocationIndex
+
+    prefix = f"kvpbench-{uuid.uuid4().hex[:8]}"
+    index = RedisLocationIndex.from_url(url, cluster=False, prefix=prefix, max_entries=None)
+    admin = aioredis.Redis.from_url(url)
+    try:
+        return await measure_decisions(index, "redis", case)
+    finally:
+        for worker in range(case.workers):
+            await index.drop_worker(f"worker-{worker}")
+        async for key in admin.scan_iter(match=f"{prefix}:*", count=1000):
+            await admin.delete(key)
+        await index.close()
+        await admin.aclose()
+
+
+def measure_all_decisions(
+    *,
+    backends: Sequence[str],
+    redis_url: str,
+    prompt_lengths: Sequence[int],
+    fleet_sizes: Sequence[int],
+    decisions: int,
+    host_tier: bool,
+    seed: int,
+) -> list[DecisionFigures]:
+    rows = []
+    for prompt_tokens in prompt_lengths:
+        tokenize_us, tokenize_repeat_us = measure_tokenize_us(prompt_tokens)
+        for workers in fleet_sizes:
+            count = _decisions_for(prompt_tokens, workers, decisions)
+            case = DecisionCase(
+                prompt_tokens, workers, count, tokenize_us, tokenize_repeat_us, host_tier, seed
+            )
+            for backend in backends:
+                if backend == "memory":
+                    rows.append(asyncio.run(_measure_memory(case)))
+                else:
+                    rows.append(asyncio.run(_measure_redis(redis_url, case)))
+    return rows
+
+
+# -- the proxy ---------------------------------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_routable(router_url: str, timeout_s: float = 60.0) -> None:
+    """Until the router answers a completion (the agent registered the simulator)."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": SIM_MODEL, "prompt": "hello", "max_tokens": 1}
+    with httpx2.Client(timeout=5.0) as client:
+        while True:
+            try:
+                if client.post(router_url + "/v1/completions", json=body).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the router never routed a request to the simulator")
+            time.sleep(0.1)
+
+
+def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -> ProxyFigures:
+    events, replay = free_port(), free_port()
+    grpc_port, http_port = free_port(), free_port()
+    router_url = f"http://127.0.0.1:{http_port}"
+    kv_config = (
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events}", '
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay}"}}'
+    )
+    quiet = ("--log-level", "WARNING")
+    with ExitStack() as stack:
+        sim = stack.enter_context(
+            spawn_engine_sim("--time-scale", "0", "--kv-events-config", kv_config, *quiet)
+        )
+        router = stack.enter_context(
+            spawn_kvplane(
+                ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                 "--index", "memory", *quiet],
+                router_url + "/readyz",
+            )
+        )  # fmt: skip
+        stack.enter_context(
+            spawn_kvplane(
+                ["agent", "--worker-id", "bench-worker", "--engine-url", sim.base_url,
+                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+                 "--control-plane-address", f"127.0.0.1:{grpc_port}", *quiet],
+                None,
+            )
+        )  # fmt: skip
+        _wait_routable(router_url)
+        return asyncio.run(
+            _proxy_runs(
+                sim.base_url,
+                router_url,
+                router.pid,
+                sim.process.pid,
+                requests=requests,
+                concurrency=concurrency,
+                sequential=sequential,
+                seed=seed,
+            )
+        )
+    raise AssertionError("unreachable")  # for mypy: ExitStack may swallow exceptions
+
+
+async def _proxy_runs(
+    direct_url: str,
+    router_url: str,
+    router_pid: int,
+    engine_pid: int,
+    *,
+    requests: int,
+    concurrency: int,
+    sequential: int,
+    seed: int,
+) -> ProxyFigures:
+    prompts = _prompts(requests, seed)
+    errors = 0
+
+    async def run(url: str, count: int, in_flight: int) -> tuple[float, list[float]]:
+        nonlocal errors
+        seconds, latencies, failed = await _load(
+            url, prompts[:count], in_flight, 1, model=SIM_MODEL
+        )
+        errors += failed
+        return seconds, latencies
+
+    for url in (direct_url, router_url):  # warm connections, caches and code paths
+        await run(url, min(requests, 200), concurrency)
+    _, direct_latencies = await run(direct_url, sequential, 1)
+    _, proxied_latencies = await run(router_url, sequential, 1)
+    direct_s, _ = await run(direct_url, requests, concurrency)
+    router_cpu, engine_cpu = _cpu_seconds(router_pid), _cpu_seconds(engine_pid)
+    proxied_s, _ = await run(router_url, requests, concurrency)
+    router_cpu = _cpu_seconds(router_pid) - router_cpu
+    engine_cpu = _cpu_seconds(engine_pid) - engine_cpu
+    direct_ms = statistics.median(direct_latencies) * 1000
+    proxied_ms = statistics.median(proxied_latencies) * 1000
+    return ProxyFigures(
+        requests=requests,
+        concurrency=concurrency,
+        direct_latency_p50_ms=round(direct_ms, 3),
+        proxied_latency_p50_ms=round(proxied_ms, 3),
+        added_latency_p50_ms=round(proxied_ms - direct_ms, 3),
+        direct_requests_per_s=round(requests / direct_s, 1),
+        requests_per_s=round(requests / proxied_s, 1),
+        router_cpu_ms_per_request=round(router_cpu / requests * 1000, 3),
+        engine_cpu_ms_per_request=round(engine_cpu / requests * 1000, 3),
+        errors=errors,
+    )
+
+
+# -- the report --------------------------------------------------------------------
+
+
+def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -> None:
+    if decisions:
+        print(
+            f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
+            f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'tokenize p50':>13} "
+            f"{'repeated':>9}"
+        )
+        for row in decisions:
+            print(
+                f"{row.prompt_tokens:>7,} {row.workers:>7} {row.index:<6} {row.entries:>9,} "
+                f"{row.decision_p50_us:>9.0f}µs {row.decision_p99_us:>9.0f}µs "
+                f"{row.keys_p50_us:>8.0f}µs {row.lookup_p50_us:>9.0f}µs "
+                f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs"
+            )
+    if proxy is not None:
+        print(
+            f"proxy: p50 {proxy.proxied_latency_p50_ms:.2f} ms through the router, "
+            f"{proxy.direct_latency_p50_ms:.2f} ms direct: "
+            f"{proxy.added_latency_p50_ms:.2f} ms added (one at a time)"
+        )
+        print(
+            f"proxy: {proxy.requests:,} requests, {proxy.concurrency} in flight: "
+            f"{proxy.requests_per_s:,.0f} requests/s through the router, "
+            f"{proxy.direct_requests_per_s:,.0f} direct; router CPU "
+            f"{proxy.router_cpu_ms_per_request:.2f} ms/request (engine "
+            f"{proxy.engine_cpu_ms_per_request:.2f}); {proxy.errors} errors"
+        )
+
+
+def run_router_benchmark(
+    *,
+    json_path: Path | None,
+    backends: Sequence[str],
+    redis_url: str,
+    prompt_lengths: Sequence[int],
+    fleet_sizes: Sequence[int],
+    decisions: int,
+    requests: int,
+    concurrency: int,
+    sequential: int,
+    host_tier: bool = False,
+    seed: int = 1,
+) -> int:
+    unknown = set(backends) - {"memory", "redis"}
+    if unknown:
+        raise ValueError(f"unknown index backends: {', '.join(sorted(unknown))}")
+    rows = measure_all_decisions(
+        backends=backends,
+        redis_url=redis_url,
+        prompt_lengths=prompt_lengths,
+        fleet_sizes=fleet_sizes,
+        decisions=decisions,
+        host_tier=host_tier,
+        seed=seed,
+    )
+    proxy = measure_proxy(requests, concurrency, sequential, seed) if requests > 0 else None
+    _print_table(rows, proxy)
+    if json_path is not None:
+        report = {
+            "machine": {
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+            },
+            "host_tier": host_tier,
+            "decisions": [asdict(row) for row in rows],
+            "proxy": None if proxy is None else asdict(proxy),
+        }
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0 if proxy is None or proxy.errors == 0 else 1

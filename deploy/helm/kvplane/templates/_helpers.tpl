@@ -1,0 +1,106 @@
+{{/* Names and labels. */}}
+{{- define "kvplane.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvplane.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvplane.selector" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvplane.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The Redis URL the routers share, or "" for the in-memory index. */}}
+{{- define "kvplane.redisUrl" -}}
+{{- if .Values.redis.url -}}
+{{- .Values.redis.url -}}
+{{- else if .Values.redis.bundled.enabled -}}
+{{- printf "redis://%s-redis:6379/0" (include "kvplane.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The model name clients send and agents register. */}}
+{{- define "kvplane.servedModelName" -}}
+{{- if .Values.engines.servedModelName -}}
+{{- .Values.engines.servedModelName -}}
+{{- else if eq .Values.engines.kind "engine-sim" -}}
+kvplane-tiny
+{{- else -}}
+{{- .Values.engines.model -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Refusals: configurations that would render but not work. */}}
+{{- define "kvplane.checks" -}}
+{{- $routers := int .Values.router.replicas -}}
+{{- if .Values.router.autoscaling.enabled -}}
+{{- $routers = int .Values.router.autoscaling.maxReplicas -}}
+{{- end -}}
+{{- if and (gt $routers 1) (not (include "kvplane.redisUrl" .)) -}}
+{{- fail "more than one router replica needs a shared index: set redis.url or redis.bundled.enabled (without one each replica would keep a private index)" -}}
+{{- end -}}
+{{- if and .Values.redis.url .Values.redis.bundled.enabled -}}
+{{- fail "set either redis.url or redis.bundled.enabled, not both" -}}
+{{- end -}}
+{{- if and .Values.engines.enabled (eq .Values.engines.kind "vllm") (not .Values.engines.model) -}}
+{{- fail "engines.kind vllm needs engines.model" -}}
+{{- end -}}
+{{- if ne (mod (int .Values.router.blockSize) (int .Values.engines.blockSize)) 0 -}}
+{{- fail "engines.blockSize must divide router.blockSize" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The agent container, beside an engine reached on localhost. */}}
+{{- define "kvplane.agentContainer" -}}
+- name: kvplane-agent
+  image: {{ include "kvplane.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - agent
+    - --engine={{ if eq .Values.engines.kind "engine-sim" }}vllm{{ else }}{{ .Values.engines.kind }}{{ end }}
+    - --engine-url=http://127.0.0.1:{{ .Values.engines.httpPort }}
+    - --kv-events-endpoint=tcp://127.0.0.1:{{ .Values.engines.kvEventsPort }}
+    - --kv-events-replay-endpoint=tcp://127.0.0.1:{{ .Values.engines.kvReplayPort }}
+    - --kv-events-topic={{ .Values.engines.kvEventsTopic }}
+    - --control-plane-address={{ include "kvplane.fullname" . }}-router:{{ .Values.router.grpcPort }}
+    - --block-size={{ .Values.router.blockSize }}
+    - --load-interval-s={{ .Values.engines.agent.loadIntervalSeconds }}
+    {{- with .Values.engines.agent.labels }}
+    - --labels={{ toJson . }}
+    {{- end }}
+  env:
+    - name: KVPLANE_AGENT__WORKER_ID
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
+    - name: POD_IP
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+    - name: KVPLANE_AGENT__ADVERTISE_URL
+      value: "http://$(POD_IP):{{ .Values.engines.httpPort }}"
+    - name: KVPLANE_LOGGING__FORMAT
+      value: {{ .Values.router.logFormat | quote }}
+    {{- with .Values.router.secrets.agentToken.name }}
+    - name: KVPLANE_CONTROL_PLANE__AGENT_TOKEN
+      valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $.Values.router.secrets.agentToken.key }}}}
+    {{- end }}
+  resources: {{- toYaml .Values.engines.agent.resources | nindent 4 }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 10001
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities: {drop: [ALL]}
+{{- end -}}

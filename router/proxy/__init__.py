@@ -1,0 +1,1 @@
+"""The OpenAI-compatible reverse proxy: request bodies, forwarding, failover."""

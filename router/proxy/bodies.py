@@ -1,0 +1,209 @@
+"""OpenAI request bodies: what the router reads from them and what it adds.
+
+The router reads the model, whether to stream, and the prompt (to tokenise it as the
+engine will); it adds the tenant's cache salt. Everything else goes to the engine as
+the client sent it: the engine is the judge of the rest, and its errors reach the
+client unchanged. Error messages here name fields, never their contents.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+
+from kvplane.tokenizer import PromptTokenizer
+from router.tenants import SHARED_SCOPE, Tenant
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+class BadRequest(ValueError):
+    """A body the router cannot route; the message is safe to show and to log."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    body: dict[str, Any]
+
+    @property
+    def client_cache_salt(self) -> str | None:
+        salt = self.body.get("cache_salt")
+        return salt if isinstance(salt, str) else None
+
+
+_decoder = msgspec.json.Decoder()
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused (413) past `limit` bytes before more is read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"the request body is larger than {limit} bytes", status=413)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"the request body is larger than {limit} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        return _decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting too deep
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
+    body = decode_json(raw)
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("'stream' must be a boolean", "stream")
+    if endpoint is Endpoint.COMPLETIONS and "prompt" not in body:
+        raise BadRequest("'prompt' is required", "prompt")
+    if endpoint is Endpoint.CHAT and not isinstance(body.get("messages"), list):
+        raise BadRequest("'messages' must be an array", "messages")
+    return ParsedRequest(endpoint, model, bool(stream), body)
+
+
+def prompt_token_ids(request: ParsedRequest, tokenizer: PromptTokenizer) -> list[int] | None:
+    """The prompt's token ids as the engine will see them; None when the router cannot
+    tell (a shape it does not tokenise, a template that fails): the request is then
+    routed on load alone and the engine judges it."""
+    body = request.body
+    try:
+        if request.endpoint is Endpoint.COMPLETIONS:
+            prompt = _first_prompt(body["prompt"])
+            return None if prompt is None else tokenizer.completion_tokens(prompt)
+        template_kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(template_kwargs, Mapping):
+            return None
+        if body.get("tools"):
+            template_kwargs = {**template_kwargs, "tools": body["tools"]}
+        return tokenizer.chat_tokens(
+            [_flatten_text_parts(message) for message in body["messages"]],
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            template_kwargs=template_kwargs,
+        )
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _flatten_text_parts(message: Any) -> Any:
+    """A message whose content is a list of text parts, as the engine renders it for a
+    template that expects a string: the texts joined by newlines (vLLM's "string"
+    content format). Other parts (images) are left for the template to refuse."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if not isinstance(content, list) or not all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+def _first_prompt(prompt: Any) -> str | Sequence[int] | None:
+    """A batch routes on its first prompt (they go to one engine together)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(type(token) is int and 0 <= token <= _MAX_TOKEN_ID for token in prompt):
+            return prompt
+        return _first_prompt(prompt[0]) if isinstance(prompt[0], str | list) else None
+    return None
+
+
+def key_scope(tenant: Tenant, parsed: ParsedRequest) -> str:
+    """The cache scope the request's blocks are keyed in: the tenant's salt; in the
+    shared scope, a salt the client chose itself (the engine isolates by it too)."""
+    if tenant.cache_salt is not None:
+        return tenant.cache_salt
+    if tenant.cache_scope == SHARED_SCOPE:
+        return parsed.client_cache_salt or ""
+    return ""
+
+
+def body_for_engine(raw: bytes, request: ParsedRequest, cache_salt: str | None) -> bytes:
+    """The body to send upstream: as received, or with the tenant's cache salt set."""
+    if cache_salt is None or request.body.get("cache_salt") == cache_salt:
+        return raw
+    return msgspec.json.encode({**request.body, "cache_salt": cache_salt})
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a response's `usage` says about the prompt's cache hits."""
+
+    cached_tokens: int | None  # None: no prompt_tokens_details (vLLM leaves it out at 0)
+
+
+def response_usage(body: bytes) -> Usage | None:
+    """The usage of a completion body; None when it has none."""
+    try:
+        document = _decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+    return _usage(document)
+
+
+def _usage(document: Any) -> Usage | None:
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(cached if type(cached) is int and cached >= 0 else None)
+
+
+class StreamUsage:
+    """Finds the usage chunk of a server-sent event stream (sent last, before [DONE],
+    when the client asked for `stream_options.include_usage`) without parsing every
+    chunk: only the stream's tail is kept and read at the end."""
+
+    _TAIL_BYTES = 16384
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk)[-self._TAIL_BYTES :]
+
+    def usage(self) -> Usage | None:
+        for event in reversed(self._tail.split(b"\n\n")):
+            data = event.strip()
+            if data.startswith(b"data:") and b'"usage"' in data:
+                try:
+                    usage = _usage(_decoder.decode(data[5:].strip()))
+                except msgspec.DecodeError:
+                    return None
+                if usage is not None:
+                    return usage
+        return None

@@ -1,0 +1,397 @@
+"""The OpenAI-compatible endpoints: authenticate, tokenise, decide, forward, account.
+
+`POST /v1/completions` and `POST /v1/chat/completions` go to the best-scoring worker
+serving the request's model; `GET /v1/models` lists the models live workers serve.
+Every answer carries `x-kvplane-worker` and `x-kvplane-cached-tokens` (the cached
+prefix the router predicted there). Before an engine's first byte reaches the client
+the router may try the next worker; after it, never.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx2
+import msgspec
+from opentelemetry import trace
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvplane.config import ProxySettings
+from router.metrics import RouterMetrics
+from router.proxy.bodies import (
+    BadRequest,
+    Endpoint,
+    ParsedRequest,
+    StreamUsage,
+    Usage,
+    body_for_engine,
+    key_scope,
+    parse_body,
+    read_body,
+    response_usage,
+)
+from router.proxy.tokens import PromptTokens
+from router.proxy.upstream import AttemptFailed, NoFreeConnection, Upstream, UpstreamAnswer
+from router.routing.accuracy import PredictionAccuracy, Verdict
+from router.routing.decide import Decision, RoutingPlanner
+from router.routing.fleet import Fleet, Ticket
+from router.tenants import Tenant, TenantDirectory
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "x-kvplane-worker"
+CACHED_TOKENS_HEADER = "x-kvplane-cached-tokens"
+_T = TypeVar("_T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while the router waited on an engine."""
+
+
+def error_response(
+    status: int, message: str, *, kind: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error in the OpenAI shape; `message` must hold no prompt or completion text."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One proxied request's facts, for the accounting when it ends."""
+
+    worker_id: str
+    incarnation: int
+    predicted_tokens: int  # what x-kvplane-cached-tokens said
+    indexed_tokens: int  # the part of it the index vouched for: what is judged
+    ticket: Ticket
+    sent_at: float
+
+
+class ProxyService:
+    def __init__(
+        self,
+        *,
+        settings: ProxySettings,
+        tenants: TenantDirectory,
+        fleet: Fleet,
+        planner: RoutingPlanner,
+        accuracy: PredictionAccuracy,
+        upstream: Upstream,
+        metrics: RouterMetrics,
+        tracer: trace.Tracer,
+    ) -> None:
+        self.settings = settings
+        self.tenants = tenants
+        self.fleet = fleet
+        self.planner = planner
+        self.accuracy = accuracy
+        self.upstream = upstream
+        self.metrics = metrics
+        self.tracer = tracer
+        self.prompt_tokens = PromptTokens(settings)
+        # Worker incarnations seen sending prompt_tokens_details: from them, usage
+        # without it means no cached tokens (vLLM leaves it out at zero).
+        self._reporting_workers: set[tuple[str, int]] = set()
+
+    def routes(self) -> list[Route]:
+        async def completions(request: Request) -> Response:
+            return await self.proxy(request, Endpoint.COMPLETIONS)
+
+        async def chat(request: Request) -> Response:
+            return await self.proxy(request, Endpoint.CHAT)
+
+        return [
+            Route(Endpoint.COMPLETIONS.value, completions, methods=["POST"]),
+            Route(Endpoint.CHAT.value, chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        if self.tenants.authenticate(request.headers.get("authorization")) is None:
+            return _unauthorized()
+        data = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "kvplane"}
+            for model in self.fleet.models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def proxy(self, request: Request, endpoint: Endpoint) -> Response:
+        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        if tenant is None:
+            self._count("unauthorized")
+            return _unauthorized()
+        try:
+            raw = await read_body(request, self.settings.max_body_bytes)
+            parsed = parse_body(raw, endpoint)
+        except BadRequest as error:
+            self._count("bad_request")
+            return error_response(error.status, str(error), kind="BadRequestError")
+        except ClientDisconnect:
+            self._count("client_disconnected")
+            return Response(status_code=499)
+        with self.tracer.start_as_current_span(
+            "kvplane.route",
+            attributes={
+                "kvplane.endpoint": endpoint.value,
+                "kvplane.model": parsed.model,
+                "kvplane.tenant": tenant.name,
+                "kvplane.stream": parsed.stream,
+            },
+        ):
+            scope = key_scope(tenant, parsed)
+            tokens = await self._tokenize(parsed, len(raw), scope)
+            decision = await self.planner.decide(
+                model=parsed.model, tenant=tenant, cache_scope=scope, tokens=tokens or []
+            )
+            self.metrics.decision_seconds.observe(decision.seconds)
+            self.metrics.decisions.labels(factor=decision.factor).inc()
+            if not decision.ranked:
+                return self._no_worker(tenant)
+            body = body_for_engine(raw, parsed, tenant.cache_salt)
+            return await self._forward(request, parsed, tenant, decision, body)
+
+    async def _tokenize(
+        self, parsed: ParsedRequest, body_bytes: int, scope: str
+    ) -> Sequence[int] | None:
+        started = time.perf_counter()
+        with self.tracer.start_as_current_span("kvplane.tokenize") as span:
+            tokens = await self.prompt_tokens.of(parsed, body_bytes, scope)
+            span.set_attribute("kvplane.prompt_tokens", -1 if tokens is None else len(tokens))
+        self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+        return tokens
+
+    def _no_worker(self, tenant: Tenant) -> Response:
+        self._count("no_worker")
+        message = (
+            f"no live worker in tenant {tenant.name!r}'s pool"
+            if tenant.isolation == "dedicated" and self.fleet.candidates()
+            else "no live worker can take the request now"
+        )
+        return error_response(
+            503,
+            message,
+            kind="ServiceUnavailableError",
+            headers={"retry-after": str(self.settings.retry_after_s)},
+        )
+
+    async def _forward(
+        self,
+        request: Request,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        decision: Decision,
+        body: bytes,
+    ) -> Response:
+        path = parsed.endpoint.value
+        headers = {"content-type": "application/json"}
+        failures: list[str] = []
+        for attempt, breakdown in enumerate(decision.ranked[: self.settings.max_attempts]):
+            candidate = decision.candidates[breakdown.worker_id]
+            predicted = decision.predicted_tokens(candidate.worker_id)
+            exchange = _Exchange(
+                worker_id=candidate.worker_id,
+                incarnation=candidate.info.incarnation,
+                predicted_tokens=predicted,
+                indexed_tokens=decision.indexed_tokens(candidate.worker_id),
+                ticket=self.fleet.sent(
+                    candidate.worker_id,
+                    tenant.name,
+                    max(0, decision.prompt_tokens - predicted),
+                    streamed=parsed.stream,
+                ),
+                sent_at=time.perf_counter(),
+            )
+            self.planner.routed(decision, candidate.worker_id)
+            url = candidate.info.base_url.rstrip("/") + path
+            try:
+                with self.tracer.start_as_current_span(
+                    "kvplane.upstream",
+                    attributes={"kvplane.worker": candidate.worker_id, "kvplane.attempt": attempt},
+                ) as span:
+                    answer, full_body = await _unless_disconnected(
+                        request, self._attempt(url, body, headers, parsed.stream, exchange)
+                    )
+                    first_byte_s = time.perf_counter() - exchange.sent_at
+                    span.set_attribute("kvplane.first_byte_ms", first_byte_s * 1000)
+                    span.set_attribute("http.response.status_code", answer.status)
+            except AttemptFailed as failure:
+                self._abandoned(exchange, decision, failure)
+                failures.append(f"{candidate.worker_id}: {failure.reason}")
+                continue
+            except NoFreeConnection:
+                self.fleet.finished(exchange.ticket)
+                self.planner.predicted.removed(exchange.worker_id, decision.keys)
+                self._count("router_busy")
+                log.warning("no free upstream connection (proxy.max_connections is reached)")
+                return error_response(
+                    503,
+                    "the router has no free connection to the engines now",
+                    kind="ServiceUnavailableError",
+                    headers={"retry-after": str(self.settings.retry_after_s)},
+                )
+            except ClientGone:
+                self.fleet.finished(exchange.ticket)
+                self._count("client_disconnected", candidate.worker_id)
+                return Response(status_code=499)
+            except BaseException:  # cancelled (the server stopping): release the ticket
+                self.fleet.finished(exchange.ticket)
+                raise
+            if parsed.stream:  # a non-streamed answer's first byte is its last
+                self.metrics.first_byte_seconds.observe(first_byte_s)
+            outcome = "ok" if attempt == 0 else "ok_after_failover"
+            response_headers = dict(answer.headers)
+            response_headers[WORKER_HEADER] = candidate.worker_id
+            response_headers[CACHED_TOKENS_HEADER] = str(predicted)
+            if full_body is not None:
+                self._settled(exchange, outcome, response_usage(full_body), answer.status)
+                return Response(full_body, status_code=answer.status, headers=response_headers)
+            return StreamingResponse(
+                self._relay(answer, exchange, outcome),
+                status_code=answer.status,
+                headers=response_headers,
+            )
+        self._count("all_attempts_failed")
+        log.warning("no worker answered before the first byte: %s", "; ".join(failures))
+        return error_response(
+            503,
+            f"no worker answered ({len(failures)} tried): " + "; ".join(failures),
+            kind="ServiceUnavailableError",
+            headers={"retry-after": str(self.settings.retry_after_s)},
+        )
+
+    async def _attempt(
+        self, url: str, body: bytes, headers: dict[str, str], stream: bool, exchange: _Exchange
+    ) -> tuple[UpstreamAnswer, bytes | None]:
+        """The engine's answer up to its first byte; for a non-streamed request, all of
+        it (nothing has reached the client yet, so a break is still a failed attempt)."""
+        answer = await self.upstream.send(url, body, headers, self.settings.first_byte_timeout_s)
+        self.fleet.first_byte(exchange.ticket)
+        if stream:
+            return answer, None
+        try:
+            chunks = [answer.first_chunk]
+            async for chunk in answer.rest():
+                chunks.append(chunk)
+        except httpx2.HTTPError as error:
+            raise AttemptFailed(f"broken mid-answer ({type(error).__name__})") from None
+        finally:
+            await answer.close()
+        return answer, b"".join(chunks)
+
+    def _abandoned(self, exchange: _Exchange, decision: Decision, failure: AttemptFailed) -> None:
+        self.fleet.finished(exchange.ticket)
+        self.planner.predicted.removed(exchange.worker_id, decision.keys)
+        if failure.refused:
+            self.fleet.unreachable(exchange.worker_id)
+        self.metrics.failovers.labels(
+            worker=exchange.worker_id, reason="refused" if failure.refused else "failed"
+        ).inc()
+        log.warning(
+            "worker %s failed before its first byte (%s)", exchange.worker_id, failure.reason
+        )
+
+    async def _relay(
+        self, answer: UpstreamAnswer, exchange: _Exchange, outcome: str
+    ) -> AsyncIterator[bytes]:
+        usage = StreamUsage()
+        try:
+            usage.feed(answer.first_chunk)
+            yield answer.first_chunk
+            async for chunk in answer.rest():
+                usage.feed(chunk)
+                yield chunk
+        except httpx2.HTTPError as error:
+            # Bytes went out already: no retry. Say so in the stream's own error form,
+            # so that the client sees a failure, not a short answer.
+            outcome = "broken_stream"
+            log.warning("worker %s broke a stream (%s)", exchange.worker_id, type(error).__name__)
+            message = {"error": {"message": "the engine broke the stream", "code": 502}}
+            yield b"data: " + msgspec.json.encode(message) + b"\n\n"
+        except BaseException:
+            outcome = "client_disconnected"
+            raise
+        finally:
+            try:
+                await answer.close()
+            finally:
+                self._settled(exchange, outcome, usage.usage(), answer.status)
+
+    def _settled(self, exchange: _Exchange, outcome: str, usage: Usage | None, status: int) -> None:
+        self.fleet.finished(exchange.ticket)
+        if status >= 400:
+            outcome = "engine_error"
+        self._count(outcome, exchange.worker_id)
+        worker = exchange.worker_id
+        reported = self._reported_cached_tokens((worker, exchange.incarnation), usage)
+        if reported is None:
+            if status < 400:
+                self.metrics.prefill_tokens_saved.inc(exchange.predicted_tokens)
+            return
+        self.metrics.prefill_tokens_saved.inc(reported)
+        self.metrics.predicted_cached_tokens.labels(worker=worker).inc(exchange.predicted_tokens)
+        self.metrics.reported_cached_tokens.labels(worker=worker).inc(reported)
+        verdict = self.accuracy.observe(
+            worker, exchange.incarnation, exchange.indexed_tokens, reported
+        )
+        self.metrics.prediction_verdicts.labels(worker=worker, verdict=verdict.value).inc()
+        if verdict is Verdict.STALE:
+            log.info(
+                "stale locations on %s: predicted %d cached tokens, the engine found %d",
+                worker,
+                exchange.predicted_tokens,
+                reported,
+            )
+
+    def _reported_cached_tokens(
+        self, incarnation: tuple[str, int], usage: Usage | None
+    ) -> int | None:
+        if usage is None:
+            return None
+        if usage.cached_tokens is not None:
+            self._reporting_workers.add(incarnation)
+            return usage.cached_tokens
+        return 0 if incarnation in self._reporting_workers else None
+
+    def _count(self, outcome: str, worker: str = "none") -> None:
+        self.metrics.requests.labels(outcome=outcome, worker=worker).inc()
+
+
+def _unauthorized() -> JSONResponse:
+    return error_response(
+        401,
+        "a valid API key is required (Authorization: Bearer KEY)",
+        kind="AuthenticationError",
+        headers={"www-authenticate": "Bearer"},
+    )
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (which
+    closes the engine's connection, so the engine drops the request) and ClientGone
+    is raised."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

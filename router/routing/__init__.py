@@ -1,0 +1,1 @@
+"""Routing: what the router believes about each worker, and the decision it makes."""

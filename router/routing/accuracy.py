@@ -1,0 +1,75 @@
+"""Checking the router's predictions against what engines report.
+
+After a response, the engine's `usage.prompt_tokens_details.cached_tokens` (when it
+sends one) says how much of the prompt it really found cached. A report that falls
+short of the prediction by more than the tolerance (one engine block: engines count
+in their own blocks, and recompute a fully cached prompt's last token) is a stale
+location: the index believed in blocks the engine no longer had. A worker whose
+predictions keep failing has suspect index entries: scoring stops counting on them
+until a prediction holds again or the worker starts a new incarnation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Verdict(enum.Enum):
+    CONFIRMED = "confirmed"  # the engine found what was predicted, within tolerance
+    STALE = "stale"  # it found less: locations the index believed were gone
+    BETTER = "better"  # it found more (events not arrived yet, or another scope's hit)
+
+
+def judge(predicted_tokens: int, reported_tokens: int, tolerance_tokens: int) -> Verdict:
+    if reported_tokens < predicted_tokens - tolerance_tokens:
+        return Verdict.STALE
+    if reported_tokens > predicted_tokens + tolerance_tokens:
+        return Verdict.BETTER
+    return Verdict.CONFIRMED
+
+
+@dataclass(slots=True)
+class _Record:
+    incarnation: int
+    misses_in_a_row: int = 0
+
+
+class PredictionAccuracy:
+    def __init__(self, suspect_after_misses: int, tolerance_tokens: int) -> None:
+        self.suspect_after_misses = suspect_after_misses
+        self.tolerance_tokens = tolerance_tokens
+        self._records: dict[str, _Record] = {}
+
+    def observe(
+        self, worker_id: str, incarnation: int, predicted_tokens: int, reported_tokens: int
+    ) -> Verdict:
+        record = self._records.get(worker_id)
+        if record is None or record.incarnation != incarnation:
+            record = self._records[worker_id] = _Record(incarnation)
+        verdict = judge(predicted_tokens, reported_tokens, self.tolerance_tokens)
+        if verdict is Verdict.STALE:
+            record.misses_in_a_row += 1
+        elif predicted_tokens > 0 or verdict is Verdict.BETTER:
+            # Only a prediction of something, borne out, clears a suspicion.
+            record.misses_in_a_row = 0
+        return verdict
+
+    def is_suspect(self, worker_id: str, incarnation: int) -> bool:
+        record = self._records.get(worker_id)
+        return (
+            record is not None
+            and record.incarnation == incarnation
+            and record.misses_in_a_row >= self.suspect_after_misses
+        )
+
+    def forget(self, worker_id: str) -> None:
+        """The worker's entries are gone (new incarnation, resync, death)."""
+        self._records.pop(worker_id, None)
+
+    def suspects(self) -> set[str]:
+        return {
+            worker_id
+            for worker_id, record in self._records.items()
+            if record.misses_in_a_row >= self.suspect_after_misses
+        }

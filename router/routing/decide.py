@@ -1,0 +1,257 @@
+"""One routing decision: key the prompt, look it up, score every candidate.
+
+The scoring itself is the pure function in router/scoring; this module gathers its
+inputs (index lookup, predicted entries, load, tenant traffic) and records what was
+decided. When the index cannot answer within its timeout the decision goes on with
+load and this router's own predicted entries only, and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from opentelemetry import trace
+
+from kvplane.config import ScoringSettings
+from kvplane.keys import KeyNamespace, block_keys
+from router.index.base import LocationIndex, PrefixMatch, Tier
+from router.routing.accuracy import PredictionAccuracy
+from router.routing.fleet import Candidate, Fleet
+from router.routing.predicted import PredictedPrefixes
+from router.scoring.score import (
+    RequestFacts,
+    ScoreBreakdown,
+    WorkerFacts,
+    deciding_factor,
+    queue_estimate,
+    rank_workers,
+)
+from router.tenants import POOL_LABEL, Tenant
+
+log = logging.getLogger(__name__)
+
+INDEX_PROBE_INTERVAL_S = 0.5
+"""While lookups fail, how often one request tries the index again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ranked: list[ScoreBreakdown]  # eligible workers, best first
+    candidates: Mapping[str, Candidate]
+    matched_blocks: Mapping[str, Mapping[Tier, int]]  # per worker, what was believed
+    indexed_blocks: Mapping[str, int]  # per worker, the part the index vouched for
+    keys: list[int]
+    prompt_tokens: int
+    block_size: int
+    index_answered: bool  # False: load-only (plus this router's predictions)
+    factor: str
+    seconds: float
+
+    def predicted_tokens(self, worker_id: str) -> int:
+        """The cached prefix the router expects the engine to report for this request."""
+        return sum(self.matched_blocks.get(worker_id, {}).values()) * self.block_size
+
+    def indexed_tokens(self, worker_id: str) -> int:
+        """The part of the prediction the worker's own events vouched for (a predicted
+        entry may still be prefilling on the engine, which cannot share it yet)."""
+        return self.indexed_blocks.get(worker_id, 0) * self.block_size
+
+
+def servable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Blocks an engine can serve from cache: it always computes the prompt's last token,
+    so a fully cached prompt hits one token short of its length."""
+    return max(0, prompt_tokens - 1) // block_size
+
+
+class RoutingPlanner:
+    def __init__(
+        self,
+        *,
+        index: LocationIndex,
+        fleet: Fleet,
+        predicted: PredictedPrefixes,
+        accuracy: PredictionAccuracy,
+        weights: ScoringSettings,
+        block_size: int,
+        index_timeout_s: float,
+        tracer: trace.Tracer,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.index = index
+        self.fleet = fleet
+        self.predicted = predicted
+        self.accuracy = accuracy
+        self.weights = weights
+        self.block_size = block_size
+        self.index_timeout_s = index_timeout_s
+        self.tracer = tracer
+        self.rng = rng or random.Random()
+        self.index_answering = True
+        self._turn = itertools.count()  # the round-robin baseline's position
+        self._next_lookup_probe = 0.0  # while the index is down: when to try it again
+
+    def keys(self, model: str, cache_scope: str, tokens: Sequence[int]) -> list[int]:
+        namespace = KeyNamespace(model=model, block_size=self.block_size, cache_scope=cache_scope)
+        return block_keys(tokens, namespace)
+
+    async def decide(
+        self, *, model: str, tenant: Tenant, cache_scope: str, tokens: Sequence[int]
+    ) -> Decision:
+        """Rank the candidates serving `model` for a prompt of `tokens`, keyed in
+        `cache_scope` (the tenant's salt, or a salt the client sent in the shared
+        scope; empty for none)."""
+        started = time.perf_counter()
+        with self.tracer.start_as_current_span("kvplane.key") as span:
+            keys = self.keys(model, cache_scope, tokens)
+            span.set_attribute("kvplane.blocks", len(keys))
+        # No worker registered under the model's name: it may be a LoRA adapter, which
+        # engines serve under the base model's registration. Any worker may take it on
+        # load, and the engine judges whether it serves the model.
+        serving = self.fleet.candidates(model) or self.fleet.candidates()
+        candidates = {c.worker_id: c for c in serving}
+        with self.tracer.start_as_current_span("kvplane.lookup") as span:
+            index_matches, answered = await self._lookup(keys, bool(candidates))
+            span.set_attribute("kvplane.index_answered", answered)
+        with self.tracer.start_as_current_span("kvplane.score") as span:
+            now = time.monotonic()
+            self.predicted.prune(now)
+            predicted = self.predicted.match(keys, now) if candidates else {}
+            limit = servable_blocks(len(tokens), self.block_size)
+            matched = {
+                worker_id: _combined(index_matches.get(worker_id), predicted.get(worker_id), limit)
+                for worker_id in candidates
+            }
+            indexed = {
+                worker_id: min(match.blocks, limit)
+                for worker_id, match in index_matches.items()
+                if worker_id in candidates
+            }
+            facts = [
+                self._facts(candidate, matched[worker_id], tenant)
+                for worker_id, candidate in candidates.items()
+            ]
+            request = RequestFacts(
+                prompt_tokens=len(tokens),
+                isolation=tenant.isolation,
+                required_labels=tenant.required_labels,
+                pool=tenant.pool,
+            )
+            ranked = rank_workers(request, facts, self.weights, self.rng)
+            factor = deciding_factor(ranked)
+            if self.weights.policy == "round-robin" and ranked:
+                ranked.sort(key=lambda breakdown: breakdown.worker_id)
+                turn = next(self._turn) % len(ranked)
+                ranked = ranked[turn:] + ranked[:turn]
+                factor = "round_robin"
+            span.set_attribute("kvplane.candidates", len(candidates))
+            span.set_attribute("kvplane.factor", factor)
+        return Decision(
+            ranked=ranked,
+            candidates=candidates,
+            matched_blocks=matched,
+            indexed_blocks=indexed,
+            keys=keys,
+            prompt_tokens=len(tokens),
+            block_size=self.block_size,
+            index_answered=answered,
+            factor=factor,
+            seconds=time.perf_counter() - started,
+        )
+
+    def routed(self, decision: Decision, worker_id: str) -> None:
+        """The request went to `worker_id`: its prefix is predicted there from now on."""
+        self.predicted.record(
+            worker_id,
+            decision.keys[: servable_blocks(decision.prompt_tokens, self.block_size)],
+            time.monotonic(),
+        )
+
+    async def _lookup(self, keys: list[int], wanted: bool) -> tuple[dict[str, PrefixMatch], bool]:
+        if not keys or not wanted:
+            return {}, True
+        if not self.index_answering and time.monotonic() < self._next_lookup_probe:
+            # An index that stopped answering costs each request its timeout: only one
+            # request per probe interval pays it, the others route on load at once.
+            return {}, False
+        try:
+            matches = await asyncio.wait_for(self.index.lookup(keys), self.index_timeout_s)
+        except Exception as error:  # any backend failure: route on load alone
+            if self.index_answering:
+                log.warning(
+                    "the index did not answer a lookup (%s): routing on load only until it does",
+                    type(error).__name__,
+                )
+            self.index_answering = False
+            self._next_lookup_probe = time.monotonic() + INDEX_PROBE_INTERVAL_S
+            return {}, False
+        if not self.index_answering:
+            log.warning("the index answers lookups again: routing on cached prefixes")
+        self.index_answering = True
+        return matches, True
+
+    def _facts(
+        self, candidate: Candidate, matched: Mapping[Tier, int], tenant: Tenant
+    ) -> WorkerFacts:
+        info, load, traffic = candidate.info, candidate.load, candidate.traffic
+        # Without a report (the agent streams to another router replica) this router's
+        # own traffic is all it knows.
+        received_at = candidate.load_received_at
+        reported = None if load is None or received_at is None else (load.waiting, load.running)
+        waiting, running = queue_estimate(
+            reported,
+            0 if received_at is None else traffic.prefilling_sent_after(received_at),
+            traffic.in_flight,
+            traffic.prefilling,
+        )
+        return WorkerFacts(
+            worker_id=info.worker_id,
+            matched_tokens={tier: blocks * self.block_size for tier, blocks in matched.items()}
+            if matched
+            else _NOTHING,
+            waiting_requests=waiting,
+            running_requests=running,
+            queued_prefill_tokens=traffic.prefill_tokens,
+            kv_usage=load.kv_usage if load is not None else 0.0,
+            other_tenants_running=traffic.in_flight - traffic.by_tenant.get(tenant.name, 0),
+            labels=info.labels,
+            pool=info.labels.get(POOL_LABEL),
+            suspect=self.accuracy.is_suspect(info.worker_id, info.incarnation),
+        )
+
+
+_NOTHING: Mapping[Tier, int] = MappingProxyType({})
+
+
+def _combined(
+    index_match: PrefixMatch | None, predicted_blocks: int | None, limit: int
+) -> Mapping[Tier, int]:
+    """Blocks per tier the worker is believed to hold: the index's match, extended on
+    the device tier by a longer prediction, cut to what the engine can serve."""
+    if index_match is None and predicted_blocks is None:
+        return _NOTHING  # most workers, for most requests: kept cheap
+    if (
+        index_match is not None
+        and (predicted_blocks is None or predicted_blocks <= index_match.blocks)
+        and index_match.blocks <= limit
+    ):
+        return index_match.by_tier
+    by_tier = dict(index_match.by_tier) if index_match is not None else {}
+    held = sum(by_tier.values())
+    if predicted_blocks is not None and predicted_blocks > held:
+        by_tier[Tier.DEVICE] = by_tier.get(Tier.DEVICE, 0) + predicted_blocks - held
+        held = predicted_blocks
+    excess = held - limit
+    for tier in sorted(by_tier, reverse=True):  # the slowest tiers give way first
+        if excess <= 0:
+            break
+        cut = min(excess, by_tier[tier])
+        by_tier[tier] -= cut
+        excess -= cut
+    return {tier: blocks for tier, blocks in by_tier.items() if blocks > 0}

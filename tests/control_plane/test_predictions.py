@@ -1,0 +1,44 @@
+"""Predicted entries never outlive a real removal: the control plane tells the planner
+of every removal it applies, of a cleared cache and of a new incarnation."""
+
+from __future__ import annotations
+
+import time
+
+import grpc.aio
+
+from router.app import RunningRouter
+from router.control_plane.client import AgentStream, events_message, register_message
+from router.index.base import AllBlocksCleared, BlocksRemoved, Tier
+from tests.control_plane.conftest import prompt_keys, stored, worker
+
+KEYS = prompt_keys(7, blocks=4)
+
+
+def predicted_blocks(router: RunningRouter, worker_id: str = "w1") -> int:
+    return router.planner.predicted.match(KEYS, time.monotonic()).get(worker_id, 0)
+
+
+async def test_removals_and_new_incarnations_drop_predicted_entries(
+    router: RunningRouter, channel: grpc.aio.Channel
+) -> None:
+    stream = AgentStream(channel)
+    await stream.request(register_message(worker()))
+    assert (await stream.request(events_message(1, [stored(KEYS)]))).ack.sequence == 1
+    router.planner.predicted.record("w1", KEYS, time.monotonic())
+    assert predicted_blocks(router) == 4
+
+    # The engine evicted the third block: the prediction stops before it.
+    await stream.request(events_message(2, [BlocksRemoved(keys=[KEYS[2]], tier=Tier.DEVICE)]))
+    assert predicted_blocks(router) == 2
+
+    router.planner.predicted.record("w1", KEYS, time.monotonic())
+    await stream.request(events_message(3, [AllBlocksCleared()]))
+    assert predicted_blocks(router) == 0
+
+    router.planner.predicted.record("w1", KEYS, time.monotonic())
+    await stream.close()
+    restarted = AgentStream(channel)
+    await restarted.request(register_message(worker(incarnation=2)))
+    assert predicted_blocks(router) == 0  # a new incarnation holds none of it
+    await restarted.close()

@@ -1,0 +1,138 @@
+"""`kvplane sim` from the command line: a table, and the JSON the issue names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplane.cli import main
+from simulations.fleet.policies import POLICIES
+
+TRACE = Path(__file__).resolve().parents[2] / "simulations" / "traces" / "mooncake"
+MODELS = Path(__file__).resolve().parents[2] / "simulations" / "models"
+FIELDS = {
+    "hit_rate", "pooled_fraction", "ceiling_fraction", "prefill_tokens_saved", "ttft_p50_s",
+    "ttft_p90_s", "ttft_p99_s", "e2e_p99_s", "output_tokens_per_s", "load_imbalance",
+    "preemptions",
+}  # fmt: skip
+
+
+def test_a_generated_workload_gives_a_table_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    code = main(
+        ["sim", "--workload", "shared-prefix", "--workload-arg", "groups=4",
+         "--workload-arg", "prompts_per_group=6", "--workload-arg", "rate_per_s=5",
+         "--workers", "2", "--capacity-tokens", "65536", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    for policy in ("random", "round-robin", "least-loaded", "kvplane", "(pooled)", "(infinite)"):
+        assert policy in table
+    document = json.loads(out.read_text())
+    assert set(document["policies"]) == set(POLICIES)
+    for figures in document["policies"].values():
+        assert set(figures) >= FIELDS
+        assert 0 <= figures["hit_rate"] <= 1
+    assert document["run"]["workers"] == 2
+    assert 0 < document["bounds"]["pooled"] <= document["bounds"]["infinite"] <= 1
+
+
+def test_plots_are_written_as_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["sim", "--workload", "shared-prefix", "--workload-arg", "groups=2",
+         "--workload-arg", "prompts_per_group=4", "--workers", "2",
+         "--policies", "kvplane,random", "--plot", str(tmp_path / "plots")]
+    )  # fmt: skip
+    assert code == 0
+    names = sorted(path.name for path in (tmp_path / "plots").iterdir())
+    assert names == ["hit_rate.png", "load_kvplane.png", "load_random.png", "ttft.png"]
+    for path in (tmp_path / "plots").iterdir():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_trace_replays_with_a_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["sim", "--trace", str(TRACE / "conversation_trace.jsonl"), "--limit", "300",
+         "--policies", "kvplane,round-robin", "--workers", "4"]
+    )  # fmt: skip
+    assert code == 0
+    assert "300 requests" in capsys.readouterr().out
+
+
+def test_a_model_and_gpu_time_the_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = {}
+    for gpus in ("1", "2"):
+        out = tmp_path / f"tp{gpus}.json"
+        code = main(
+            ["sim", "--workload", "shared-prefix", "--workload-arg", "groups=3",
+             "--workload-arg", "prompts_per_group=4", "--workers", "2", "--policies", "kvplane",
+             "--model-config", str(MODELS / "qwen3-32b.json"), "--gpu", "h100",
+             "--tensor-parallel", gpus, "--json", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        runs[gpus] = json.loads(out.read_text())
+    timing = runs["1"]["run"]["timing"]
+    assert timing["decode_ms_per_request"] > 0
+    assert runs["2"]["run"]["timing"]["prefill_ms_per_token"] == timing["prefill_ms_per_token"] / 2
+    # Twice the GPUs per worker: the same requests finish sooner.
+    faster = runs["2"]["policies"]["kvplane"]
+    assert faster["e2e_p99_s"] < runs["1"]["policies"]["kvplane"]["e2e_p99_s"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sim"], "give --trace FILE or --workload NAME"),
+        (["sim", "--workload", "nope"], "unknown workload"),
+        (["sim", "--workload", "shared-prefix", "--policies", "magic"], "unknown policies"),
+        (["sim", "--workload", "shared-prefix", "--workload-arg", "colours=3"], "colours"),
+        (
+            ["sim", "--workload", "shared-prefix", "--model-config", "/nonexistent.json"],
+            "cannot read the model config",
+        ),
+        (
+            [
+                "sim",
+                "--workload",
+                "shared-prefix",
+                "--model-config",
+                str(MODELS / "llama3-8b.json"),
+                "--gpu",
+                "tpu",
+            ],
+            "unknown GPU",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_clear_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert message in error
+    assert "Traceback" not in error
+
+
+def test_a_sweep_says_which_fleet_sizes_meet_the_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sweep.json"
+    code = main(
+        ["sim", "--workload", "shared-prefix", "--workload-arg", "groups=4",
+         "--workload-arg", "prompts_per_group=6", "--workload-arg", "rate_per_s=20",
+         "--policies", "kvplane,round-robin", "--capacity-tokens", "65536",
+         "--sweep", "workers=1,4", "--slo-ttft-p90", "0.5", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "sweeping workers over 1, 4" in text
+    assert "kvplane: meets it at" in text
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sweep["setting"] == "workers"
+    assert [point["value"] for point in sweep["points"]] == [1, 4]
+    one, four = (point["policies"]["kvplane"]["ttft_p90_s"] for point in sweep["points"])
+    assert four < one  # more workers, less queueing

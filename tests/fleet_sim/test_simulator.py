@@ -1,0 +1,114 @@
+"""The fleet simulator: deterministic, faithful to step-by-step simulation, and each
+policy doing what defines it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from simulations.fleet.policies import make_policy
+from simulations.fleet.report import figures
+from simulations.fleet.requests import TraceRequest, Workload
+from simulations.fleet.simulator import FleetConfig, RunRecord, simulate
+from simulations.fleet.workloads import shared_prefix
+
+# 64 blocks of 64 tokens per worker: room for about three of the eight prefix groups.
+SMALL = FleetConfig(workers=4, capacity_tokens=4096)
+
+
+def groups_workload(groups: int = 8, per_group: int = 12, rate: float = 20.0) -> Workload:
+    return shared_prefix(
+        groups=groups,
+        prompts_per_group=per_group,
+        system_tokens=1024,
+        question_tokens=64,
+        output_tokens=32,
+        block_tokens=64,
+        rate_per_s=rate,
+        seed=3,
+    )
+
+
+def run(workload: Workload, policy: str, config: FleetConfig = SMALL, seed: int = 1) -> RunRecord:
+    return simulate(
+        workload, make_policy(policy, seed=seed, block_tokens=workload.block_tokens), config
+    )
+
+
+def timeline(record: RunRecord) -> list[tuple[int, float | None, float | None, int]]:
+    return [(o.worker, o.first_token_s, o.finished_s, o.cached_tokens) for o in record.outcomes]
+
+
+@pytest.mark.parametrize("policy", ["random", "round-robin", "least-loaded", "kvplane"])
+def test_a_run_is_the_same_for_the_same_seed(policy: str) -> None:
+    workload = groups_workload()
+    assert timeline(run(workload, policy)) == timeline(run(workload, policy))
+
+
+def test_random_policies_differ_across_seeds() -> None:
+    workload = groups_workload()
+    assert timeline(run(workload, "random", seed=1)) != timeline(run(workload, "random", seed=2))
+
+
+def test_macro_steps_change_nothing_but_the_cost() -> None:
+    workload = groups_workload(groups=4, per_group=6, rate=4.0)
+    stepwise = dataclasses.replace(SMALL, macro_steps=False)
+    for policy in ("round-robin", "kvplane"):
+        fast, slow = run(workload, policy), run(workload, policy, stepwise)
+        assert [o.worker for o in fast.outcomes] == [o.worker for o in slow.outcomes]
+        for a, b in zip(fast.outcomes, slow.outcomes, strict=True):
+            assert a.cached_tokens == b.cached_tokens
+            assert a.first_token_s == pytest.approx(b.first_token_s, abs=1e-6)
+            assert a.finished_s == pytest.approx(b.finished_s, abs=1e-6)
+        assert fast.worker_work == slow.worker_work
+
+
+def test_every_request_finishes_and_is_accounted_for() -> None:
+    workload = groups_workload()
+    record = run(workload, "kvplane")
+    assert len(record.outcomes) == len(workload.requests)
+    assert all(o.finished_s is not None and o.first_token_s is not None for o in record.outcomes)
+    assert all(o.arrival_s <= o.first_token_s <= o.finished_s for o in record.outcomes)  # type: ignore[operator]
+    assert sum(record.worker_work) > 0
+
+
+def test_round_robin_takes_turns() -> None:
+    counts = Counter(o.worker for o in run(groups_workload(), "round-robin").outcomes)
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_least_loaded_sends_to_the_emptiest_worker() -> None:
+    # All at once: with nobody finished yet, least-loaded spreads them evenly.
+    workload = shared_prefix(
+        groups=2, prompts_per_group=8, system_tokens=256, question_tokens=64,
+        output_tokens=16, block_tokens=64, rate_per_s=None, seed=1,
+    )  # fmt: skip
+    counts = Counter(o.worker for o in run(workload, "least-loaded").outcomes)
+    assert sorted(counts.values()) == [4, 4, 4, 4]
+
+
+def test_kvplane_keeps_each_prefix_group_together_and_hits_more() -> None:
+    workload = groups_workload()
+    kvplane, spread = run(workload, "kvplane"), run(workload, "round-robin")
+    ceiling = 1.0
+    assert (
+        figures(kvplane, ceiling, ceiling).hit_rate
+        > figures(spread, ceiling, ceiling).hit_rate + 0.2
+    )
+    by_group: dict[int, Counter[int]] = {}
+    for request, outcome in zip(workload.requests, kvplane.outcomes, strict=True):
+        by_group.setdefault(request.blocks[0], Counter())[outcome.worker] += 1
+    # Most of each group's requests went to one worker (the one holding its prefix).
+    assert all(
+        counts.most_common(1)[0][1] >= 0.6 * sum(counts.values()) for counts in by_group.values()
+    )
+
+
+def test_a_request_larger_than_a_worker_is_rejected_not_lost() -> None:
+    huge = TraceRequest(0, 0.0, tuple(range(1, 400)), 400 * 64 - 10, 4)
+    fits = TraceRequest(1, 0.1, (1000, 1001), 128, 4)
+    record = run(Workload("t", 64, (huge, fits)), "round-robin")
+    assert [o.rejected for o in record.outcomes] == [True, False]
+    assert record.outcomes[1].finished_s is not None

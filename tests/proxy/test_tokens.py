@@ -1,0 +1,69 @@
+"""The proxy's tokenisation: the model's tokenizer, and the cache of identical prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvplane.config import ProxySettings
+from kvplane.tokenizer import load_tokenizer
+from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
+from router.proxy.tokens import OFF_LOOP_BODY_BYTES, PromptTokens, TokenCache, tokenisation_key
+
+MESSAGES = [{"role": "user", "content": "What does the cache remember?"}]
+
+
+def request(endpoint: Endpoint = Endpoint.CHAT, **body: Any) -> ParsedRequest:
+    fields = {"model": "m", **body}
+    if endpoint is Endpoint.CHAT:
+        fields.setdefault("messages", MESSAGES)
+    else:
+        fields.setdefault("prompt", "hello")
+    return parse_body(msgspec.json.encode(fields), endpoint)
+
+
+def test_the_key_covers_everything_tokenisation_reads() -> None:
+    base = tokenisation_key(request(), "")
+    assert tokenisation_key(request(), "") == base
+    assert tokenisation_key(request(), "a-tenants-salt") != base  # no hits across scopes
+    assert tokenisation_key(request(max_tokens=9, temperature=0.5), "") == base  # not read
+    assert tokenisation_key(request(model="other"), "") != base
+    assert tokenisation_key(request(add_generation_prompt=False), "") != base
+    assert tokenisation_key(request(chat_template_kwargs={"x": 1}), "") != base
+    assert tokenisation_key(request(tools=[{"type": "function"}]), "") != base
+    assert tokenisation_key(request(messages=[{"role": "user", "content": "?"}]), "") != base
+    assert tokenisation_key(request(Endpoint.COMPLETIONS), "") != base
+
+
+def test_the_cache_evicts_the_least_recently_used_within_its_token_budget() -> None:
+    cache = TokenCache(max_tokens=10)
+    cache.put(b"a", [1, 2, 3, 4])
+    cache.put(b"b", [5, 6, 7, 8])
+    assert cache.get(b"a") is not None  # a is now the most recently used
+    cache.put(b"c", [9, 10, 11])
+    assert cache.get(b"b") is None
+    assert list(cache.get(b"a") or []) == [1, 2, 3, 4]
+    assert cache.tokens == 7
+    cache.put(b"huge", list(range(11)))  # larger than the budget: returned, not kept
+    assert cache.get(b"huge") is None
+    assert (cache.hits, cache.misses) == (2, 2)
+
+
+async def test_identical_prompts_are_tokenised_once_and_alike() -> None:
+    tokens = PromptTokens(ProxySettings())
+    first = await tokens.of(request(), 100, "")
+    again = await tokens.of(request(max_tokens=3), 100, "")
+    assert first is not None
+    assert list(first) == load_tokenizer().chat_tokens(MESSAGES)
+    assert again is first
+    assert tokens.cache.hits == 1
+
+
+async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result() -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 400
+    tokens = PromptTokens(ProxySettings(token_cache_tokens=0))
+    long = await tokens.of(request(Endpoint.COMPLETIONS, prompt=text), OFF_LOOP_BODY_BYTES + 1, "")
+    assert long is not None
+    assert list(long) == load_tokenizer().completion_tokens(text)
+    assert tokens.cache.tokens == 0  # a budget of 0 keeps nothing

@@ -1,0 +1,359 @@
+"""One routing decision: the index's matches and this router's predictions, scored."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+from opentelemetry import trace
+
+from kvplane.config import ScoringSettings
+from router.control_plane.validation import LoadReport
+from router.control_plane.workers import WorkerView
+from router.index.base import BlocksStored, IndexUnavailable, PrefixMatch, Tier, WorkerInfo
+from router.index.memory import MemoryLocationIndex
+from router.routing.accuracy import PredictionAccuracy
+from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks
+from router.routing.fleet import Fleet
+from router.routing.predicted import PredictedPrefixes
+from router.tenants import ANONYMOUS_TENANT, Tenant
+
+MODEL = "test-model"
+BLOCK_SIZE = 4
+WORKERS = ("w1", "w2", "w3")
+TOKENS = list(range(1000, 1033))  # 33 tokens: 8 full blocks, all of them servable
+ACME = Tenant(name="acme", cache_scope="acme", cache_salt="acme-salt")
+
+
+class FlakyIndex(MemoryLocationIndex):
+    """A memory index whose lookups fail, or hang, while told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+        self.hanging = False
+        self.lookups = 0
+
+    async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
+        self.lookups += 1
+        if self.failing:
+            raise IndexUnavailable("the backend is down")
+        if self.hanging:
+            await asyncio.sleep(10)
+        return await super().lookup(keys)
+
+
+async def make_planner(
+    index: MemoryLocationIndex | None = None,
+    *,
+    workers: Sequence[str] = WORKERS,
+    suspect_after_misses: int = 2,
+    index_timeout_s: float = 5.0,
+    view: WorkerView | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> RoutingPlanner:
+    view = view if view is not None else WorkerView()
+    index = index if index is not None else MemoryLocationIndex()
+    for worker_id in workers:
+        info = WorkerInfo(
+            worker_id=worker_id,
+            incarnation=1,
+            base_url="http://127.0.0.1:8000",
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+        )
+        await index.register(info, lease_s=60.0)
+        view.registered(info, stream=1, now=time.monotonic(), lease_s=60.0)
+    fleet = Fleet(index, view, unreachable_backoff_s=1.0, clock=clock)
+    await fleet.refresh()
+    return RoutingPlanner(
+        index=index,
+        fleet=fleet,
+        predicted=PredictedPrefixes(ttl_s=30.0),
+        accuracy=PredictionAccuracy(suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
+        weights=ScoringSettings(),
+        block_size=BLOCK_SIZE,
+        index_timeout_s=index_timeout_s,
+        tracer=trace.NoOpTracer(),
+        rng=random.Random(0),
+    )
+
+
+async def store(
+    planner: RoutingPlanner, worker_id: str, blocks: int, scope: str = "", tier: Tier = Tier.DEVICE
+) -> None:
+    keys = planner.keys(MODEL, scope, TOKENS)[:blocks]
+    await planner.index.apply(worker_id, 1, [BlocksStored(keys=keys, tier=tier)])
+
+
+# -- servable_blocks and _combined ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "blocks"),
+    [(0, 0), (1, 0), (4, 0), (5, 1), (8, 1), (9, 2), (33, 8)],
+)
+def test_the_last_prompt_token_is_never_served_from_cache(prompt_tokens: int, blocks: int) -> None:
+    assert servable_blocks(prompt_tokens, BLOCK_SIZE) == blocks
+
+
+def match(**by_tier: int) -> PrefixMatch:
+    tiers = {Tier[name.upper()]: blocks for name, blocks in by_tier.items()}
+    return PrefixMatch("w", 1, sum(tiers.values()), tiers)
+
+
+def test_combined_without_index_match_or_prediction_is_empty() -> None:
+    assert _combined(None, None, 8) == {}
+
+
+def test_combined_keeps_the_index_match_within_the_limit() -> None:
+    assert _combined(match(device=2, host=3), None, 8) == {Tier.DEVICE: 2, Tier.HOST: 3}
+
+
+def test_a_longer_prediction_extends_the_device_tier() -> None:
+    assert _combined(match(device=1, host=2), 5, 8) == {Tier.DEVICE: 3, Tier.HOST: 2}
+    assert _combined(None, 5, 8) == {Tier.DEVICE: 5}
+
+
+def test_a_shorter_prediction_changes_nothing() -> None:
+    assert _combined(match(host=4), 2, 8) == {Tier.HOST: 4}
+
+
+def test_the_slowest_tiers_are_cut_first_to_the_limit() -> None:
+    assert _combined(match(device=2, host=2, disk=2), None, 3) == {Tier.DEVICE: 2, Tier.HOST: 1}
+    assert _combined(match(device=2, host=2), 10, 3) == {Tier.DEVICE: 3}
+    assert _combined(match(device=4), None, 0) == {}
+
+
+# -- decide ----------------------------------------------------------------------------
+
+
+async def test_the_worker_holding_the_prefix_ranks_first() -> None:
+    planner = await make_planner()
+    await store(planner, "w2", 6)
+    await store(planner, "w3", 2)
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert [r.worker_id for r in decision.ranked] == ["w2", "w3", "w1"]
+    assert decision.index_answered
+    assert decision.factor == "cache"
+    assert decision.matched_blocks["w2"] == {Tier.DEVICE: 6}
+    assert decision.matched_blocks["w1"] == {}
+    assert decision.predicted_tokens("w2") == 6 * BLOCK_SIZE
+    assert decision.predicted_tokens("w1") == 0
+    assert decision.ranked[0].cached_tokens == 6 * BLOCK_SIZE
+    assert decision.keys == planner.keys(MODEL, "", TOKENS)
+    assert decision.prompt_tokens == len(TOKENS)
+    assert set(decision.candidates) == set(WORKERS)
+
+
+async def test_a_fully_cached_prompt_counts_only_its_servable_blocks() -> None:
+    planner = await make_planner()
+    tokens = TOKENS[:32]  # 8 full blocks, the last of which holds the last token
+    keys = planner.keys(MODEL, "", tokens)
+    await planner.index.apply("w1", 1, [BlocksStored(keys=keys, tier=Tier.DEVICE)])
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=tokens
+    )
+    assert decision.matched_blocks["w1"] == {Tier.DEVICE: 7}
+
+
+async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
+    planner = await make_planner()
+    first = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert first.factor == "tie"
+    assert all(blocks == {} for blocks in first.matched_blocks.values())
+    planner.routed(first, "w3")
+    second = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert second.ranked[0].worker_id == "w3"
+    assert second.matched_blocks["w3"] == {Tier.DEVICE: 8}
+    assert second.factor == "cache"
+    # A prompt sharing only the first half of the prefix is predicted halfway.
+    third = await planner.decide(
+        model=MODEL,
+        tenant=ANONYMOUS_TENANT,
+        cache_scope="",
+        tokens=[*TOKENS[:16], *range(5000, 5017)],
+    )
+    assert third.matched_blocks["w3"] == {Tier.DEVICE: 4}
+
+
+async def test_a_prediction_extends_a_shorter_index_match() -> None:
+    planner = await make_planner()
+    await store(planner, "w1", 3, tier=Tier.HOST)
+    first = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    planner.routed(first, "w1")
+    second = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert second.matched_blocks["w1"] == {Tier.HOST: 3, Tier.DEVICE: 5}
+
+
+async def test_another_cache_scope_matches_nothing() -> None:
+    planner = await make_planner()
+    await store(planner, "w2", 8, scope="")
+    assert planner.keys(MODEL, "acme-salt", TOKENS) != planner.keys(MODEL, "", TOKENS)
+    decision = await planner.decide(
+        model=MODEL, tenant=ACME, cache_scope="acme-salt", tokens=TOKENS
+    )
+    assert all(blocks == {} for blocks in decision.matched_blocks.values())
+    assert decision.factor == "tie"
+    await store(planner, "w1", 8, scope="acme-salt")
+    decision = await planner.decide(
+        model=MODEL, tenant=ACME, cache_scope="acme-salt", tokens=TOKENS
+    )
+    assert decision.ranked[0].worker_id == "w1"
+    assert decision.matched_blocks["w2"] == {}
+
+
+async def test_a_suspect_workers_match_saves_nothing() -> None:
+    planner = await make_planner(suspect_after_misses=2)
+    await store(planner, "w2", 8)
+    for _ in range(2):
+        planner.accuracy.observe("w2", 1, predicted_tokens=32, reported_tokens=0)
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    by_worker = {r.worker_id: r for r in decision.ranked}
+    assert by_worker["w2"].saved_tokens == 0.0
+    assert by_worker["w2"].cached_tokens == 32  # still what the index believes
+    assert decision.matched_blocks["w2"] == {Tier.DEVICE: 8}
+
+
+async def test_this_routers_traffic_counts_as_load() -> None:
+    planner = await make_planner(workers=["w1", "w2"])
+    await store(planner, "w1", 1)
+    for _ in range(2):
+        planner.fleet.sent("w1", "other", prefill_tokens=512)
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert decision.ranked[0].worker_id == "w2"
+    assert decision.factor == "load"
+    busy = next(r for r in decision.ranked if r.worker_id == "w1")
+    weights = planner.weights
+    assert busy.queue_penalty == pytest.approx(
+        2 * weights.waiting_request_tokens + 1024 * weights.queued_prefill_weight
+    )
+
+
+async def test_requests_sent_since_the_last_load_report_add_to_its_queue() -> None:
+    now = [10.0]
+    view = WorkerView()
+    planner = await make_planner(workers=["w1"], view=view, clock=lambda: now[0])
+    planner.fleet.sent("w1", "other", prefill_tokens=0)  # counted in the report already
+    now[0] = 11.0
+    view.load("w1", 1, LoadReport(running=1, waiting=2, kv_usage=0.0, timestamp_ms=0), 11.0)
+    now[0] = 12.0
+    planner.fleet.sent("w1", "other", prefill_tokens=0)  # sent after the report arrived
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    (only,) = decision.ranked
+    weights = planner.weights
+    assert only.queue_penalty == pytest.approx(
+        3 * weights.waiting_request_tokens + 1 * weights.running_request_tokens
+    )
+
+
+async def test_a_model_no_worker_registered_goes_to_any_worker_on_load() -> None:
+    # A LoRA adapter is served under its base model's registration: the engine judges.
+    planner = await make_planner()
+    await store(planner, "w2", 8)
+    decision = await planner.decide(
+        model="an-adapter", tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert {breakdown.worker_id for breakdown in decision.ranked} == set(WORKERS)
+    assert all(breakdown.cached_tokens == 0 for breakdown in decision.ranked)
+
+
+async def test_no_live_worker_ranks_nothing() -> None:
+    planner = await make_planner(workers=[])
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert decision.ranked == []
+    assert decision.factor == "none"
+
+
+async def test_a_failing_index_leaves_load_only_routing() -> None:
+    index = FlakyIndex()
+    planner = await make_planner(index)
+    await store(planner, "w2", 8)
+    index.failing = True
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert not decision.index_answered
+    assert not planner.index_answering
+    assert len(decision.ranked) == len(WORKERS)
+    assert all(blocks == {} for blocks in decision.matched_blocks.values())
+    index.failing = False
+    await asyncio.sleep(INDEX_PROBE_INTERVAL_S)  # the next probe of the index
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert decision.index_answered
+    assert planner.index_answering
+    assert decision.ranked[0].worker_id == "w2"
+
+
+async def test_a_failing_index_still_sees_this_routers_predictions() -> None:
+    index = FlakyIndex()
+    planner = await make_planner(index)
+    first = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    planner.routed(first, "w1")
+    index.failing = True
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert not decision.index_answered
+    assert decision.ranked[0].worker_id == "w1"
+    assert decision.matched_blocks["w1"] == {Tier.DEVICE: 8}
+
+
+async def test_an_index_slower_than_its_timeout_counts_as_not_answering() -> None:
+    index = FlakyIndex()
+    planner = await make_planner(index, index_timeout_s=0.05)
+    index.hanging = True
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert not decision.index_answered
+    assert not planner.index_answering
+    assert decision.seconds < 5
+    # Until the next probe, requests do not wait for the silent index at all.
+    lookups_before = index.lookups
+    again = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert not again.index_answered
+    assert index.lookups == lookups_before
+
+
+async def test_the_round_robin_baseline_takes_turns_whatever_the_scores() -> None:
+    planner = await make_planner()
+    planner.weights = ScoringSettings(policy="round-robin")
+    await store(planner, "w2", 8)
+    firsts = []
+    for _ in range(4):
+        decision = await planner.decide(
+            model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+        )
+        assert decision.factor == "round_robin"
+        assert len(decision.ranked) == len(WORKERS)
+        assert decision.matched_blocks["w2"] == {Tier.DEVICE: 8}  # still computed
+        firsts.append(decision.ranked[0].worker_id)
+    assert firsts == ["w1", "w2", "w3", "w1"]

@@ -1,0 +1,260 @@
+"""The fleet: which workers requests may go to now, and this router's traffic to them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from router.control_plane.validation import LoadReport
+from router.control_plane.workers import WorkerView
+from router.index.base import WorkerInfo, WorkerState
+from router.index.memory import MemoryLocationIndex
+from router.routing.fleet import Fleet
+
+MODEL = "test-model"
+
+LEASE_S = 10.0
+BACKOFF_S = 2.0
+
+
+def worker(worker_id: str, incarnation: int = 1, **fields: Any) -> WorkerInfo:
+    return WorkerInfo(
+        **{
+            "worker_id": worker_id,
+            "incarnation": incarnation,
+            "base_url": "http://127.0.0.1:8000",
+            "model": MODEL,
+            "block_size": 4,
+            **fields,
+        }
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Setup:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.index = MemoryLocationIndex(clock=self.clock)
+        self.view = WorkerView()
+        self.fleet = Fleet(self.index, self.view, unreachable_backoff_s=BACKOFF_S, clock=self.clock)
+
+    async def register(self, worker_id: str, incarnation: int = 1, **fields: Any) -> None:
+        info = worker(worker_id, incarnation, **fields)
+        await self.index.register(info, LEASE_S)
+        self.view.registered(info, stream=1, now=self.clock.now, lease_s=LEASE_S)
+
+    def ids(self, model: str | None = None) -> list[str]:
+        return sorted(c.worker_id for c in self.fleet.candidates(model))
+
+
+def load(**fields: Any) -> LoadReport:
+    return LoadReport(**{"running": 0, "waiting": 0, "kv_usage": 0.0, "timestamp_ms": 0, **fields})
+
+
+async def test_nothing_is_a_candidate_before_the_first_refresh() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    assert setup.ids() == []
+    assert setup.fleet.refreshed_at is None
+    await setup.fleet.refresh()
+    assert setup.ids() == ["w1"]
+    assert setup.fleet.refreshed_at == setup.clock.now
+    status = setup.fleet.status("w1")
+    assert status is not None
+    assert status.state is WorkerState.LIVE
+    assert [s.info.worker_id for s in setup.fleet.statuses()] == ["w1"]
+
+
+async def test_candidates_are_filtered_by_model() -> None:
+    setup = Setup()
+    await setup.register("a")
+    await setup.register("b", model="other-model")
+    await setup.fleet.refresh()
+    assert setup.ids(MODEL) == ["a"]
+    assert setup.ids("other-model") == ["b"]
+    assert setup.ids("missing") == []
+    assert setup.ids() == ["a", "b"]
+    assert setup.fleet.models() == sorted([MODEL, "other-model"])
+
+
+async def test_dead_and_draining_workers_in_the_index_are_not_candidates() -> None:
+    setup = Setup()
+    await setup.register("live")
+    await setup.register("draining")
+    await setup.index.renew("draining", 1, LEASE_S, draining=True)
+    await setup.register("short")
+    await setup.index.renew("short", 1, 1.0)
+    setup.clock.now += 5.0  # "short" has run out of lease
+    await setup.fleet.refresh()
+    assert setup.ids() == ["live"]
+
+
+async def test_deaths_and_drains_this_router_saw_count_before_the_next_refresh() -> None:
+    setup = Setup()
+    for worker_id in ("a", "b", "c"):
+        await setup.register(worker_id)
+    await setup.fleet.refresh()
+    setup.view.dead("a", setup.clock.now)
+    setup.view.renewed("b", 1, now=setup.clock.now, lease_s=LEASE_S, draining=True)
+    assert setup.ids() == ["c"]
+
+
+async def test_this_routers_view_of_an_older_incarnation_is_ignored() -> None:
+    setup = Setup()
+    await setup.register("w1", incarnation=1)
+    setup.view.load("w1", 1, load(running=3), setup.clock.now)
+    setup.view.dead("w1", setup.clock.now)
+    # The worker came back through another router replica: only the index knows.
+    await setup.index.register(worker("w1", 2), LEASE_S)
+    await setup.fleet.refresh()
+    (candidate,) = setup.fleet.candidates()
+    assert candidate.info.incarnation == 2
+    assert candidate.load is None
+
+
+async def test_an_operators_drain_removes_a_worker_until_undone() -> None:
+    setup = Setup()
+    await setup.register("a")
+    await setup.register("b")
+    await setup.fleet.refresh()
+    setup.fleet.drained.add("a")
+    assert setup.ids() == ["b"]
+    setup.fleet.drained.discard("a")
+    assert setup.ids() == ["a", "b"]
+
+
+async def test_a_candidate_carries_its_last_load_report() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.fleet.refresh()
+    (candidate,) = setup.fleet.candidates()
+    assert candidate.load is None
+    report = load(running=2, waiting=1, kv_usage=0.5)
+    setup.view.load("w1", 1, report, setup.clock.now)
+    (candidate,) = setup.fleet.candidates()
+    assert candidate.load == report
+
+
+async def test_a_candidate_knows_when_its_load_report_arrived() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.fleet.refresh()
+    (candidate,) = setup.fleet.candidates()
+    assert candidate.load_received_at is None
+    setup.view.load("w1", 1, load(), now=123.5)
+    (candidate,) = setup.fleet.candidates()
+    assert candidate.load_received_at == 123.5
+
+
+async def test_a_worker_whose_engine_is_down_is_not_a_candidate() -> None:
+    setup = Setup()
+    await setup.register("a")
+    await setup.register("b")
+    await setup.fleet.refresh()
+    setup.view.load("a", 1, load(engine_down=True), setup.clock.now)
+    assert setup.ids() == ["b"]
+    setup.view.load("a", 1, load(), setup.clock.now)  # the engine is back
+    assert setup.ids() == ["a", "b"]
+
+
+async def test_an_unreachable_worker_sits_out_for_the_backoff() -> None:
+    setup = Setup()
+    await setup.register("a")
+    await setup.register("b")
+    await setup.fleet.refresh()
+    setup.fleet.unreachable("a")
+    assert setup.ids() == ["b"]
+    setup.clock.now += BACKOFF_S - 0.1
+    assert setup.ids() == ["b"]
+    setup.clock.now += 0.1
+    assert setup.ids() == ["a", "b"]
+
+
+async def test_traffic_counts_a_request_until_its_first_byte_and_its_end() -> None:
+    setup = Setup()
+    traffic = setup.fleet.traffic("w1")
+    ticket = setup.fleet.sent("w1", "acme", prefill_tokens=300)
+    setup.fleet.sent("w1", "globex", prefill_tokens=200)
+    assert (traffic.in_flight, traffic.prefilling, traffic.prefill_tokens) == (2, 2, 500)
+    assert traffic.by_tenant == Counter({"acme": 1, "globex": 1})
+    setup.fleet.first_byte(ticket)
+    setup.fleet.first_byte(ticket)  # counted once
+    assert (traffic.in_flight, traffic.prefilling, traffic.prefill_tokens) == (2, 1, 200)
+    setup.fleet.finished(ticket)
+    assert (traffic.in_flight, traffic.prefilling, traffic.prefill_tokens) == (1, 1, 200)
+    assert traffic.by_tenant == Counter({"globex": 1})
+
+
+async def test_requests_before_their_first_byte_are_told_apart_by_when_sent() -> None:
+    setup = Setup()
+    early = setup.fleet.sent("w1", "acme", prefill_tokens=10)
+    setup.clock.now += 1.0
+    late = setup.fleet.sent("w1", "acme", prefill_tokens=10)
+    traffic = setup.fleet.traffic("w1")
+    assert late.sent_at - early.sent_at == 1.0
+    assert traffic.prefilling_sent_after(early.sent_at - 0.5) == 2
+    assert traffic.prefilling_sent_after(early.sent_at + 0.5) == 1
+    setup.fleet.first_byte(late)
+    assert traffic.prefilling_sent_after(early.sent_at + 0.5) == 0
+    assert traffic.prefilling == 1
+
+
+async def test_finishing_without_a_first_byte_releases_everything() -> None:
+    setup = Setup()
+    tickets = [setup.fleet.sent("w1", "acme", prefill_tokens=100) for _ in range(3)]
+    for ticket in tickets:
+        setup.fleet.finished(ticket)
+    traffic = setup.fleet.traffic("w1")
+    assert (traffic.in_flight, traffic.prefilling, traffic.prefill_tokens) == (0, 0, 0)
+    assert traffic.by_tenant == Counter()
+    assert "acme" not in traffic.by_tenant
+
+
+async def test_candidates_share_the_fleets_live_traffic_record() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.fleet.refresh()
+    setup.fleet.sent("w1", "acme", prefill_tokens=64)
+    (candidate,) = setup.fleet.candidates()
+    assert candidate.traffic.in_flight == 1
+    assert candidate.traffic.by_tenant == Counter({"acme": 1})
+
+
+async def test_while_the_index_is_silent_the_last_registry_read_stands() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.fleet.refresh()
+    setup.view.dead("w1", setup.clock.now)  # e.g. its lease ran out in this router's view
+    assert setup.ids() == []
+    setup.clock.now += 5  # no refresh since: the index is not answering
+    assert not setup.fleet.registry_is_current()
+    assert setup.ids() == ["w1"]
+
+
+async def test_a_non_streamed_request_prefills_until_the_next_load_report() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.fleet.refresh()
+    streamed = setup.fleet.sent("w1", "acme", prefill_tokens=100)
+    unstreamed = setup.fleet.sent("w1", "acme", prefill_tokens=500, streamed=False)
+    setup.clock.now += 0.5
+    setup.fleet.candidates()
+    assert setup.fleet.traffic("w1").prefill_tokens == 600  # no report since: both count
+    setup.view.load("w1", 1, load(running=2), setup.clock.now)
+    (candidate,) = setup.fleet.candidates()
+    # The engine's report covers the silent, non-streamed one; the stream still counts
+    # until its first byte.
+    assert candidate.traffic.prefill_tokens == 100
+    assert candidate.traffic.prefilling == 1
+    setup.fleet.finished(unstreamed)
+    setup.fleet.finished(streamed)
+    traffic = setup.fleet.traffic("w1")
+    assert (traffic.in_flight, traffic.prefill_tokens, traffic.prefilling) == (0, 0, 0)
+    assert not traffic.unstreamed

@@ -1,0 +1,96 @@
+"""Predicted prefixes: what this router just routed, believed cached for a few seconds."""
+
+from __future__ import annotations
+
+from router.routing.predicted import PredictedPrefixes
+
+KEYS = [11, 22, 33, 44]
+
+
+def test_a_recorded_prefix_matches_its_longest_leading_run() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS[:3], now=0.0)
+    assert predicted.match(KEYS, now=1.0) == {"w1": 3}
+    assert predicted.match(KEYS[:2], now=1.0) == {"w1": 2}
+    assert len(predicted) == 3
+
+
+def test_match_stops_at_the_first_key_not_predicted() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=0.0)
+    # Keys are chained: after a key that differs, every later key differs too.
+    assert predicted.match([11, 99, 98, 97], now=1.0) == {"w1": 1}
+    assert predicted.match([99, 11, 22], now=1.0) == {}
+    assert predicted.match([], now=1.0) == {}
+
+
+def test_two_workers_with_different_prefix_depths() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("deep", KEYS, now=0.0)
+    predicted.record("shallow", KEYS[:2], now=0.0)
+    assert predicted.match(KEYS, now=1.0) == {"deep": 4, "shallow": 2}
+    # A worker holding later keys but not the first one has no prefix at all.
+    predicted.record("tail", KEYS[1:], now=0.0)
+    assert "tail" not in predicted.match(KEYS, now=1.0)
+
+
+def test_entries_expire_after_their_time_to_live() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=10.0)
+    assert predicted.match(KEYS, now=12.9) == {"w1": 4}
+    assert predicted.match(KEYS, now=13.0) == {}
+    predicted.prune(now=13.0)
+    assert len(predicted) == 0
+
+
+def test_recording_again_extends_the_expiry_and_pruning_keeps_the_newer_entry() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=0.0)
+    predicted.record("w1", KEYS, now=2.0)  # expires at 5, not 3
+    predicted.prune(now=3.5)  # reads the first record, which is superseded
+    assert len(predicted) == 4
+    assert predicted.match(KEYS, now=4.0) == {"w1": 4}
+    predicted.prune(now=5.0)
+    assert len(predicted) == 0
+
+
+def test_pruning_one_worker_keeps_another_workers_entry_for_the_same_keys() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=0.0)
+    predicted.record("w2", KEYS, now=1.0)
+    predicted.prune(now=3.0)
+    assert predicted.match(KEYS, now=3.0) == {"w2": 4}
+
+
+def test_removed_keys_end_the_prediction_at_once() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=0.0)
+    predicted.record("w2", KEYS, now=0.0)
+    predicted.removed("w1", [33])
+    assert predicted.match(KEYS, now=1.0) == {"w1": 2, "w2": 4}
+    predicted.removed("w1", [999])  # a key never predicted: nothing happens
+    assert len(predicted) == 7
+
+
+def test_forget_worker_drops_all_of_its_entries_only() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=0.0)
+    predicted.record("w2", KEYS[:2], now=0.0)
+    predicted.forget_worker("w1")
+    assert predicted.match(KEYS, now=1.0) == {"w2": 2}
+    assert len(predicted) == 2
+    predicted.prune(now=10.0)  # the forgotten worker's record expires harmlessly
+    assert len(predicted) == 0
+
+
+def test_a_time_to_live_of_zero_records_nothing() -> None:
+    predicted = PredictedPrefixes(ttl_s=0.0)
+    predicted.record("w1", KEYS, now=0.0)
+    assert len(predicted) == 0
+    assert predicted.match(KEYS, now=0.0) == {}
+
+
+def test_an_empty_prefix_records_nothing() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", [], now=0.0)
+    assert len(predicted) == 0

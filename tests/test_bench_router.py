@@ -1,0 +1,71 @@
+"""`kvplane bench router` end to end with tiny parameters: the report's shape, and
+figures that are measurements (positive), not their size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplane.cli import main
+
+DECISION_FIELDS = {
+    "prompt_tokens",
+    "workers",
+    "index",
+    "decision_p50_us",
+    "decision_p99_us",
+    "tokenize_p50_us",
+}
+PROXY_FIELDS = {
+    "added_latency_p50_ms",
+    "requests_per_s",
+    "direct_requests_per_s",
+    "router_cpu_ms_per_request",
+}
+
+
+def test_bench_router_writes_decisions_and_proxy_figures(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report_path = tmp_path / "router.json"
+    status = main(
+        [
+            "bench", "router", "--json", str(report_path),
+            "--index", "memory,redis", "--redis-url", redis_url,
+            "--prompt-tokens", "64,256", "--workers", "3",
+            "--decisions", "20", "--requests", "60", "--concurrency", "4",
+            "--sequential", "10",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "decide p99" in printed
+    assert "requests/s through the router" in printed
+
+    report = json.loads(report_path.read_text())
+    rows = report["decisions"]
+    assert [(row["prompt_tokens"], row["index"]) for row in rows] == [
+        (64, "memory"),
+        (64, "redis"),
+        (256, "memory"),
+        (256, "redis"),
+    ]
+    for row in rows:
+        assert row.keys() >= DECISION_FIELDS
+        assert row["workers"] == 3
+        assert row["entries"] > 0
+        for field in ("decision_p50_us", "decision_p99_us", "tokenize_p50_us"):
+            assert row[field] > 0, field
+        assert row["decision_p99_us"] >= row["decision_p50_us"]
+
+    proxy = report["proxy"]
+    assert proxy.keys() >= PROXY_FIELDS
+    assert proxy["errors"] == 0
+    for field in ("requests_per_s", "direct_requests_per_s", "router_cpu_ms_per_request"):
+        assert proxy[field] > 0, field
+    # A difference of two medians: only its being a number is certain.
+    assert isinstance(proxy["added_latency_p50_ms"], float)
+    assert proxy["proxied_latency_p50_ms"] > 0
+    assert proxy["direct_latency_p50_ms"] > 0

@@ -68,12 +68,13 @@ unit: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_FILES)
 
-## Benchmarks: print their figures and write bench-index.json, bench-engine-sim.json, bench-agent.json, bench-router.json.
+## Benchmarks: print their figures and write bench-index.json, bench-engine-sim.json, bench-agent.json, bench-router.json, bench-policies.json.
 bench: $(STAMP)
 	$(BIN)/kvplane bench index --json bench-index.json
 	$(BIN)/kvplane bench engine-sim --json bench-engine-sim.json
 	$(BIN)/kvplane bench agent --json bench-agent.json
 	$(BIN)/kvplane bench router --json bench-router.json
+	$(BIN)/kvplane bench policies --json bench-policies.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

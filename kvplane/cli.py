@@ -186,6 +186,21 @@ def _run_bench_router(args: argparse.Namespace) -> int:
     )
 
 
+def _run_bench_policies(args: argparse.Namespace) -> int:
+    from benchmarks.policy_grid import run_policy_grid
+
+    try:
+        return run_policy_grid(
+            json_path=args.json,
+            scoring_overrides=dict(args.scoring),
+            only=args.only,
+            slo_ttft_p90_s=args.slo_ttft_p90,
+        )
+    except ValueError as error:  # pydantic's ValidationError too: a weight it refuses
+        print(f"kvplane bench policies: {error}", file=sys.stderr)
+        return 2
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -554,6 +569,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="every fourth worker holds the back half of its prefix in host memory",
     )
     router_bench.set_defaults(handler=_run_bench_router)
+    grid = bench_kinds.add_parser(
+        "policies", help="kvplane's policy against the others over workloads and arrival rates"
+    )
+    grid.add_argument("--json", type=Path, help="also write the figures here")
+    grid.add_argument(
+        "--scoring",
+        type=_workload_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one of kvplane's [scoring] weights, repeatable",
+    )
+    grid.add_argument(
+        "--only",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=[],
+        help="these workloads only, comma-separated",
+    )
+    grid.add_argument("--slo-ttft-p90", type=float, default=2.0)
+    grid.set_defaults(handler=_run_bench_policies)
     return parser
 
 

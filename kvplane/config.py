@@ -72,11 +72,12 @@ class ScoringSettings(_Section):
 
     # Queue: each waiting request costs its fixed overhead (its prefill work is in
     # queued_prefill_tokens when this router sent it, unknown when the engine reports it).
-    waiting_request_tokens: float = Field(default=256.0, ge=0)
-    # Per prefill token queued ahead. 0.5, not 1: in the fleet simulator (docs/simulation.md)
-    # it raised the hit rate and cut TTFT p90 on the Mooncake trace, a shared-prefix
-    # workload and llm-d's benchmark shape alike (queued tokens often hit the cache too).
-    queued_prefill_weight: float = Field(default=0.5, ge=0)
+    # The queue weights were chosen with `kvplane bench policies` (docs/simulation.md):
+    # lighter ones than 256 and 1.0 keep prefixes together under load, which cut TTFT p90
+    # most where the fleet is busiest (queued tokens often hit the cache too).
+    waiting_request_tokens: float = Field(default=64.0, ge=0)
+    # Per prefill token queued ahead.
+    queued_prefill_weight: float = Field(default=0.25, ge=0)
     # Decoding requests slow every step a little: a light tie-breaker towards idle workers.
     running_request_tokens: float = Field(default=32.0, ge=0)
     # Memory pressure: past this KV usage, a request's new blocks evict cached ones.

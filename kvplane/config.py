@@ -200,7 +200,10 @@ class AgentSettings(_Section):
     )
     kv_events_topic: str = Field(default="", description="ZMQ topic the engine publishes under")
     control_plane_address: str = Field(
-        default="127.0.0.1:50051", description="host:port of the control plane's gRPC server"
+        default="127.0.0.1:50051",
+        pattern=r"^[^,\s]+(,[^,\s]+)*$",
+        description="host:port of the control plane's gRPC server; several, separated by "
+        "commas (router replicas sharing an index), are tried in turn when a stream ends",
     )
     tls_ca_file: Path | None = Field(
         default=None, description="CA to verify the control plane with (turns TLS on)"

@@ -9,8 +9,42 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import IO
 
 import httpx2
+
+
+def start_kvplane(
+    args: Sequence[str],
+    health_url: str | None,
+    *,
+    env: Mapping[str, str] | None = None,
+    start_timeout_s: float = 60.0,
+    log: IO[bytes] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `kvplane ARGS...` (with `env` added to the environment) and return once
+    `health_url` answers 200 (at once if None); killed if it does not in time. Its log
+    goes to `log`, or to this process's stderr."""
+    command = [sys.executable, "-m", "kvplane.cli", *args]
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=log,
+        stderr=None if log is None else subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while health_url is not None and not _answers(health_url):
+            if process.poll() is not None:
+                raise RuntimeError(f"kvplane {args[0]} exited with status {process.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvplane {args[0]} did not start in time")
+            time.sleep(0.05)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process
 
 
 @contextmanager
@@ -21,19 +55,9 @@ def spawn_kvplane(
     env: Mapping[str, str] | None = None,
     start_timeout_s: float = 60.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `kvplane ARGS...` (with `env` added to the environment) until the block exits,
-    then kill it; returns once `health_url` answers 200 (at once if None). Its log goes
-    to this process's stderr."""
-    command = [sys.executable, "-m", "kvplane.cli", *args]
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
+    """`start_kvplane`, killed when the block exits."""
+    process = start_kvplane(args, health_url, env=env, start_timeout_s=start_timeout_s)
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while health_url is not None and not _answers(health_url):
-            if process.poll() is not None:
-                raise RuntimeError(f"kvplane {args[0]} exited with status {process.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"kvplane {args[0]} did not start in time")
-            time.sleep(0.05)
         yield process
     finally:
         process.kill()

@@ -139,6 +139,7 @@ async def running_router(
         def before_scrape() -> None:
             metrics.set_routing_view(fleet, planner, accuracy)
             metrics.set_token_cache(token_cache.hits, token_cache.misses, token_cache.tokens)
+            metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
         def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> Starlette:
             return create_http_app(

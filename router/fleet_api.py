@@ -226,7 +226,12 @@ class FleetApi:
         tenants' requests) nor the workers of other tenants' pools."""
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
         if tenant is None:
-            return error_response(401, "a valid API key is required", kind="AuthenticationError")
+            return error_response(
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)",
+                kind="AuthenticationError",
+                headers={"www-authenticate": "Bearer"},
+            )
         try:
             query, body_bytes = await self._query(request)
             if query.get("tenant", tenant.name) != tenant.name:

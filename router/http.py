@@ -1,5 +1,5 @@
-"""The router's HTTP app: liveness, readiness and Prometheus metrics, plus the routes
-the caller adds (the OpenAI proxy, the fleet API).
+"""The router's HTTP app: liveness, readiness, Prometheus metrics and the OpenAPI
+description, plus the routes the caller adds (the OpenAI proxy, the fleet API).
 
 Readiness does not depend on the index: when it is unreachable the router still
 serves (routing on load alone) and /readyz says so in its body.
@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 from router.control_plane.workers import WorkerView
 from router.index.base import IndexStats, LocationIndex
 from router.metrics import RouterMetrics
+from router.openapi import openapi_document
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,11 @@ def create_http_app(
         }
         return JSONResponse(body, status_code=200 if serving else 503)
 
+    document = openapi_document()
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
     async def metrics_endpoint(request: Request) -> Response:
         metrics.set_index_stats(await _index_stats(index))
         metrics.set_worker_counts(view.counts_by_state())
@@ -61,6 +67,7 @@ def create_http_app(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             *([Route("/metrics", metrics_endpoint, methods=["GET"])] if serve_metrics else []),
             *routes,
         ]

@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from router.index.base import (
     AllBlocksCleared,
@@ -187,6 +194,13 @@ class RouterMetrics:
             ["worker", "kind"],
             registry=r,
         )
+        self.event_loop_tasks = Gauge(
+            "kvplane_event_loop_tasks",
+            "asyncio tasks alive in the router's event loop (a leak shows as growth)",
+            registry=r,
+        )
+        # process_resident_memory_bytes, process_open_fds, ... (Linux only; a no-op elsewhere)
+        ProcessCollector(registry=r)
         self.suspect_workers = Gauge(
             "kvplane_suspect_workers",
             "Workers whose index entries keep failing predictions (counted as uncached)",

@@ -81,6 +81,8 @@ class ControlPlanePublisher:
         token = control_plane.agent_token
         self._token = None if token is None else token.get_secret_value()
         self._snapshot = snapshot
+        self._addresses = agent.control_plane_address.split(",")
+        self._next_address = 0
         self.incarnation = new_incarnation_id()
         self._outbox: deque[KvEvent] = deque()
         self._outbox_blocks = 0
@@ -155,17 +157,27 @@ class ControlPlanePublisher:
         """Keep a stream open until cancelled; PublisherRejected if it cannot work."""
         delay = self._agent.reconnect_min_s
         while True:
+            address = self._addresses[self._next_address]
             try:
-                async with self._channel() as channel:
+                async with self._channel(address) as channel:
                     await self._serve(AgentStream(channel, token=self._token))
             except PublisherRejected:
                 raise
             except Exception as error:  # grpc raises several kinds; the agent must go on
-                log.warning("control plane stream ended (%s); reconnecting", _describe(error))
+                log.warning(
+                    "control plane stream to %s ended (%s); reconnecting",
+                    address,
+                    _describe(error),
+                )
             finally:
+                if self._connected.is_set():  # it worked: the next failure starts afresh
+                    delay = self._agent.reconnect_min_s
                 self._connected.clear()
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, self._agent.reconnect_max_s)
+            # The next control plane at once; back off only once every one has been tried.
+            self._next_address = (self._next_address + 1) % len(self._addresses)
+            if self._next_address == 0:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, self._agent.reconnect_max_s)
 
     async def _serve(self, stream: AgentStream) -> None:
         self._registered = False
@@ -277,7 +289,7 @@ class ControlPlanePublisher:
         self.start_new_incarnation(f"rejected ({code}: {reject.reason})")
         raise StreamClosed(f"rejected: {code}")
 
-    def _channel(self) -> grpc.aio.Channel:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         options = [
             ("grpc.max_send_message_length", self._limits.max_message_bytes),
             ("grpc.max_receive_message_length", self._limits.max_message_bytes),
@@ -285,7 +297,6 @@ class ControlPlanePublisher:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
         ]
-        address = self._agent.control_plane_address
         agent = self._agent
         if agent.tls_ca_file is None:
             return grpc.aio.insecure_channel(address, options=options)

@@ -9,11 +9,13 @@ client unchanged. Error messages here name fields, never their contents.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 from starlette.requests import Request
 
 from kvplane.tokenizer import PromptTokenizer
@@ -68,9 +70,33 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def decode_json(raw: bytes) -> Any:
     try:
-        return _decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting too deep
+        document = _decoder.decode(raw)
+    # RecursionError: nesting too deep; UnicodeDecodeError: a string that is not UTF-8
+    # (msgspec raises it, not a DecodeError).
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
+    # Counting brackets (in C) spares the measure for all but bodies that could nest deeply.
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _nesting(raw) > MAX_NESTING:
+        raise BadRequest(f"the request body nests deeper than {MAX_NESTING} levels")
+    return document
+
+
+MAX_NESTING = 100
+"""The deepest JSON nesting the router accepts. msgspec's own limit is Python's recursion
+limit less the decoder's stack depth, so whatever walks a body later from a deeper stack
+(re-encoding it, hashing it for the token cache) failed on one a few levels under it."""
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+
+
+def _nesting(raw: bytes) -> int:
+    """How deeply the valid JSON `raw` nests: the running count of its brackets outside
+    strings (walking the decoded body in Python would cost several times the decoding)."""
+    steps = _BRACKET_STEP[np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)]
+    return int(np.cumsum(steps[steps != 0], dtype=np.int32).max(initial=0))
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:

@@ -2,9 +2,10 @@
 
 `POST /v1/completions` and `POST /v1/chat/completions` go to the best-scoring worker
 serving the request's model; `GET /v1/models` lists the models live workers serve.
-Every answer carries `x-kvplane-worker` and `x-kvplane-cached-tokens` (the cached
-prefix the router predicted there). Before an engine's first byte reaches the client
-the router may try the next worker; after it, never.
+Every answer carries `x-kvplane-worker`, `x-kvplane-cached-tokens` (the cached prefix
+the router predicted there) and `x-kvplane-attempts` (how many workers it tried). Before
+an engine's first byte reaches the client the router may try the next worker; after it,
+never.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-kvplane-worker"
 CACHED_TOKENS_HEADER = "x-kvplane-cached-tokens"
+ATTEMPTS_HEADER = "x-kvplane-attempts"  # workers tried, this one included
 _T = TypeVar("_T")
 
 
@@ -250,6 +252,7 @@ class ProxyService:
             response_headers = dict(answer.headers)
             response_headers[WORKER_HEADER] = candidate.worker_id
             response_headers[CACHED_TOKENS_HEADER] = str(predicted)
+            response_headers[ATTEMPTS_HEADER] = str(attempt + 1)
             if full_body is not None:
                 self._settled(exchange, outcome, response_usage(full_body), answer.status)
                 return Response(full_body, status_code=answer.status, headers=response_headers)

@@ -20,12 +20,35 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockLineage:
+    """A cached block's tokens and its parent's lineage, back to token 0: what tests need
+    to recompute the router's key for each block the engine holds. Parents are shared,
+    so a chain costs one node per block."""
+
+    parent: BlockLineage | None
+    token_ids: tuple[int, ...]
+
+    def prefix_token_ids(self) -> list[int]:
+        """Every token from the start of the prompt to the end of this block."""
+        chain: list[tuple[int, ...]] = []
+        node: BlockLineage | None = self
+        while node is not None:
+            chain.append(node.token_ids)
+            node = node.parent
+        return [token for tokens in reversed(chain) for token in tokens]
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
     digest: bytes | None = None  # set while the block is in the prefix cache
-    scope: str = ""  # LoRA and cache salt of the request that filled it (for tests)
+    scope: str = ""  # "<LoRA>/<cache salt>" of the request that filled it (for tests)
+    lineage: BlockLineage | None = None  # set with the digest (for tests)
+
+    def leave_cache(self) -> None:
+        self.digest, self.scope, self.lineage = None, "", None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +144,15 @@ class BlockPool:
         """Enter newly filled blocks into the prefix cache; one `BlocksStored` for all."""
         if not self.enable_caching or not blocks:
             return
-        for block, digest in zip(blocks, digests, strict=True):
+        parent = None if parent_digest is None else self.cached_block(parent_digest)
+        lineage = None if parent is None else parent.lineage
+        for index, (block, digest) in enumerate(zip(blocks, digests, strict=True)):
+            lineage = BlockLineage(
+                lineage, tuple(token_ids[index * block_size : (index + 1) * block_size])
+            )
             block.digest = digest
             block.scope = scope
+            block.lineage = lineage
             self._cached.setdefault(digest, {})[block.block_id] = block
         self._events.append(
             BlocksStored(
@@ -141,8 +170,7 @@ class BlockPool:
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.digest = None
-            block.scope = ""
+            block.leave_cache()
         self._cached.clear()
         self._events.append(AllBlocksCleared())
         return True
@@ -154,8 +182,7 @@ class BlockPool:
         self._free.clear()
         for block in self.blocks:
             block.ref_cnt = 0
-            block.digest = None
-            block.scope = ""
+            block.leave_cache()
             self._free[block.block_id] = block
 
     def cached_blocks(self) -> list[KVBlock]:
@@ -174,5 +201,4 @@ class BlockPool:
         if not holders:
             del self._cached[block.digest]
         self._events.append(BlockRemoved(block.digest))
-        block.digest = None
-        block.scope = ""
+        block.leave_cache()

@@ -37,6 +37,8 @@ class CacheRequest(Protocol):
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens found cached
+    # Hits on a block another cache scope filled: tenant isolation broken (must stay 0).
+    cross_scope_hits: int = 0
 
 
 class KVCacheManager:
@@ -60,6 +62,8 @@ class KVCacheManager:
                 block = self.pool.cached_block(digest)
                 if block is None:
                     break
+                if block.scope != request.scope:
+                    self.stats.cross_scope_hits += 1
                 hits.append(block)
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * self.block_size

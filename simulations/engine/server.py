@@ -2,7 +2,8 @@
 
 - `POST /v1/completions`, `POST /v1/chat/completions` (stream or not), `GET /v1/models`,
   `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`: as vLLM serves them.
-- `GET /sim/blocks`: the engine's true block set, each block tagged with its cache scope,
+- `GET /sim/blocks`: the engine's true block set, each block tagged with its cache scope
+  (`?prefixes=1`: and every token up to its end), and hits on another scope's blocks,
   for tests that compare the router's index with the engines.
 - `POST /sim/faults`: inject faults at run time (stall, drop event batches, restart, die).
 """
@@ -197,16 +198,25 @@ def create_engine_app(
         return Response(status_code=200)
 
     async def blocks(request: Request) -> Response:
-        cached = [
-            {"hash": wire_hash(block.digest), "scope": block.scope, "ref_cnt": block.ref_cnt}
-            for block in engine.pool.cached_blocks()
-            if block.digest is not None
-        ]
+        with_prefixes = request.query_params.get("prefixes") == "1"
+        cached = []
+        for block in engine.pool.cached_blocks():
+            if block.digest is None:
+                continue
+            entry: dict[str, Any] = {
+                "hash": wire_hash(block.digest),
+                "scope": block.scope,
+                "ref_cnt": block.ref_cnt,
+            }
+            if with_prefixes and block.lineage is not None:
+                entry["prefix_token_ids"] = block.lineage.prefix_token_ids()
+            cached.append(entry)
         return _json_response(
             {
                 "block_size": config.block_size,
                 "num_blocks": config.num_blocks,
                 "num_free_blocks": engine.pool.num_free_blocks,
+                "cross_scope_hits": engine.kv_cache.stats.cross_scope_hits,
                 "blocks": cached,
             }
         )

@@ -148,3 +148,41 @@ def test_reset_is_refused_while_blocks_are_in_use() -> None:
     assert pool.reset_prefix_cache()
     assert pool.take_events() == [AllBlocksCleared()]
     assert pool.cached_blocks() == []
+
+
+def test_each_cached_block_knows_its_prefix_back_to_token_0() -> None:
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, BLOCK)
+    first = request("a", list(range(10)))  # two full blocks
+    assert manager.allocate_slots(first, 10)
+    manager.free(first)
+    longer = request("b", list(range(13)))  # the same two, then a third of its own
+    hits = manager.cached_prefix(longer)
+    assert manager.allocate_slots(longer, 13 - len(hits) * BLOCK, hits)
+    lineages = {block.digest: block.lineage for block in pool.cached_blocks()}
+    prefixes = [
+        lineage.prefix_token_ids()
+        for digest in longer.block_digests
+        if (lineage := lineages[digest]) is not None
+    ]
+    assert prefixes == [list(range(4)), list(range(8)), list(range(12))]
+    manager.free(longer)
+    assert pool.reset_prefix_cache()
+    assert all(block.lineage is None and block.scope == "" for block in pool.blocks)
+
+
+def test_hits_on_a_block_of_another_scope_are_counted() -> None:
+    """Salts keep scopes apart in the hash; the counter is the tenant-isolation check of
+    the chaos suite, so it must see a hit across scopes if one ever happened."""
+    pool = BlockPool(4)
+    manager = KVCacheManager(pool, BLOCK)
+    owner = request("a", list(range(9)), salt="tenant-a")
+    assert manager.allocate_slots(owner, 9)
+    manager.free(owner)
+    same_scope = request("b", list(range(9)), salt="tenant-a")
+    assert len(manager.cached_prefix(same_scope)) == 2
+    assert manager.stats.cross_scope_hits == 0
+    for block in pool.cached_blocks():
+        block.scope = "/tenant-b"  # as if another tenant's request had filled them
+    manager.cached_prefix(same_scope)
+    assert manager.stats.cross_scope_hits == 2

@@ -1,0 +1,153 @@
+"""The promises checked after every fault.
+
+- The index equals the engines' true block sets: the router's keys recomputed from what
+  each engine holds (`/sim/blocks?prefixes=1`) against what the Redis index holds for
+  that worker (read as docs/redis-layout.md describes it). A worker that is not live
+  claims nothing, whatever its hash still holds.
+- Zero cross-tenant matches: every engine simulator counts hits on blocks another cache
+  scope filled; counters of engines that are killed or restarted are banked first.
+- No growth of the router's memory, file descriptors and asyncio tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx2
+import redis.asyncio as aioredis
+
+from chaos.fleet import (
+    ADMIN_HEADERS,
+    MODEL,
+    REDIS_PREFIX,
+    ChaosFleet,
+    Router,
+    Worker,
+    process_resources,
+)
+from kvplane.keys import KeyNamespace, block_keys
+
+_KEY_FIELD_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class IndexComparison:
+    worker_id: str
+    engine_blocks: int
+    missing: int  # held by the engine, not claimed by the index
+    stale: int  # claimed by the index, not held by the engine
+
+    @property
+    def equal(self) -> bool:
+        return self.missing == 0 and self.stale == 0
+
+
+async def engine_keys(fleet: ChaosFleet, worker: Worker) -> set[int]:
+    """The router's keys for every block the engine holds."""
+    body = await fleet.engine_blocks(worker, prefixes=True)
+    keys = set()
+    for block in body["blocks"]:
+        lora, _, salt = block["scope"].rpartition("/")
+        namespace = KeyNamespace(MODEL, body["block_size"], lora, salt)
+        keys.add(block_keys(block["prefix_token_ids"], namespace)[-1])
+    return keys
+
+
+async def index_keys(fleet: ChaosFleet, worker: Worker) -> set[int]:
+    """The keys the index serves for the worker (none unless it is live)."""
+    state, _ = await fleet.state_of(worker)
+    if state != "live":
+        return set()
+    client: aioredis.Redis = aioredis.Redis.from_url(fleet.redis.url)
+    try:
+        fields: dict[bytes | str, bytes | str] = await client.hgetall(
+            f"{REDIS_PREFIX}:{{{worker.worker_id}}}"
+        )
+    finally:
+        await client.aclose()
+    return {
+        int.from_bytes(name, "little")
+        for name, value in fields.items()
+        if isinstance(name, bytes)
+        and isinstance(value, bytes)
+        and len(name) == _KEY_FIELD_BYTES
+        and value[0] != 0  # tier mask 0: a placeholder
+    }
+
+
+async def compare_index(fleet: ChaosFleet) -> list[IndexComparison]:
+    comparisons = []
+    for worker in fleet.workers:
+        engine, index = await engine_keys(fleet, worker), await index_keys(fleet, worker)
+        comparisons.append(
+            IndexComparison(worker.worker_id, len(engine), len(engine - index), len(index - engine))
+        )
+    return comparisons
+
+
+async def index_converges(
+    fleet: ChaosFleet, timeout_s: float
+) -> tuple[float, list[IndexComparison]]:
+    """Seconds until the index equals every engine's block set (load stopped), and the
+    last comparison (with what still differs if it never did)."""
+    last: list[IndexComparison] = []
+
+    async def equal() -> bool:
+        nonlocal last
+        last = await compare_index(fleet)
+        return all(comparison.equal for comparison in last)
+
+    try:
+        seconds = await fleet.wait_for("the index equals the engines", equal, timeout_s, 0.2)
+    except TimeoutError:
+        return float("nan"), last
+    return seconds, last
+
+
+class CrossScopeLedger:
+    """Hits on another scope's blocks, over every engine process the run has seen."""
+
+    def __init__(self) -> None:
+        self._banked: dict[str, int] = {}
+
+    async def current(self, fleet: ChaosFleet, worker: Worker) -> int:
+        return int((await fleet.engine_blocks(worker))["cross_scope_hits"])
+
+    async def bank(self, fleet: ChaosFleet, worker: Worker) -> None:
+        """Before the engine's counter goes (a kill, a restart)."""
+        try:
+            count = await self.current(fleet, worker)
+        except httpx2.HTTPError:
+            return  # already gone: what it had counted is lost, and will be reported as such
+        self._banked[worker.worker_id] = self._banked.get(worker.worker_id, 0) + count
+
+    async def total(self, fleet: ChaosFleet) -> int:
+        live = 0
+        for worker in fleet.workers:
+            live += await self.current(fleet, worker)
+        return sum(self._banked.values()) + live
+
+    async def scopes_seen(self, fleet: ChaosFleet) -> int:
+        """Distinct cache scopes in the engines now: more than one, or the check is idle."""
+        scopes = set()
+        for worker in fleet.workers:
+            scopes |= {block["scope"] for block in (await fleet.engine_blocks(worker))["blocks"]}
+        return len(scopes)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterResources:
+    rss_bytes: int
+    open_fds: int
+    tasks: int
+
+
+async def router_resources(fleet: ChaosFleet, router: Router) -> RouterResources:
+    rss, fds = process_resources(router.child.pid)
+    text = (await fleet.http.get(router.url + "/metrics", headers=ADMIN_HEADERS)).text
+    tasks = next(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("kvplane_event_loop_tasks ")
+    )
+    return RouterResources(rss, fds, tasks)

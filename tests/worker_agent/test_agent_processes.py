@@ -131,7 +131,7 @@ async def test_an_engine_restarted_between_two_probes_starts_a_new_incarnation()
             engine_url=engine_url,
             kv_events_endpoint=f"tcp://127.0.0.1:{events}",
             kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
-            control_plane_address="",  # set below
+            control_plane_address="127.0.0.1:0",  # set below
             load_interval_s=0.2,
             engine_down_after_failures=1000,
         ),

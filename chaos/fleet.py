@@ -27,6 +27,7 @@ from chaos.tcp_proxy import TcpProxy
 from kvplane.processes import start_kvplane
 from kvplane.serving import free_port
 from router.tenants import api_key_digest
+from worker_agent.engines.base import metric_samples, total
 
 MODEL = "kvplane-tiny"
 ADMIN_TOKEN = "chaos-admin"
@@ -282,12 +283,9 @@ class ChaosFleet:
 
     async def engine_running(self, worker: Worker) -> float:
         """vLLM's running plus waiting requests, from the engine's /metrics."""
-        text = (await self.http.get(worker.engine_url + "/metrics")).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        samples = metric_samples((await self.http.get(worker.engine_url + "/metrics")).text)
+        running = total(samples, "vllm:num_requests_running") or 0.0
+        return running + (total(samples, "vllm:num_requests_waiting") or 0.0)
 
     async def fault(self, worker: Worker, **fault: Any) -> None:
         answer = await self.http.post(worker.engine_url + "/sim/faults", json=fault)

@@ -26,6 +26,7 @@ from chaos.fleet import (
     process_resources,
 )
 from kvplane.keys import KeyNamespace, block_keys
+from worker_agent.engines.base import metric_samples, total
 
 _KEY_FIELD_BYTES = 8
 
@@ -145,9 +146,22 @@ class RouterResources:
 async def router_resources(fleet: ChaosFleet, router: Router) -> RouterResources:
     rss, fds = process_resources(router.child.pid)
     text = (await fleet.http.get(router.url + "/metrics", headers=ADMIN_HEADERS)).text
-    tasks = next(
-        int(float(line.rsplit(" ", 1)[1]))
-        for line in text.splitlines()
-        if line.startswith("kvplane_event_loop_tasks ")
+    tasks = total(metric_samples(text), "kvplane_event_loop_tasks")
+    if tasks is None:
+        raise ValueError(f"{router.child.name} exports no kvplane_event_loop_tasks")
+    return RouterResources(rss, fds, int(tasks))
+
+
+def resources_grew(name: str, old: RouterResources, new: RouterResources) -> tuple[str, bool]:
+    """A line for the report, and whether descriptors, tasks or memory grew past noise
+    (a few connections in a pool, a few tasks finishing, allocator slack)."""
+    line = (
+        f"{name}: RSS {old.rss_bytes / 2**20:.1f}→{new.rss_bytes / 2**20:.1f} MiB, "
+        f"fds {old.open_fds}→{new.open_fds}, tasks {old.tasks}→{new.tasks}"
     )
-    return RouterResources(rss, fds, tasks)
+    grew = (
+        new.open_fds > old.open_fds + 4
+        or new.tasks > old.tasks + 2
+        or new.rss_bytes - old.rss_bytes > 32 * 2**20
+    )
+    return line, grew

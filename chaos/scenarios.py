@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,9 @@ from chaos.fleet import ADMIN_HEADERS, MODEL, TENANT_KEYS, ChaosFleet, Worker
 from chaos.invariants import (
     CrossScopeLedger,
     IndexComparison,
+    RouterResources,
     index_converges,
+    resources_grew,
     router_resources,
 )
 from chaos.load import LoadGenerator, Outcome, prompt
@@ -360,47 +363,60 @@ async def _reset_prefix_cache(chaos: Chaos, worker: Worker) -> int:
 
 async def slow_and_vanishing_clients(chaos: Chaos) -> Measured:
     """Clients that read a stream slowly, leave mid-stream, or leave before the first
-    byte. Afterwards no engine may still run a request and no router may count one."""
+    byte. After each round no engine may still run a request and no router may count
+    one; two identical rounds (the first one warms the routers' connection pools) must
+    leave the routers with the same descriptors and tasks."""
     fleet, measured = chaos.fleet, Measured()
-    before = [await router_resources(fleet, router) for router in fleet.routers]
-    clients = [
-        _abusive_client(fleet, router.url, behaviour, n)
-        for n in range(2)
-        for router in fleet.routers
-        for behaviour in ("slow", "leave-mid-stream", "leave-before-first-byte")
-    ]
-    results = await asyncio.gather(*clients)
-    measured.notes.append(
-        "abusive clients: " + ", ".join(f"{k} {v}" for k, v in Counter(results).items())
-    )
-
-    async def settled() -> bool:
-        running = [await fleet.engine_running(worker) for worker in fleet.workers]
-        rows = (await fleet.fleet_workers(fleet.routers[0])).values()
-        rows2 = (await fleet.fleet_workers(fleet.routers[1])).values()
-        in_flight = sum(row["router_in_flight"] for row in [*rows, *rows2])
-        return sum(running) == 0 and in_flight == 0
-
     await chaos.load.stop()  # the steady load would keep engines busy
-    try:
-        seconds = await fleet.wait_for("engines and routers are idle", settled, 10)
-        measured.notes.append(f"engines and routers idle {seconds:.2f} s after the last client")
-    except TimeoutError:
-        measured.problems.append("a request outlived its client (engine or router still busy)")
-    after = [await router_resources(fleet, router) for router in fleet.routers]
-    for router, old, new in zip(fleet.routers, before, after, strict=True):
+    before: list[RouterResources] = []
+    for round_number in (1, 2):
+        clients = [
+            _abusive_client(router.url, behaviour, n)
+            for n in range(2)
+            for router in fleet.routers
+            for behaviour in ("slow", "leave-mid-stream", "leave-before-first-byte")
+        ]
+        results = Counter(await asyncio.gather(*clients))
         measured.notes.append(
-            f"{router.child.name}: fds {old.open_fds}→{new.open_fds}, tasks {old.tasks}→{new.tasks}"
+            f"round {round_number}: " + ", ".join(f"{k} {v}" for k, v in results.items())
         )
-        if new.open_fds > old.open_fds + 4 or new.tasks > old.tasks + 2:
-            measured.problems.append(f"{router.child.name} kept connections or tasks")
+        try:
+            seconds = await fleet.wait_for("engines and routers are idle", _idle(fleet), 10)
+            measured.notes.append(f"engines and routers idle {seconds:.2f} s after the clients")
+        except TimeoutError:
+            measured.problems.append("a request outlived its client (engine or router busy)")
+        if not before:
+            before = [await router_resources(fleet, router) for router in fleet.routers]
+    await _check_router_resources(chaos, before, measured)
     chaos.load.start()
     return measured
 
 
-async def _abusive_client(fleet: ChaosFleet, url: str, behaviour: str, n: int) -> str:
-    import random
+def _idle(fleet: ChaosFleet) -> Callable[[], Awaitable[bool]]:
+    async def idle() -> bool:
+        running = [await fleet.engine_running(worker) for worker in fleet.workers]
+        in_flight = 0
+        for router in fleet.routers:
+            rows = (await fleet.fleet_workers(router)).values()
+            in_flight += sum(row["router_in_flight"] for row in rows)
+        return sum(running) == 0 and in_flight == 0
 
+    return idle
+
+
+async def _check_router_resources(
+    chaos: Chaos, before: list[RouterResources], measured: Measured
+) -> None:
+    for router, old in zip(chaos.fleet.routers, before, strict=True):
+        line, grew = resources_grew(
+            router.child.name, old, await router_resources(chaos.fleet, router)
+        )
+        measured.notes.append(line)
+        if grew:
+            measured.problems.append(f"{router.child.name} kept memory, connections or tasks")
+
+
+async def _abusive_client(url: str, behaviour: str, n: int) -> str:
     tenant = sorted(TENANT_KEYS)[n % len(TENANT_KEYS)]
     body = {
         "model": MODEL,
@@ -435,17 +451,8 @@ async def soak(chaos: Chaos) -> Measured:
     await asyncio.sleep(chaos.profile.soak_s)
     await chaos.load.stop()
     await asyncio.sleep(0.5)
-    after = [await router_resources(fleet, router) for router in fleet.routers]
+    await _check_router_resources(chaos, before, measured)
     chaos.load.start()
-    for router, old, new in zip(fleet.routers, before, after, strict=True):
-        growth_mib = (new.rss_bytes - old.rss_bytes) / 2**20
-        rss = f"RSS {old.rss_bytes / 2**20:.1f}→{new.rss_bytes / 2**20:.1f} MiB"
-        measured.notes.append(
-            f"{router.child.name}: {rss}, "
-            f"fds {old.open_fds}→{new.open_fds}, tasks {old.tasks}→{new.tasks}"
-        )
-        if new.open_fds > old.open_fds + 4 or new.tasks > old.tasks + 2 or growth_mib > 32:
-            measured.problems.append(f"{router.child.name} grew over the soak")
     return measured
 
 

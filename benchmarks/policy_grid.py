@@ -17,8 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvplane.config import ScoringSettings
-from kvplane.reporting import format_table
+from kvplane.core.config import ScoringSettings
 from simulations.engine.timing import TimingModel
 from simulations.fleet.policies import POLICIES
 from simulations.fleet.report import PolicyFigures
@@ -27,6 +26,7 @@ from simulations.fleet.roofline import read_roofline_timing
 from simulations.fleet.run import compare
 from simulations.fleet.simulator import FleetConfig
 from simulations.fleet.workloads import WORKLOADS, load_trace
+from simulations.reporting import format_table
 
 _ROOT = Path(__file__).resolve().parents[1]
 _MOONCAKE = _ROOT / "simulations" / "traces" / "mooncake" / "conversation_trace.jsonl"

@@ -48,13 +48,13 @@ import msgspec
 from opentelemetry import trace
 
 from benchmarks.engine_sim import _load, _prompts
-from kvplane.config import ProxySettings, ScoringSettings
-from kvplane.processes import spawn_kvplane
-from kvplane.reporting import percentile
-from kvplane.serving import free_port
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.config import ProxySettings, ScoringSettings
+from kvplane.core.keys import BlockKey
+from kvplane.core.serving import free_port
+from kvplane.core.tokenizer import load_tokenizer
+from kvplane.core.types import BlocksStored, Tier, WorkerInfo
 from router.control_plane.workers import WorkerView
-from router.index.base import BlocksStored, LocationIndex, Tier, WorkerInfo
+from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import PromptTokens
@@ -64,6 +64,8 @@ from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.tenants import ANONYMOUS_TENANT
 from simulations.engine.process import spawn_engine_sim
+from simulations.processes import spawn_kvplane
+from simulations.reporting import percentile
 
 MODEL = "bench"
 BLOCK_SIZE = 16
@@ -126,7 +128,9 @@ def bench_prompts(prompt_tokens: int, seed: int) -> list[list[int]]:
     ]
 
 
-def _runs(keys: Sequence[int], tier: Tier, first: int, parent: int | None) -> list[BlocksStored]:
+def _runs(
+    keys: Sequence[BlockKey], tier: Tier, first: int, parent: BlockKey | None
+) -> list[BlocksStored]:
     """`keys` (a chain's blocks from position `first`) as engine-sized stored runs."""
     runs = []
     for start in range(0, len(keys), EVENT_BLOCKS):
@@ -142,7 +146,7 @@ def _runs(keys: Sequence[int], tier: Tier, first: int, parent: int | None) -> li
 
 
 def worker_holdings(
-    prompt_keys: list[list[int]], workers: int, seed: int, *, host_tier: bool = False
+    prompt_keys: list[list[BlockKey]], workers: int, seed: int, *, host_tier: bool = False
 ) -> Iterator[tuple[WorkerInfo, list[BlocksStored]]]:
     """Each worker's registration and what it stores (see the module docstring)."""
     rng = random.Random(seed + 1)
@@ -159,7 +163,7 @@ def worker_holdings(
         else:
             events = _runs(held, Tier.DEVICE, 0, None)
         for _ in range(UNRELATED_CHAINS):
-            chain = [rng.getrandbits(64) for _ in range(UNRELATED_BLOCKS)]
+            chain = [BlockKey(rng.getrandbits(64)) for _ in range(UNRELATED_BLOCKS)]
             events += _runs(chain, Tier.DEVICE, 0, None)
         yield info, events
 

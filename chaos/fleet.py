@@ -24,9 +24,9 @@ import httpx2
 import redis
 
 from chaos.tcp_proxy import TcpProxy
-from kvplane.processes import start_kvplane
-from kvplane.serving import free_port
+from kvplane.core.serving import free_port
 from router.tenants import api_key_digest
+from simulations.processes import start_kvplane
 from worker_agent.engines.base import metric_samples, total
 
 MODEL = "kvplane-tiny"

@@ -25,7 +25,7 @@ from chaos.fleet import (
     Worker,
     process_resources,
 )
-from kvplane.keys import KeyNamespace, block_keys
+from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from worker_agent.engines.base import metric_samples, total
 
 _KEY_FIELD_BYTES = 8
@@ -43,7 +43,7 @@ class IndexComparison:
         return self.missing == 0 and self.stale == 0
 
 
-async def engine_keys(fleet: ChaosFleet, worker: Worker) -> set[int]:
+async def engine_keys(fleet: ChaosFleet, worker: Worker) -> set[BlockKey]:
     """The router's keys for every block the engine holds."""
     body = await fleet.engine_blocks(worker, prefixes=True)
     keys = set()

@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvplane.config import AgentSettings, ConfigError, Settings, load_settings
-from kvplane.flags import add_model_flags, given_flags
-from kvplane.logsetup import configure_logging
-from kvplane.serving import run_service
+from kvplane.core.config import AgentSettings, ConfigError, Settings, load_settings
+from kvplane.core.flags import add_model_flags, given_flags
+from kvplane.core.logsetup import configure_logging
+from kvplane.core.serving import run_service
 from simulations.engine.config import add_engine_sim_flags
 
 
@@ -104,7 +104,7 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from router.demo import run_demo
+    from simulations.demo import run_demo
 
     settings = _settings_from(args)
     configure_logging(settings.logging)
@@ -127,7 +127,7 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def _run_engine_sim(args: argparse.Namespace) -> int:
-    from kvplane.config import LoggingSettings
+    from kvplane.core.config import LoggingSettings
     from simulations.engine.app import serve_engine_sim
     from simulations.engine.config import config_from_args
 

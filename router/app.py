@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
-from kvplane.config import ControlPlaneSettings, Settings
-from kvplane.serving import cancel_task, serving_http, wait_for_stop_signal
+from kvplane.core.config import ControlPlaneSettings, Settings
+from kvplane.core.serving import cancel_task, serving_http, wait_for_stop_signal
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi

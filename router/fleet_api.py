@@ -23,8 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvplane.core.types import Tier
 from router.control_plane.workers import WorkerView
-from router.index.base import LocationIndex, Tier, WorkerState
+from router.index.base import LocationIndex, WorkerState
 from router.proxy.bodies import (
     BadRequest,
     Endpoint,

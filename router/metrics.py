@@ -20,14 +20,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from router.index.base import (
-    AllBlocksCleared,
-    BlocksRemoved,
-    BlocksStored,
-    IndexStats,
-    KvEvent,
-    WorkerState,
-)
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from router.index.base import IndexStats, WorkerState
 
 if TYPE_CHECKING:
     from router.routing.accuracy import PredictionAccuracy

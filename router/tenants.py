@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from kvplane.config import ConfigError, IsolationClass, TenantSettings, TenantSpec
+from kvplane.core.config import ConfigError, IsolationClass, TenantSettings, TenantSpec
 
 log = logging.getLogger(__name__)
 

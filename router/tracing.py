@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
-from kvplane.config import TracingSettings
+from kvplane.core.config import TracingSettings
 
 _INSTRUMENTATION = "kvplane.router"
 

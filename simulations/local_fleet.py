@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from kvplane.config import AgentSettings, ControlPlaneSettings, Settings
-from kvplane.serving import cancel_task
+from kvplane.core.config import AgentSettings, ControlPlaneSettings, Settings
+from kvplane.core.serving import cancel_task
 from simulations.engine.app import RunningEngineSim, running_engine_sim
 from simulations.engine.config import EngineSimConfig, KVEventsConfig
 from worker_agent.agent import WorkerAgent

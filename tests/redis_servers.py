@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from kvplane.serving import free_port
+from kvplane.core.serving import free_port
 
 INSTALL_HINT = (
     "Redis is needed for these tests: set KVPLANE_TEST_REDIS_URL, run a server on "

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.cli import _settings_from, build_parser, main
-from kvplane.config import load_settings
+from kvplane.core.config import load_settings
 
 
 def write_config(tmp_path: Path) -> Path:

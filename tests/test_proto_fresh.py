@@ -1,4 +1,4 @@
-"""The generated stubs in kvplane/v1 must be exactly what `make proto` produces."""
+"""The generated stubs in kvplane/wire/v1 must be exactly what `make proto` produces."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
-    protos = sorted((ROOT / "proto" / "kvplane" / "v1").glob("*.proto"))
+    protos = sorted((ROOT / "proto" / "kvplane" / "wire" / "v1").glob("*.proto"))
     assert protos, "no .proto files found"
     out = str(tmp_path)
     exit_code = protoc.main(

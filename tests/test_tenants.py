@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from kvplane.config import TenantSettings, TenantSpec
+from kvplane.core.config import TenantSettings, TenantSpec
 from router.tenants import (
     ANONYMOUS,
     ANONYMOUS_TENANT,

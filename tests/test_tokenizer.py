@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvplane.tokenizer import DEFAULT_TOKENIZER_DIR, build_default_tokenizer, load_tokenizer
+from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR, build_default_tokenizer, load_tokenizer
 from tests.engine_sim.conftest import engine_sim
 
 

@@ -17,7 +17,7 @@ import time
 
 import httpx2
 
-from kvplane.config import Settings
+from kvplane.core.config import Settings
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import EngineAdapter, process_start_time
 from worker_agent.events import EngineCacheConfig, EngineLoad

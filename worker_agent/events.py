@@ -7,8 +7,14 @@ here and only used to match removals with earlier stores.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NewType
 
-from router.index.base import Tier
+from kvplane.core.types import Tier
+
+EngineBlockHash = NewType("EngineBlockHash", int)
+"""An engine's own hash of one block (vLLM's, SGLang's), as an unsigned 64-bit integer.
+It names a block only within that engine; kvplane.core.keys.BlockKey is what the
+router knows, and the translator is the one place that maps one to the other."""
 
 
 class WireDecodeError(ValueError):
@@ -17,8 +23,8 @@ class WireDecodeError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class EngineBlocksStored:
-    block_hashes: tuple[int, ...]
-    parent_hash: int | None  # None: the chain starts at token 0
+    block_hashes: tuple[EngineBlockHash, ...]
+    parent_hash: EngineBlockHash | None  # None: the chain starts at token 0
     token_ids: tuple[int, ...]  # len == len(block_hashes) * block_size
     block_size: int
     tier: Tier
@@ -29,7 +35,7 @@ class EngineBlocksStored:
 
 @dataclass(frozen=True, slots=True)
 class EngineBlocksRemoved:
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[EngineBlockHash, ...]
     tier: Tier
     group_idx: int = 0
 

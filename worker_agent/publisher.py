@@ -25,16 +25,11 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from kvplane.config import AgentSettings, ControlPlaneSettings
-from kvplane.v1 import control_plane_pb2 as pb
-from router.control_plane.client import (
-    AgentStream,
-    StreamClosed,
-    events_message,
-    load_message,
-    register_message,
-)
-from router.index.base import BlocksRemoved, BlocksStored, KvEvent, WorkerInfo
+from kvplane.core.config import AgentSettings, ControlPlaneSettings
+from kvplane.core.types import BlocksRemoved, BlocksStored, KvEvent, WorkerInfo
+from kvplane.wire.codec import events_message, load_message, register_message
+from kvplane.wire.stream import AgentStream, StreamClosed
+from kvplane.wire.v1 import control_plane_pb2 as pb
 from worker_agent.events import EngineLoad
 
 log = logging.getLogger(__name__)

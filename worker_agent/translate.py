@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvplane.keys import KeyNamespace, chain_keys, root_key
-from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
+from kvplane.core.keys import BlockKey, KeyNamespace, chain_keys, root_key
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
 from worker_agent.events import (
+    EngineBlockHash,
     EngineBlocksRemoved,
     EngineBlocksStored,
     EngineCacheCleared,
@@ -56,9 +57,9 @@ class _EngineBlock:
         self,
         position: int,
         tokens: Sequence[int],
-        parent: int | None,
-        chain_key: int,
-        router_key: int | None,
+        parent: EngineBlockHash | None,
+        chain_key: BlockKey,
+        router_key: BlockKey | None,
     ) -> None:
         self.position = position  # index of the block in its chain, in engine blocks
         self.tokens = tokens  # kept only while it may complete a router block (size > 1)
@@ -69,12 +70,12 @@ class _EngineBlock:
         # would double the objects the garbage collector walks on the ingest path.
         self.refs = 0
         # Router keys of groups this block is an earlier member of (router block size > 1).
-        self.member_of: set[int] | None = None
+        self.member_of: set[BlockKey] | None = None
 
 
 # An announced key's (parent key, position in router blocks): a plain tuple, built once
 # per stored block on the hot path (a NamedTuple's constructor is a Python call).
-_Announced = tuple[int | None, int]
+_Announced = tuple[BlockKey | None, int]
 
 
 class BlockTranslator:
@@ -83,8 +84,8 @@ class BlockTranslator:
         self.router_block_size = router_block_size
         self.max_tracked_blocks = max_tracked_blocks
         self.counters = TranslationCounters()
-        self._blocks: dict[int, _EngineBlock] = {}
-        self._announced: dict[tuple[Tier, int], _Announced] = {}
+        self._blocks: dict[EngineBlockHash, _EngineBlock] = {}
+        self._announced: dict[tuple[Tier, BlockKey], _Announced] = {}
 
     @property
     def tracked_blocks(self) -> int:
@@ -130,8 +131,8 @@ class BlockTranslator:
     def snapshot(self) -> list[KvEvent]:
         """Every announced key, for a new incarnation that must send the whole picture:
         chained runs, parents before children."""
-        runs: list[tuple[Tier, int, int | None, list[int]]] = []
-        open_runs: dict[tuple[Tier, int], list[int]] = {}  # (tier, last key) -> run keys
+        runs: list[tuple[Tier, int, BlockKey | None, list[BlockKey]]] = []
+        open_runs: dict[tuple[Tier, BlockKey], list[BlockKey]] = {}  # (tier, last key) -> run keys
         ordered = sorted(self._announced.items(), key=lambda item: item[1][1])
         for (tier, key), (parent, position) in ordered:
             run = None if parent is None else open_runs.pop((tier, parent), None)
@@ -171,8 +172,8 @@ class BlockTranslator:
         if group == 1:
             return self._store_run(event, chain_key, position)
         runs: list[KvEvent] = []
-        run: list[int] = []
-        run_start = run_parent = 0
+        run: list[BlockKey] = []
+        run_start, run_parent = 0, None
         parent_hash = event.parent_hash
         for index, block_hash in enumerate(event.block_hashes):
             block = self._blocks.get(block_hash)
@@ -199,14 +200,16 @@ class BlockTranslator:
                 else:
                     if run:
                         runs.append(_stored(run, event.tier, run_start, run_parent))
-                    run, run_start, run_parent = [key], router_position, parent_key or 0
+                    run, run_start, run_parent = [key], router_position, parent_key
             chain_key = block.chain_key
             parent_hash, position = block_hash, position + 1
         if run:
             runs.append(_stored(run, event.tier, run_start, run_parent))
         return runs
 
-    def _store_run(self, event: EngineBlocksStored, chain_key: int, position: int) -> list[KvEvent]:
+    def _store_run(
+        self, event: EngineBlocksStored, chain_key: BlockKey, position: int
+    ) -> list[KvEvent]:
         """`_store` when a router block is one engine block: the hot path of ingest, so
         the whole run is keyed in one call and the loop keeps to local names."""
         keys = chain_keys(chain_key, event.token_ids, event.block_size)
@@ -215,7 +218,7 @@ class BlockTranslator:
         one_ref = 1 << shift
         blocks, announced = self._blocks, self._announced
         runs: list[KvEvent] = []
-        run: list[int] = []
+        run: list[BlockKey] = []
         run_start, run_parent = 0, chain_key
         previous_key = chain_key  # the key before the current block (the root at 0)
         parent_hash = event.parent_hash
@@ -246,10 +249,10 @@ class BlockTranslator:
 
     def _new_block(
         self,
-        parent_hash: int | None,
+        parent_hash: EngineBlockHash | None,
         position: int,
         tokens: Sequence[int],
-        chain_key: int,
+        chain_key: BlockKey,
         group: int,
     ) -> _EngineBlock | None:
         """The engine block's record; None when it ends a router block whose earlier
@@ -273,7 +276,9 @@ class BlockTranslator:
             block.router_key = block.chain_key = key
         return block
 
-    def _earlier_members(self, parent_hash: int | None, count: int) -> list[_EngineBlock]:
+    def _earlier_members(
+        self, parent_hash: EngineBlockHash | None, count: int
+    ) -> list[_EngineBlock]:
         """The `count` engine blocks before a group's last one, nearest first."""
         members: list[_EngineBlock] = []
         while len(members) < count and parent_hash is not None:
@@ -284,7 +289,7 @@ class BlockTranslator:
             parent_hash = member.parent
         return members
 
-    def _group_held(self, last: _EngineBlock, key: int, group: int, tier: Tier) -> bool:
+    def _group_held(self, last: _EngineBlock, key: BlockKey, group: int, tier: Tier) -> bool:
         """Whether every engine block of the router block `last` completes is held on
         `tier`; if so, each is marked as a member of `key` (so that its removal withdraws
         the key, even if it was forgotten and stored again since the key was made)."""
@@ -301,7 +306,7 @@ class BlockTranslator:
         return True
 
     def _remove(self, event: EngineBlocksRemoved) -> list[KvEvent]:
-        withdrawn: list[int] = []
+        withdrawn: list[BlockKey] = []
         for block_hash in event.block_hashes:
             block = self._blocks.get(block_hash)
             shift = _REF_BITS * event.tier
@@ -324,7 +329,9 @@ class BlockTranslator:
         return [BlocksRemoved(keys=withdrawn, tier=event.tier)] if withdrawn else []
 
 
-def _stored(keys: list[int], tier: Tier, first_position: int, parent_key: int) -> BlocksStored:
+def _stored(
+    keys: list[BlockKey], tier: Tier, first_position: int, parent_key: BlockKey | None
+) -> BlocksStored:
     return BlocksStored(
         keys=keys,
         tier=tier,

@@ -1,5 +1,5 @@
 """The control plane's ingest: agents stream their workers' KV-cache events over gRPC
-(proto/kvplane/v1/control_plane.proto) and the router applies them to the location index.
+(proto/kvplane/wire/v1/control_plane.proto) and the router applies them to the location index.
 
 - validation.py: pure checks, wire message -> domain objects or a Rejection.
 - workers.py: this router's view of the workers that connect to it (sequences, states).

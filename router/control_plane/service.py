@@ -5,7 +5,7 @@ per stream, so a stream's messages are applied in the order they were sent. Deci
 come from the pure functions in validation.py and workers.py; this module only does
 the I/O they call for (index calls, replies) and keeps the view and metrics current.
 
-Outcomes, as proto/kvplane/v1/control_plane.proto defines them:
+Outcomes, as proto/kvplane/wire/v1/control_plane.proto defines them:
 - Ack: after a Register (the sequence to resume after) and after every KvEvents batch
   that was applied or was a duplicate. Load and Drain get no reply.
 - Resync: the worker's entries are gone (sequence gap, or its lease ran out). The
@@ -29,20 +29,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 import grpc.aio
 
-from kvplane.config import ControlPlaneSettings
-from kvplane.v1 import control_plane_pb2 as pb
-from router.control_plane.validation import (
+from kvplane.core.config import ControlPlaneSettings
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, KvEvent
+from kvplane.wire.codec import (
     Limits,
     Rejection,
-    SequenceVerdict,
-    authenticate,
     batch_blocks,
-    classify_sequence,
     decode_agent_message,
     parse_kv_events,
     parse_load,
     parse_register,
 )
+from kvplane.wire.v1 import control_plane_pb2 as pb
+from router.control_plane.admission import SequenceVerdict, authenticate, classify_sequence
 from router.control_plane.workers import (
     RegisterVerdict,
     WorkerRecord,
@@ -51,9 +50,6 @@ from router.control_plane.workers import (
     needs_renewal,
 )
 from router.index.base import (
-    AllBlocksCleared,
-    BlocksRemoved,
-    KvEvent,
     LocationIndex,
     LocationIndexError,
     StaleIncarnation,

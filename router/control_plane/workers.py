@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from router.control_plane.validation import LoadReport
-from router.index.base import WorkerInfo, WorkerState
+from kvplane.core.types import LoadReport, WorkerInfo
+from router.index.base import WorkerState
 
 DEAD_RETENTION_LEASES = 12
 """How long (in leases) a dead worker stays in the view, so that a late Register with

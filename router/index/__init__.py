@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvplane.config import IndexSettings
+from kvplane.core.config import IndexSettings
 from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
 

@@ -27,17 +27,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-
-class Tier(enum.IntEnum):
-    """Where a block lives; values equal the wire enum, lower is faster."""
-
-    DEVICE = 1
-    HOST = 2
-    DISK = 3
-    REMOTE = 4
+from kvplane.core.keys import BlockKey
+from kvplane.core.types import KvEvent, Tier, WorkerInfo
 
 
 class WorkerState(enum.Enum):
@@ -46,53 +40,9 @@ class WorkerState(enum.Enum):
     DEAD = "dead"
 
 
-MAX_CHAIN_END = 2**32 - 1
-"""Largest first_position + len(keys) of a stored run (the next run of the same chain
-starts there, and first_position is a uint32 on the wire); apply() refuses a batch
-with a run outside 0..MAX_CHAIN_END."""
-
 MAX_POSITION = 2**16 - 1
 """Deepest block position an entry records exactly; deeper ones are stored at this
 depth (only eviction order reads it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksStored:
-    """A chained run of newly cached blocks; see BlocksStored in the proto."""
-
-    keys: Sequence[int]
-    tier: Tier
-    first_position: int = 0
-    parent_key: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksRemoved:
-    keys: Sequence[int]
-    tier: Tier
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What a worker says about itself when it registers."""
-
-    worker_id: str
-    incarnation: int
-    base_url: str
-    model: str
-    block_size: int
-    kv_capacity_blocks: int = 0
-    engine_kind: str = ""
-    engine_version: str = ""
-    labels: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +137,7 @@ class LocationIndex(Protocol):
     async def purge_expired(self) -> list[str]:
         """Drop every worker whose lease ran out; return their ids."""
 
-    async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
+    async def lookup(self, keys: Sequence[BlockKey]) -> dict[str, PrefixMatch]:
         """Longest consecutive prefix of `keys` per live worker that matched one block
         or more (draining workers included, dead ones never)."""
 

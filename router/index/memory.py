@@ -19,19 +19,21 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from router.index.base import (
+from kvplane.core.types import (
     MAX_CHAIN_END,
-    MAX_POSITION,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
-    IndexStats,
     KvEvent,
+    Tier,
+    WorkerInfo,
+)
+from router.index.base import (
+    MAX_POSITION,
+    IndexStats,
     PrefixMatch,
     StaleIncarnation,
-    Tier,
     UnknownWorker,
-    WorkerInfo,
     WorkerState,
     WorkerStatus,
 )

@@ -29,20 +29,22 @@ from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from router.index.base import (
+from kvplane.core.types import (
     MAX_CHAIN_END,
-    MAX_POSITION,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
+    KvEvent,
+    Tier,
+    WorkerInfo,
+)
+from router.index.base import (
+    MAX_POSITION,
     IndexStats,
     IndexUnavailable,
-    KvEvent,
     PrefixMatch,
     StaleIncarnation,
-    Tier,
     UnknownWorker,
-    WorkerInfo,
     WorkerState,
     WorkerStatus,
 )

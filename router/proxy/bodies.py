@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 from starlette.requests import Request
 
-from kvplane.tokenizer import PromptTokenizer
+from kvplane.core.tokenizer import PromptTokenizer
 from router.tenants import SHARED_SCOPE, Tenant
 
 

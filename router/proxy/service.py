@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvplane.config import ProxySettings
+from kvplane.core.config import ProxySettings
 from router.metrics import RouterMetrics
 from router.proxy.bodies import (
     BadRequest,

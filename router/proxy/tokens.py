@@ -23,8 +23,8 @@ from pathlib import Path
 import msgspec
 import xxhash
 
-from kvplane.config import ProxySettings
-from kvplane.tokenizer import PromptTokenizer, load_tokenizer
+from kvplane.core.config import ProxySettings
+from kvplane.core.tokenizer import PromptTokenizer, load_tokenizer
 from router.proxy.bodies import Endpoint, ParsedRequest, prompt_token_ids
 
 OFF_LOOP_BODY_BYTES = 8 * 1024

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx2
 
-from kvplane.config import ProxySettings
+from kvplane.core.config import ProxySettings
 
 # Headers that describe one hop, or that the router sets itself.
 _NOT_FORWARDED = frozenset(

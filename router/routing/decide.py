@@ -19,9 +19,10 @@ from types import MappingProxyType
 
 from opentelemetry import trace
 
-from kvplane.config import ScoringSettings
-from kvplane.keys import KeyNamespace, block_keys
-from router.index.base import LocationIndex, PrefixMatch, Tier
+from kvplane.core.config import ScoringSettings
+from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
+from kvplane.core.types import Tier
+from router.index.base import LocationIndex, PrefixMatch
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.fleet import Candidate, Fleet
 from router.routing.predicted import PredictedPrefixes
@@ -47,7 +48,7 @@ class Decision:
     candidates: Mapping[str, Candidate]
     matched_blocks: Mapping[str, Mapping[Tier, int]]  # per worker, what was believed
     indexed_blocks: Mapping[str, int]  # per worker, the part the index vouched for
-    keys: list[int]
+    keys: list[BlockKey]
     prompt_tokens: int
     block_size: int
     index_answered: bool  # False: load-only (plus this router's predictions)
@@ -97,7 +98,7 @@ class RoutingPlanner:
         self._turn = itertools.count()  # the round-robin baseline's position
         self._next_lookup_probe = 0.0  # while the index is down: when to try it again
 
-    def keys(self, model: str, cache_scope: str, tokens: Sequence[int]) -> list[int]:
+    def keys(self, model: str, cache_scope: str, tokens: Sequence[int]) -> list[BlockKey]:
         namespace = KeyNamespace(model=model, block_size=self.block_size, cache_scope=cache_scope)
         return block_keys(tokens, namespace)
 
@@ -173,7 +174,9 @@ class RoutingPlanner:
             time.monotonic(),
         )
 
-    async def _lookup(self, keys: list[int], wanted: bool) -> tuple[dict[str, PrefixMatch], bool]:
+    async def _lookup(
+        self, keys: list[BlockKey], wanted: bool
+    ) -> tuple[dict[str, PrefixMatch], bool]:
         if not keys or not wanted:
             return {}, True
         if not self.index_answering and time.monotonic() < self._next_lookup_probe:

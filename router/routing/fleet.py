@@ -23,9 +23,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.control_plane.validation import LoadReport
+from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
-from router.index.base import LocationIndex, WorkerInfo, WorkerState, WorkerStatus
+from router.index.base import LocationIndex, WorkerState, WorkerStatus
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
-from kvplane.config import ScoringSettings
-from router.index.base import Tier
+from kvplane.core.config import ScoringSettings
+from kvplane.core.types import Tier
 
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
 

@@ -14,8 +14,8 @@ import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvplane.serving import cancel_task, serving_http, wait_for_stop_signal
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.serving import cancel_task, serving_http, wait_for_stop_signal
+from kvplane.core.tokenizer import load_tokenizer
 from simulations.engine.config import EngineSimConfig
 from simulations.engine.engine import SimEngine
 from simulations.engine.kv_events import EventEncoder, use_int_hashes

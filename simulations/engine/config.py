@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvplane.flags import add_model_flags, given_flags
+from kvplane.core.flags import add_model_flags, given_flags
 from simulations.engine.kv_events import WireFormat
 from simulations.engine.scheduler import SchedulerLimits
 from simulations.engine.timing import TimingModel

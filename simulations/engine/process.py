@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvplane.processes import spawn_kvplane
-from kvplane.serving import free_port
+from kvplane.core.serving import free_port
+from simulations.processes import spawn_kvplane
 
 
 @dataclass(frozen=True, slots=True)

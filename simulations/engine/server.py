@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kvplane.tokenizer import PromptTokenizer
+from kvplane.core.tokenizer import PromptTokenizer
 from simulations.engine import protocol
 from simulations.engine.block_hash import wire_hash
 from simulations.engine.config import EngineSimConfig

@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from kvplane.config import ScoringSettings
-from router.index.base import Tier
+from kvplane.core.config import ScoringSettings
+from kvplane.core.types import Tier
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.score import RequestFacts, WorkerFacts, queue_estimate, rank_workers
 from simulations.fleet.peer_policies import (

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvplane.reporting import format_table, percentile
 from simulations.fleet.simulator import RunRecord
+from simulations.reporting import format_table, percentile
 
 
 @dataclass(frozen=True, slots=True)

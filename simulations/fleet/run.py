@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvplane.config import ScoringSettings
+from kvplane.core.config import ScoringSettings
 from simulations.fleet.bounds import infinite_cache_hit_rate, pooled_cache_hit_rate
 from simulations.fleet.policies import make_policy
 from simulations.fleet.report import PolicyFigures, figures

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter
 from router.index.base import PrefixMatch, WorkerState
 from tests.proxy.conftest import ADMIN_TOKEN, MODEL, TENANT_KEYS, RoutedFleet

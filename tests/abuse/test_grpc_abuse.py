@@ -30,26 +30,14 @@ import pytest
 import pytest_asyncio
 from pydantic import SecretStr
 
-from kvplane.config import ControlPlaneSettings, IndexSettings, Settings
-from kvplane.keys import SCHEME_VERSION
-from kvplane.v1 import control_plane_pb2 as pb
+from kvplane.core.config import ControlPlaneSettings, IndexSettings, Settings
+from kvplane.core.keys import SCHEME_VERSION
+from kvplane.core.types import MAX_CHAIN_END, BlocksStored, Tier, WorkerInfo
+from kvplane.wire.codec import drain_message, events_message, load_message, register_message
+from kvplane.wire.stream import CONNECT_METHOD, AgentStream
+from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import running_router
-from router.control_plane.client import (
-    AgentStream,
-    drain_message,
-    events_message,
-    load_message,
-    register_message,
-)
-from router.control_plane.service import CONNECT_METHOD
-from router.index.base import (
-    MAX_CHAIN_END,
-    BlocksStored,
-    PrefixMatch,
-    Tier,
-    WorkerInfo,
-    WorkerState,
-)
+from router.index.base import PrefixMatch, WorkerState
 from simulations.local_fleet import local_workers
 from tests.abuse.conftest import PROBE_PROMPTS, SIM_OPTIONS, block_keys, prime, still_serves
 from tests.proxy.conftest import MODEL, RoutedFleet, router_settings

@@ -12,18 +12,12 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvplane.config import ControlPlaneSettings, HttpSettings, IndexSettings, Settings
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.v1 import control_plane_pb2 as pb
+from kvplane.core.config import ControlPlaneSettings, HttpSettings, IndexSettings, Settings
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.types import BlocksStored, Tier, WorkerInfo
+from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import RunningRouter, running_router
-from router.index.base import (
-    BlocksStored,
-    LocationIndex,
-    PrefixMatch,
-    Tier,
-    WorkerInfo,
-    WorkerState,
-)
+from router.index.base import LocationIndex, PrefixMatch, WorkerState
 
 BLOCK_SIZE = 4
 MODEL = "test-model"

@@ -16,13 +16,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvplane.config import AgentSettings, ControlPlaneSettings
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.serving import cancel_task
-from kvplane.v1 import control_plane_pb2 as pb
+from kvplane.core.config import AgentSettings, ControlPlaneSettings
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.serving import cancel_task
+from kvplane.core.types import Tier
+from kvplane.wire.codec import events_message, register_message
+from kvplane.wire.stream import AgentStream
+from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import running_router
-from router.control_plane.client import AgentStream, events_message, register_message
-from router.index.base import Tier
 from tests.control_plane.conftest import (
     BLOCK_SIZE,
     MODEL,

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from router.demo import RunResult, render_table, run_demo
+from simulations.demo import RunResult, render_table, run_demo
 
 
 async def test_demo_runs_both_policies_and_kvplane_hits_more(

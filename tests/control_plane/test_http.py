@@ -6,14 +6,9 @@ import grpc.aio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvplane.wire.codec import drain_message, events_message, load_message, register_message
+from kvplane.wire.stream import AgentStream
 from router.app import RunningRouter, running_router
-from router.control_plane.client import (
-    AgentStream,
-    drain_message,
-    events_message,
-    load_message,
-    register_message,
-)
 from router.control_plane.workers import WorkerView
 from router.http import create_http_app
 from router.index.memory import MemoryLocationIndex

@@ -7,9 +7,10 @@ import time
 
 import grpc.aio
 
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, Tier
+from kvplane.wire.codec import events_message, register_message
+from kvplane.wire.stream import AgentStream
 from router.app import RunningRouter
-from router.control_plane.client import AgentStream, events_message, register_message
-from router.index.base import AllBlocksCleared, BlocksRemoved, Tier
 from tests.control_plane.conftest import prompt_keys, stored, worker
 
 KEYS = prompt_keys(7, blocks=4)

@@ -12,11 +12,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from kvplane.config import IndexSettings
-from kvplane.serving import free_port
-from kvplane.v1 import control_plane_pb2 as pb
+from kvplane.core.config import IndexSettings
+from kvplane.core.serving import free_port
+from kvplane.wire.codec import events_message, register_message
+from kvplane.wire.stream import AgentStream
+from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import running_router
-from router.control_plane.client import AgentStream, events_message, register_message
 from tests.control_plane.conftest import (
     body,
     make_settings,

@@ -8,18 +8,13 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvplane.keys import SCHEME_VERSION
-from kvplane.v1 import control_plane_pb2 as pb
+from kvplane.core.keys import SCHEME_VERSION
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
+from kvplane.wire.codec import drain_message, events_message, load_message, register_message
+from kvplane.wire.stream import CONNECT_METHOD, AgentStream
+from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import RunningRouter
-from router.control_plane.client import (
-    AgentStream,
-    drain_message,
-    events_message,
-    load_message,
-    register_message,
-)
-from router.control_plane.service import CONNECT_METHOD
-from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier, WorkerState
+from router.index.base import WorkerState
 from tests.control_plane.conftest import (
     body,
     make_settings,

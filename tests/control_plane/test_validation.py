@@ -1,4 +1,5 @@
-"""The pure checks of router/control_plane/validation.py, message by message."""
+"""The pure checks of the wire codec (kvplane/wire/codec.py) and of admission
+(router/control_plane/admission.py), message by message."""
 
 from __future__ import annotations
 
@@ -9,20 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplane.keys import SCHEME_VERSION
-from kvplane.v1 import control_plane_pb2 as pb
-from router.control_plane.client import event_to_wire, events_message, register_message
-from router.control_plane.validation import (
-    Limits,
-    Rejection,
-    SequenceVerdict,
-    authenticate,
-    classify_sequence,
-    parse_kv_events,
-    parse_load,
-    parse_register,
-)
-from router.index.base import (
+from kvplane.core.keys import SCHEME_VERSION
+from kvplane.core.types import (
     MAX_CHAIN_END,
     AllBlocksCleared,
     BlocksRemoved,
@@ -30,6 +19,18 @@ from router.index.base import (
     KvEvent,
     Tier,
 )
+from kvplane.wire.codec import (
+    Limits,
+    Rejection,
+    event_to_wire,
+    events_message,
+    parse_kv_events,
+    parse_load,
+    parse_register,
+    register_message,
+)
+from kvplane.wire.v1 import control_plane_pb2 as pb
+from router.control_plane.admission import SequenceVerdict, authenticate, classify_sequence
 from tests.control_plane.conftest import BLOCK_SIZE, worker
 
 LIMITS = Limits(

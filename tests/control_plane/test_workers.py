@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.control_plane.validation import LoadReport
+from kvplane.core.types import LoadReport
 from router.control_plane.workers import (
     DEAD_RETENTION_LEASES,
     RECONNECT_MARGIN_S,

@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvplane.processes import spawn_kvplane
-from kvplane.serving import free_port
-from kvplane.tokenizer import DEFAULT_TOKENIZER_DIR
+from kvplane.core.serving import free_port
+from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
 from router.tenants import api_key_digest
+from simulations.processes import spawn_kvplane
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.tokenizer import load_tokenizer
 from router.index.base import PrefixMatch
 from router.index.redis import RedisLocationIndex
 from router.tenants import derive_cache_salt, own_scope

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.tokenizer import load_tokenizer
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 

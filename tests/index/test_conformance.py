@@ -6,17 +6,15 @@ import asyncio
 
 import pytest
 
-from router.index.base import (
+from kvplane.core.types import (
     MAX_CHAIN_END,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
-    StaleIncarnation,
     Tier,
-    UnknownWorker,
     WorkerInfo,
-    WorkerState,
 )
+from router.index.base import StaleIncarnation, UnknownWorker, WorkerState
 from tests.index.conftest import IndexFactory
 
 LEASE = 30.0

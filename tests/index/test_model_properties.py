@@ -14,17 +14,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from router.index.base import (
+from kvplane.core.types import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
     KvEvent,
-    LocationIndex,
-    StaleIncarnation,
     Tier,
-    UnknownWorker,
     WorkerInfo,
 )
+from router.index.base import LocationIndex, StaleIncarnation, UnknownWorker
 from router.index.memory import MemoryLocationIndex
 
 T = TypeVar("T")

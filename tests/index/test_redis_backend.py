@@ -20,19 +20,16 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from kvplane.serving import free_port
-from router.index.base import (
+from kvplane.core.serving import free_port
+from kvplane.core.types import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
-    IndexUnavailable,
     KvEvent,
-    LocationIndex,
-    StaleIncarnation,
     Tier,
-    UnknownWorker,
     WorkerInfo,
 )
+from router.index.base import IndexUnavailable, LocationIndex, StaleIncarnation, UnknownWorker
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import REGISTRY_MAX_AGE_S, ROUND_TRIP_TIMEOUT_S, RedisLocationIndex
 from tests.index.conftest import delete_prefix

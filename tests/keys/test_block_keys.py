@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplane.keys import SCHEME_VERSION, KeyNamespace, block_keys, chain_keys, root_key
+from kvplane.core.keys import SCHEME_VERSION, KeyNamespace, block_keys, chain_keys, root_key
 
 VECTORS = json.loads((Path(__file__).parents[2] / "docs" / "block-key-vectors.json").read_text())
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from kvplane.config import (
+from kvplane.core.config import (
     ControlPlaneSettings,
     HttpSettings,
     IndexSettings,

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from kvplane.tokenizer import PromptTokenizer, load_tokenizer
+from kvplane.core.tokenizer import PromptTokenizer, load_tokenizer
 from router.proxy.bodies import (
     BadRequest,
     Endpoint,

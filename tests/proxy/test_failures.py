@@ -27,13 +27,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.config import IndexSettings
-from kvplane.processes import spawn_kvplane
-from kvplane.serving import free_port
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.config import IndexSettings
+from kvplane.core.serving import free_port
+from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter, running_router
 from router.index.base import WorkerState
 from simulations.engine.process import spawn_engine_sim
+from simulations.processes import spawn_kvplane
 from tests.proxy.conftest import MODEL, TENANT_KEYS, RoutedFleet, routed_fleet, router_settings
 from tests.redis_servers import stoppable_redis
 from tests.waiting import wait_until

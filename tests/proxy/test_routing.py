@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.config import TenantSettings
+from kvplane.core.config import TenantSettings
 from tests.proxy.conftest import (
     ADMIN_TOKEN,
     MODEL,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
-from kvplane.config import IndexSettings
+from kvplane.core.config import IndexSettings
 from router.app import RunningRouter, running_router
 from simulations.local_fleet import local_workers
 from tests.proxy.conftest import MODEL, TENANT_KEYS, router_settings

@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from kvplane.config import ProxySettings
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.config import ProxySettings
+from kvplane.core.tokenizer import load_tokenizer
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import OFF_LOOP_BODY_BYTES, PromptTokens, TokenCache, tokenisation_key
 

@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 import pytest
 from opentelemetry import trace
 
-from kvplane.config import ScoringSettings
-from router.control_plane.validation import LoadReport
+from kvplane.core.config import ScoringSettings
+from kvplane.core.types import BlocksStored, LoadReport, Tier, WorkerInfo
 from router.control_plane.workers import WorkerView
-from router.index.base import BlocksStored, IndexUnavailable, PrefixMatch, Tier, WorkerInfo
+from router.index.base import IndexUnavailable, PrefixMatch
 from router.index.memory import MemoryLocationIndex
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks

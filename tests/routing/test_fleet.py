@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from router.control_plane.validation import LoadReport
+from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
-from router.index.base import WorkerInfo, WorkerState
+from router.index.base import WorkerState
 from router.index.memory import MemoryLocationIndex
 from router.routing.fleet import Fleet
 

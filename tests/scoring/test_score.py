@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from kvplane.config import ScoringSettings
-from router.index.base import Tier
+from kvplane.core.config import ScoringSettings
+from kvplane.core.types import Tier
 from router.scoring.score import (
     RequestFacts,
     ScoreBreakdown,

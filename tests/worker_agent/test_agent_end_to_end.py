@@ -17,16 +17,16 @@ from typing import Any
 import httpx
 import pytest
 
-from kvplane.config import (
+from kvplane.core.config import (
     AgentSettings,
     ControlPlaneSettings,
     HttpSettings,
     IndexSettings,
     Settings,
 )
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.serving import cancel_task, free_port
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.serving import cancel_task, free_port
+from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter, running_router
 from simulations.engine.app import RunningEngineSim
 from simulations.engine.block_hash import BlockHasher

@@ -12,13 +12,13 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from kvplane.config import AgentSettings, ControlPlaneSettings, HttpSettings, Settings
-from kvplane.keys import KeyNamespace, block_keys
-from kvplane.processes import spawn_kvplane
-from kvplane.serving import cancel_task, free_port
-from kvplane.tokenizer import load_tokenizer
+from kvplane.core.config import AgentSettings, ControlPlaneSettings, HttpSettings, Settings
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.serving import cancel_task, free_port
+from kvplane.core.tokenizer import load_tokenizer
 from router.app import running_router
 from router.index.redis import RedisLocationIndex
+from simulations.processes import spawn_kvplane
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent
 

@@ -11,7 +11,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvplane.serving import cancel_task
+from kvplane.core.serving import cancel_task
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.kv_event_source import END_OF_REPLAY, KvEventSource, SourceItem, StateLost
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.keys import KeyNamespace, block_keys
-from router.index.base import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
 from worker_agent.events import EngineBlocksRemoved, EngineBlocksStored, EngineCacheCleared
 from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
 

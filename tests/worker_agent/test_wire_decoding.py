@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.index.base import Tier
+from kvplane.core.types import Tier
 from worker_agent.engines.kv_event_wire import normalise_hash
 from worker_agent.engines.sglang import SglangAdapter
 from worker_agent.engines.vllm import VllmAdapter

@@ -16,12 +16,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
-from router.index.base import Tier
+from kvplane.core.types import Tier
 from worker_agent.events import (
+    EngineBlockHash,
     EngineBlocksRemoved,
     EngineBlocksStored,
     EngineCacheCleared,
@@ -64,7 +65,7 @@ def decode_batch(payload: bytes, dialect: WireDialect) -> tuple[float, tuple[Eng
     return float(timestamp), tuple(decoded)
 
 
-def normalise_hash(value: Any) -> int:
+def normalise_hash(value: Any) -> EngineBlockHash:
     """An engine hash as an unsigned 64-bit integer: vLLM sends the low 64 bits unsigned
     or the raw digest as bytes (its last 8 bytes, big-endian); SGLang sends signed."""
     if isinstance(value, bool):
@@ -72,9 +73,9 @@ def normalise_hash(value: Any) -> int:
     if isinstance(value, int):
         if not -(2**63) <= value < _U64:
             raise WireDecodeError("a block hash is out of 64-bit range")
-        return value % _U64
+        return EngineBlockHash(value % _U64)
     if isinstance(value, bytes) and 8 <= len(value) <= 64:
-        return int.from_bytes(value[-8:], "big")
+        return EngineBlockHash(int.from_bytes(value[-8:], "big"))
     raise WireDecodeError("a block hash is neither an integer nor a digest")
 
 
@@ -157,12 +158,13 @@ def _salt_from_extra_keys(extra_keys: Any, lora_name: str | None) -> str | None:
     return keys[-1] if keys and isinstance(keys[-1], str) else None
 
 
-def _hashes(value: Any) -> tuple[int, ...]:
+def _hashes(value: Any) -> tuple[EngineBlockHash, ...]:
     if not isinstance(value, list) or not value:
         raise WireDecodeError("an event has no block_hashes")
     if set(map(type, value)) == {int}:
         try:  # the usual case (vLLM's unsigned integers), checked in C
-            return tuple(array("Q", value))
+            # EngineBlockHash is an int at run time: a cast, not a call per hash.
+            return cast(tuple[EngineBlockHash, ...], tuple(array("Q", value)))
         except OverflowError:
             pass  # signed (SGLang) or out of range: one by one
     return tuple(normalise_hash(item) for item in value)

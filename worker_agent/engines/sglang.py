@@ -3,7 +3,7 @@ hashes and the cache salt as an event field; `sglang:*` metrics."""
 
 from __future__ import annotations
 
-from router.index.base import Tier
+from kvplane.core.types import Tier
 from worker_agent.engines.base import mean, metric_samples, total
 from worker_agent.engines.kv_event_wire import WireDialect, decode_batch
 from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad

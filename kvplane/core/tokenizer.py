@@ -10,7 +10,7 @@ block keys never match the engine's cache. vLLM's rules, followed here:
 
 No model or tokenizer can be downloaded where kvplane is tested, so kvplane ships a small
 byte-level BPE tokenizer with a chat template in Hugging Face format
-(`kvplane/tokenizer_data/`), built deterministically by `build_default_tokenizer`. Any
+(`kvplane/core/tokenizer_data/`), built deterministically by `build_default_tokenizer`. Any
 local Hugging Face tokenizer directory works in its place.
 """
 

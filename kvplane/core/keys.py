@@ -21,8 +21,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NewType, cast
 
 import xxhash
+
+BlockKey = NewType("BlockKey", int)
+"""kvplane's chained key of one full block, in one namespace: what the index stores and
+lookups ask for. Engines' own block hashes are a different thing (the agent translates
+them) and must never be mixed with these."""
 
 SCHEME_VERSION = 1
 _ROOT_TAG = b"kvplane-block-key\x00"
@@ -61,7 +67,7 @@ def _field(text: str) -> bytes:
 
 
 @lru_cache(maxsize=4096)
-def root_key(namespace: KeyNamespace) -> int:
+def root_key(namespace: KeyNamespace) -> BlockKey:
     """The chain's root, key[-1]; cached because every request of a namespace needs it."""
     encoded = (
         _ROOT_TAG
@@ -71,7 +77,7 @@ def root_key(namespace: KeyNamespace) -> int:
         + _field(namespace.lora)
         + _field(namespace.cache_scope)
     )
-    return _hash64(encoded)
+    return BlockKey(_hash64(encoded))
 
 
 def _tokens_as_u32le(tokens: Sequence[int]) -> bytes:
@@ -86,7 +92,7 @@ def _tokens_as_u32le(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def chain_keys(parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
+def chain_keys(parent: BlockKey, tokens: Sequence[int], block_size: int) -> list[BlockKey]:
     """Keys of the full blocks of `tokens`, continuing the chain after `parent`.
 
     `parent` is the key of the block before tokens[0], or root_key(namespace) when the
@@ -101,14 +107,15 @@ def chain_keys(parent: int, tokens: Sequence[int], block_size: int) -> list[int]
     end = (len(tokens) // block_size) * stride
     keys: list[int] = []
     append = keys.append
-    previous = parent
+    previous: int = parent
     # The hot loop of both routing and ingest: kept to one hash call per block.
     for offset in range(0, end, stride):
         previous = _hash64(_pack_key(previous) + data[offset : offset + stride])
         append(previous)
-    return keys
+    # BlockKey is an int at run time: a cast, not a call per key.
+    return cast(list[BlockKey], keys)
 
 
-def block_keys(tokens: Sequence[int], namespace: KeyNamespace) -> list[int]:
+def block_keys(tokens: Sequence[int], namespace: KeyNamespace) -> list[BlockKey]:
     """Keys of every full block of a prompt that starts at token 0."""
     return chain_keys(root_key(namespace), tokens, namespace.block_size)

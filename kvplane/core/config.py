@@ -21,7 +21,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvplane.keys import SCHEME_VERSION
+from kvplane.core.keys import SCHEME_VERSION
 
 
 class ConfigError(ValueError):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvplane.v1 import control_plane_pb2 as kvplane_dot_v1_dot_control__plane__pb2
+from kvplane.wire.v1 import control_plane_pb2 as kvplane_dot_wire_dot_v1_dot_control__plane__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvplane/v1/control_plane_pb2_grpc.py depends on'
+        + ' but the generated code in kvplane/wire/v1/control_plane_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -40,8 +40,8 @@ class ControlPlaneStub:
         """
         self.Connect = channel.stream_stream(
                 '/kvplane.v1.ControlPlane/Connect',
-                request_serializer=kvplane_dot_v1_dot_control__plane__pb2.AgentMessage.SerializeToString,
-                response_deserializer=kvplane_dot_v1_dot_control__plane__pb2.ControlMessage.FromString,
+                request_serializer=kvplane_dot_wire_dot_v1_dot_control__plane__pb2.AgentMessage.SerializeToString,
+                response_deserializer=kvplane_dot_wire_dot_v1_dot_control__plane__pb2.ControlMessage.FromString,
                 _registered_method=True)
 
 
@@ -63,8 +63,8 @@ def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=kvplane_dot_v1_dot_control__plane__pb2.AgentMessage.FromString,
-                    response_serializer=kvplane_dot_v1_dot_control__plane__pb2.ControlMessage.SerializeToString,
+                    request_deserializer=kvplane_dot_wire_dot_v1_dot_control__plane__pb2.AgentMessage.FromString,
+                    response_serializer=kvplane_dot_wire_dot_v1_dot_control__plane__pb2.ControlMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -96,8 +96,8 @@ class ControlPlane:
             request_iterator,
             target,
             '/kvplane.v1.ControlPlane/Connect',
-            kvplane_dot_v1_dot_control__plane__pb2.AgentMessage.SerializeToString,
-            kvplane_dot_v1_dot_control__plane__pb2.ControlMessage.FromString,
+            kvplane_dot_wire_dot_v1_dot_control__plane__pb2.AgentMessage.SerializeToString,
+            kvplane_dot_wire_dot_v1_dot_control__plane__pb2.ControlMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import openai
 from pydantic import SecretStr
 
-from kvplane.config import (
+from kvplane.core.config import (
     ControlPlaneSettings,
     HttpSettings,
     IndexSettings,
@@ -32,10 +32,10 @@ from kvplane.config import (
     TenantSettings,
     TenantSpec,
 )
-from kvplane.reporting import format_table, percentile
 from router.app import running_router
 from router.tenants import api_key_digest
 from simulations.local_fleet import local_workers
+from simulations.reporting import format_table, percentile
 
 MODEL = "kvplane-tiny"
 WORKERS = 3

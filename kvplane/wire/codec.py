@@ -1,34 +1,48 @@
-"""Pure checks of what agents send: a wire message becomes domain objects from
-router/index/base.py, or a Rejection that says why not. Nothing here does I/O, so every
-rule is testable without a server, and the service applies a batch only after all of
-it has passed (a batch is applied whole or not at all).
+"""The one codec between kvplane's domain objects and the wire contract
+(proto/kvplane/wire/v1/control_plane.proto).
+
+- Encode, for agents: a registration, an event batch, a load report, a drain.
+- Decode and validate, for the control plane: a wire message becomes domain objects
+  from kvplane/core/types.py, or a Rejection that says why not. Nothing here does I/O,
+  so every rule is testable without a server, and a batch is refused whole or not at
+  all.
 """
 
 from __future__ import annotations
 
-import enum
-import hmac
 import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 from google.protobuf.message import DecodeError
 
-from kvplane.config import ControlPlaneSettings
-from kvplane.v1 import control_plane_pb2 as pb
-from router.index.base import (
+from kvplane.core.config import ControlPlaneSettings
+from kvplane.core.keys import SCHEME_VERSION, BlockKey
+from kvplane.core.types import (
     MAX_CHAIN_END,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
     KvEvent,
+    LoadReport,
     Tier,
     WorkerInfo,
 )
+from kvplane.wire.v1 import control_plane_pb2 as pb
 
 WORKER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+_TIER_TO_WIRE: dict[Tier, pb.Tier] = {
+    Tier.DEVICE: pb.TIER_DEVICE,
+    Tier.HOST: pb.TIER_HOST,
+    Tier.DISK: pb.TIER_DISK,
+    Tier.REMOTE: pb.TIER_REMOTE,
+}
+_TIER_FROM_WIRE: dict[int, Tier] = {wire: tier for tier, wire in _TIER_TO_WIRE.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,19 +77,65 @@ class Rejection:
         return pb.RejectCode.Name(self.code).removeprefix("REJECT_CODE_").lower()
 
 
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    running: int
-    waiting: int
-    kv_usage: float
-    timestamp_ms: int  # the agent's wall clock; 0 when it sent none
-    engine_down: bool = False
+def register_message(info: WorkerInfo, key_scheme_version: int = SCHEME_VERSION) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        register=pb.Register(
+            worker_id=info.worker_id,
+            incarnation=info.incarnation,
+            base_url=info.base_url,
+            model=info.model,
+            block_size=info.block_size,
+            key_scheme_version=key_scheme_version,
+            kv_capacity_blocks=info.kv_capacity_blocks,
+            engine_kind=info.engine_kind,
+            engine_version=info.engine_version,
+            labels=dict(info.labels),
+        )
+    )
 
 
-class SequenceVerdict(enum.Enum):
-    DUPLICATE = "duplicate"  # applied already: ignore it and Ack again
-    NEXT = "next"  # the one expected: apply it
-    GAP = "gap"  # batches were lost in between: the worker must resync
+def event_to_wire(event: KvEvent) -> pb.KvEvent:
+    if isinstance(event, BlocksStored):
+        return pb.KvEvent(
+            stored=pb.BlocksStored(
+                parent_key=event.parent_key,
+                keys=event.keys,
+                first_position=event.first_position,
+                tier=_TIER_TO_WIRE[event.tier],
+            )
+        )
+    if isinstance(event, BlocksRemoved):
+        return pb.KvEvent(removed=pb.BlocksRemoved(keys=event.keys, tier=_TIER_TO_WIRE[event.tier]))
+    assert isinstance(event, AllBlocksCleared)
+    return pb.KvEvent(cleared=pb.AllBlocksCleared())
+
+
+def events_message(sequence: int, events: Iterable[KvEvent]) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        kv_events=pb.KvEvents(
+            sequence=sequence,
+            events=[event_to_wire(e) for e in events],
+            timestamp_ms=time.time_ns() // 1_000_000,
+        )
+    )
+
+
+def load_message(
+    running: int, waiting: int, kv_usage: float, *, engine_down: bool = False
+) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        load=pb.Load(
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
+            timestamp_ms=time.time_ns() // 1_000_000,
+            engine_down=engine_down,
+        )
+    )
+
+
+def drain_message() -> pb.AgentMessage:
+    return pb.AgentMessage(drain=pb.Drain())
 
 
 def _invalid(reason: str) -> Rejection:
@@ -92,28 +152,6 @@ def decode_agent_message(data: bytes) -> pb.AgentMessage | Rejection:
     if message.WhichOneof("body") is None:
         return _invalid("the message carries no body (register, kv_events, load or drain)")
     return message
-
-
-def authenticate(
-    metadata: Iterable[tuple[str, str | bytes]] | None, expected_token: str | None
-) -> Rejection | None:
-    """None when the call may proceed: no token is configured, or the call carries
-    `authorization: Bearer <token>` with the configured token."""
-    if expected_token is None:
-        return None
-    presented = b""
-    for key, value in metadata or ():
-        if key.lower() == "authorization":
-            raw = value.encode() if isinstance(value, str) else value
-            scheme, _, token = raw.partition(b" ")
-            if scheme.lower() == b"bearer":
-                presented = token.strip()
-    # compare_digest on bytes: its time does not depend on where the tokens differ.
-    if presented and hmac.compare_digest(presented, expected_token.encode()):
-        return None
-    return Rejection(
-        pb.REJECT_CODE_UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)"
-    )
 
 
 def parse_register(message: pb.Register, limits: Limits) -> WorkerInfo | Rejection:
@@ -197,10 +235,10 @@ def _parse_event(event: pb.KvEvent) -> KvEvent | Rejection:
         if stored.first_position + len(stored.keys) > MAX_CHAIN_END:
             return _invalid(f"chain positions past {MAX_CHAIN_END}")
         return BlocksStored(
-            keys=list(stored.keys),
+            keys=cast(list[BlockKey], list(stored.keys)),
             tier=tier,
             first_position=stored.first_position,
-            parent_key=stored.parent_key if has_parent else None,
+            parent_key=BlockKey(stored.parent_key) if has_parent else None,
         )
     if kind == "removed":
         removed = event.removed
@@ -209,7 +247,7 @@ def _parse_event(event: pb.KvEvent) -> KvEvent | Rejection:
             return _invalid(f"unknown tier {removed.tier}")
         if not removed.keys:
             return _invalid("removed event without keys")
-        return BlocksRemoved(keys=list(removed.keys), tier=tier)
+        return BlocksRemoved(keys=cast(list[BlockKey], list(removed.keys)), tier=tier)
     if kind == "cleared":
         return AllBlocksCleared()
     return _invalid("event carries no stored, removed or cleared")
@@ -218,10 +256,7 @@ def _parse_event(event: pb.KvEvent) -> KvEvent | Rejection:
 def _parse_tier(value: int) -> Tier | None:
     # TIER_UNSPECIFIED (0) and values from a newer contract are both refused: the router
     # cannot rank a tier it does not know.
-    try:
-        return Tier(value)
-    except ValueError:
-        return None
+    return _TIER_FROM_WIRE.get(value)
 
 
 def parse_load(message: pb.Load) -> LoadReport | Rejection:
@@ -234,14 +269,6 @@ def parse_load(message: pb.Load) -> LoadReport | Rejection:
         timestamp_ms=message.timestamp_ms,
         engine_down=message.engine_down,
     )
-
-
-def classify_sequence(sequence: int, last_applied: int) -> SequenceVerdict:
-    if sequence <= last_applied:
-        return SequenceVerdict.DUPLICATE
-    if sequence == last_applied + 1:
-        return SequenceVerdict.NEXT
-    return SequenceVerdict.GAP
 
 
 def batch_blocks(events: Iterable[KvEvent]) -> int:

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from kvplane.config import LoggingSettings
+from kvplane.core.config import LoggingSettings
 
 _STANDARD_ATTRIBUTES = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 

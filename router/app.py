@@ -29,7 +29,7 @@ from router.fleet_api import FleetApi
 from router.http import create_http_app
 from router.index import open_index
 from router.index.base import LocationIndex
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, WorkerLoadSample
 from router.proxy.service import ProxyService
 from router.proxy.upstream import Upstream
 from router.routing.accuracy import PredictionAccuracy
@@ -137,7 +137,16 @@ async def running_router(
         token_cache = proxy.prompt_tokens.cache
 
         def before_scrape() -> None:
-            metrics.set_routing_view(fleet, planner, accuracy)
+            metrics.set_routing_view(
+                degraded=not (planner.index_answering and fleet.registry_is_current()),
+                suspect_workers=len(accuracy.suspects()),
+                loads=(
+                    WorkerLoadSample(
+                        c.worker_id, c.traffic.in_flight, c.traffic.prefill_tokens, c.load
+                    )
+                    for c in fleet.candidates()
+                ),
+            )
             metrics.set_token_cache(token_cache.hits, token_cache.misses, token_cache.tokens)
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 

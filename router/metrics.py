@@ -8,8 +8,8 @@ nothing between scrapes and are never older than the scrape itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,13 +20,18 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, LoadReport
 from router.index.base import IndexStats, WorkerState
 
-if TYPE_CHECKING:
-    from router.routing.accuracy import PredictionAccuracy
-    from router.routing.decide import RoutingPlanner
-    from router.routing.fleet import Fleet
+
+class WorkerLoadSample(NamedTuple):
+    """One candidate worker's load as this router sees it, at scrape time."""
+
+    worker_id: str
+    in_flight: int  # this router's requests on it
+    prefill_tokens: int  # their uncached prompt tokens before the first byte
+    load: LoadReport | None  # the worker's last report to this router
+
 
 # Latency of index.apply: an in-memory apply takes microseconds, a Redis one a round
 # trip or a few.
@@ -235,20 +240,15 @@ class RouterMetrics:
             self.index_bytes.set(stats.bytes)
 
     def set_routing_view(
-        self, fleet: Fleet, planner: RoutingPlanner, accuracy: PredictionAccuracy
+        self, *, degraded: bool, suspect_workers: int, loads: Iterable[WorkerLoadSample]
     ) -> None:
         """Refresh the gauges of the router's picture of its workers (on scrape)."""
-        answering = planner.index_answering and fleet.registry_is_current()
-        self.index_degraded.set(0 if answering else 1)
-        self.suspect_workers.set(len(accuracy.suspects()))
+        self.index_degraded.set(1 if degraded else 0)
+        self.suspect_workers.set(suspect_workers)
         self.worker_load.clear()
-        for candidate in fleet.candidates():
-            worker = candidate.worker_id
-            traffic, load = candidate.traffic, candidate.load
-            self.worker_load.labels(worker=worker, kind="router_in_flight").set(traffic.in_flight)
-            self.worker_load.labels(worker=worker, kind="router_prefill_tokens").set(
-                traffic.prefill_tokens
-            )
+        for worker, in_flight, prefill_tokens, load in loads:
+            self.worker_load.labels(worker=worker, kind="router_in_flight").set(in_flight)
+            self.worker_load.labels(worker=worker, kind="router_prefill_tokens").set(prefill_tokens)
             if load is not None:
                 self.worker_load.labels(worker=worker, kind="running").set(load.running)
                 self.worker_load.labels(worker=worker, kind="waiting").set(load.waiting)

@@ -10,6 +10,7 @@ started is stopped before it returns.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -32,6 +33,8 @@ from kvplane.core.config import (
     TenantSettings,
     TenantSpec,
 )
+from kvplane.core.flags import add_common_flags, settings_from_args
+from kvplane.core.logsetup import configure_logging
 from router.app import running_router
 from router.tenants import api_key_digest
 from simulations.local_fleet import local_workers
@@ -230,3 +233,14 @@ async def run_demo(settings: Settings | None = None) -> int:
     print(render_table(results))
     print(f"\ndemo finished in {time.monotonic() - started:.1f} s")
     return 1 if any(result.failed for result in results) else 0
+
+
+def main(argv: Sequence[str], prog: str = "kvplane demo") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Three simulated engines behind the router: kvplane's "
+        "routing against round-robin, on the same fleet and the same traffic."
+    )  # fmt: skip
+    add_common_flags(parser)
+    settings = settings_from_args(parser.parse_args(argv))
+    configure_logging(settings.logging)
+    return asyncio.run(run_demo(settings))

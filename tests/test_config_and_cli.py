@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.cli import _settings_from, build_parser, main
+from kvplane.cli import build_parser, main
 from kvplane.core.config import load_settings
+from kvplane.core.flags import settings_from_args
 
 
 def write_config(tmp_path: Path) -> Path:
@@ -90,7 +91,7 @@ def test_router_flags_land_in_their_settings(tmp_path: Path) -> None:
             "round-robin",
         ]
     )
-    settings = _settings_from(args)
+    settings = settings_from_args(args)
     assert settings.http.host == "0.0.0.0"
     assert settings.proxy.tokenizer_dir == tmp_path
     assert settings.tenants.tenants_file == tmp_path / "tenants.toml"

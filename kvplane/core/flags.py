@@ -1,5 +1,6 @@
-"""Command-line flags generated from a pydantic model's fields, so that a setting is
-declared once (type, default, description) and `--help` documents it."""
+"""Command-line flags: generated from a pydantic model's fields, so that a setting is
+declared once (type, default, description) and `--help` documents it; and the router's
+and agent's flags, which land in the one Settings model (kvplane/core/config.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import json
 import types
 import typing
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
+
+from kvplane.core.config import AgentSettings, Settings, load_settings
 
 
 def add_model_flags(
@@ -78,3 +82,82 @@ def _unwrap_optional(annotation: Any) -> Any:
         if len(members) == 1:
             return members[0]
     return annotation
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """--config, --block-size and the logging flags, which every kvplane process takes."""
+    parser.add_argument(
+        "--config", type=Path, help="TOML configuration file (flags and KVPLANE_* win)"
+    )
+    parser.add_argument("--block-size", type=int, help="tokens per kvplane block key (default 16)")
+    parser.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO"
+    )
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], help="text, or JSON lines (default text)"
+    )
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    """The common flags and the router's own (each sets one field of Settings)."""
+    add_common_flags(parser)
+    parser.add_argument(
+        "--index", choices=["memory", "redis", "redis-cluster"], help="location index backend"
+    )
+    parser.add_argument("--redis-url", help="Redis URL for the redis backends")
+    parser.add_argument("--grpc-port", type=int, help="control-plane gRPC port (default 50051)")
+    parser.add_argument("--http-port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument("--lease-s", type=float, help="worker lease in seconds (default 5)")
+    parser.add_argument("--http-host", help="HTTP address to listen on (default 127.0.0.1)")
+    parser.add_argument(
+        "--admin-port", type=int, help="serve the fleet API and /metrics on this port alone"
+    )
+    parser.add_argument("--grpc-host", help="gRPC address to listen on (default 127.0.0.1)")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="the served model's Hugging Face tokenizer directory"
+    )
+    parser.add_argument("--tenants-file", type=Path, help="TOML file of [[tenants]] tables")
+    parser.add_argument("--otlp-endpoint", help="export spans over OTLP/HTTP to this URL")
+    parser.add_argument(
+        "--policy", choices=["kvplane", "round-robin"], help="routing policy (default kvplane)"
+    )
+
+
+_AGENT_DEST = "agent_"
+
+
+def add_agent_flags(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser, AgentSettings, dest_prefix=_AGENT_DEST)
+
+
+_FLAG_TO_SETTING = {
+    "index": ("index", "backend"),
+    "redis_url": ("index", "redis_url"),
+    "grpc_port": ("control_plane", "grpc_port"),
+    "http_port": ("http", "port"),
+    "block_size": ("control_plane", "block_size"),
+    "lease_s": ("control_plane", "lease_s"),
+    "http_host": ("http", "host"),
+    "admin_port": ("http", "admin_port"),
+    "grpc_host": ("control_plane", "grpc_host"),
+    "tokenizer": ("proxy", "tokenizer_dir"),
+    "tenants_file": ("tenants", "tenants_file"),
+    "otlp_endpoint": ("tracing", "otlp_endpoint"),
+    "policy": ("scoring", "policy"),
+    "log_level": ("logging", "level"),
+    "log_format": ("logging", "format"),
+}
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings of the --config file, KVPLANE_* environment and the flags given,
+    flags winning."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for flag, (section, name) in _FLAG_TO_SETTING.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.setdefault(section, {})[name] = value
+    agent = given_flags(args, AgentSettings.model_fields, _AGENT_DEST)
+    if agent:
+        overrides.setdefault("agent", {}).update(agent)
+    return load_settings(args.config, overrides)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvplane.cli import build_parser
+from kvplane.cli import main
 from simulations.engine.config import EngineSimConfig
 from simulations.engine.process import spawn_engine_sim
 from tests.engine_sim.conftest import engine_sim
@@ -22,7 +22,7 @@ PROMPT = "Write a Python function that returns the longest common prefix of two 
 
 def test_help_documents_every_setting_with_vllm_names(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["engine-sim", "--help"])
+        main(["engine-sim", "--help"])
     help_text = capsys.readouterr().out
     for name in EngineSimConfig.model_fields:
         assert "--" + name.replace("_", "-") in help_text

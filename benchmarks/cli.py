@@ -1,0 +1,165 @@
+"""`kvplane bench`: the benchmarks' command lines. Each benchmark prints its figures
+and can write them as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from simulations.fleet.cli import workload_arg
+
+
+def _run_bench_index(args: argparse.Namespace) -> int:
+    from benchmarks.index import run_index_benchmark
+
+    return run_index_benchmark(
+        json_path=args.json,
+        redis_url=args.redis_url,
+        entries=args.entries,
+        workers=args.workers,
+        lookups=args.lookups,
+        redis_entries=args.redis_entries,
+    )
+
+
+def _run_bench_agent(args: argparse.Namespace) -> int:
+    from benchmarks.agent import run_agent_benchmark
+
+    return run_agent_benchmark(
+        json_path=args.json, events=args.events, blocks_per_event=args.blocks_per_event
+    )
+
+
+def _run_bench_engine_sim(args: argparse.Namespace) -> int:
+    from benchmarks.engine_sim import run_engine_sim_benchmark
+
+    return run_engine_sim_benchmark(
+        json_path=args.json,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _run_bench_router(args: argparse.Namespace) -> int:
+    from benchmarks.router import run_router_benchmark
+
+    return run_router_benchmark(
+        json_path=args.json,
+        backends=args.index,
+        redis_url=args.redis_url,
+        prompt_lengths=args.prompt_tokens,
+        fleet_sizes=args.workers,
+        decisions=args.decisions,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        sequential=args.sequential,
+        host_tier=args.host_tier,
+    )
+
+
+def _run_bench_policies(args: argparse.Namespace) -> int:
+    from benchmarks.policy_grid import run_policy_grid
+
+    try:
+        return run_policy_grid(
+            json_path=args.json,
+            scoring_overrides=dict(args.scoring),
+            only=args.only,
+            slo_ttft_p90_s=args.slo_ttft_p90,
+        )
+    except ValueError as error:  # pydantic's ValidationError too: a weight it refuses
+        print(f"kvplane bench policies: {error}", file=sys.stderr)
+        return 2
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Benchmarks that print their figures.")
+    bench_kinds = parser.add_subparsers(dest="bench", required=True)
+    index = bench_kinds.add_parser("index", help="block keys and location index")
+    index.add_argument("--json", type=Path, help="also write the figures here")
+    index.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="Redis to measure (empty: skip the Redis backend)",
+    )
+    index.add_argument("--redis-entries", type=int, default=1_000_000)
+    index.add_argument("--entries", type=int, default=10_000_000)
+    index.add_argument("--workers", type=int, default=64)
+    index.add_argument("--lookups", type=int, default=2000)
+    index.set_defaults(handler=_run_bench_index)
+    sim = bench_kinds.add_parser("engine-sim", help="engine simulator throughput")
+    sim.add_argument("--json", type=Path, help="also write the figures here")
+    sim.add_argument("--requests", type=int, default=10_000)
+    sim.add_argument("--concurrency", type=int, default=64)
+    sim.add_argument("--max-tokens", type=int, default=4)
+    sim.set_defaults(handler=_run_bench_engine_sim)
+    agent_bench = bench_kinds.add_parser("agent", help="agent translate-and-forward throughput")
+    agent_bench.add_argument("--json", type=Path, help="also write the figures here")
+    agent_bench.add_argument("--events", type=int, default=4000, help="event batches to send")
+    agent_bench.add_argument("--blocks-per-event", type=int, default=64, help="blocks per batch")
+    agent_bench.set_defaults(handler=_run_bench_agent)
+    router_bench = bench_kinds.add_parser("router", help="routing decisions and proxy overhead")
+    router_bench.add_argument("--json", type=Path, help="also write the figures here")
+    router_bench.add_argument(
+        "--index",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=["memory", "redis"],
+        help="index backends for the decisions, comma-separated (default memory,redis)",
+    )
+    router_bench.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    router_bench.add_argument(
+        "--prompt-tokens", type=_int_list, default=[1024, 8192, 32768], help="comma-separated"
+    )
+    router_bench.add_argument(
+        "--workers", type=_int_list, default=[16, 64, 256], help="comma-separated"
+    )
+    router_bench.add_argument(
+        "--decisions", type=int, default=1000, help="timed per row (fewer for the largest)"
+    )
+    router_bench.add_argument(
+        "--requests", type=int, default=5000, help="proxied requests (0: skip the proxy)"
+    )
+    router_bench.add_argument("--concurrency", type=int, default=32)
+    router_bench.add_argument(
+        "--sequential", type=int, default=1000, help="one-at-a-time requests, for latency"
+    )
+    router_bench.add_argument(
+        "--host-tier",
+        action="store_true",
+        help="every fourth worker holds the back half of its prefix in host memory",
+    )
+    router_bench.set_defaults(handler=_run_bench_router)
+    grid = bench_kinds.add_parser(
+        "policies", help="kvplane's policy against the others over workloads and arrival rates"
+    )
+    grid.add_argument("--json", type=Path, help="also write the figures here")
+    grid.add_argument(
+        "--scoring",
+        type=workload_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one of kvplane's [scoring] weights, repeatable",
+    )
+    grid.add_argument(
+        "--only",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=[],
+        help="these workloads only, comma-separated",
+    )
+    grid.add_argument("--slo-ttft-p90", type=float, default=2.0)
+    grid.set_defaults(handler=_run_bench_policies)
+    return parser
+
+
+def main(argv: Sequence[str], prog: str = "kvplane bench") -> int:
+    args = build_parser(prog).parse_args(argv)
+    result: int = args.handler(args)
+    return result

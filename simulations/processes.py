@@ -21,11 +21,13 @@ def start_kvplane(
     env: Mapping[str, str] | None = None,
     start_timeout_s: float = 60.0,
     log: IO[bytes] | None = None,
+    module: str = "kvplane.cli",
 ) -> subprocess.Popen[bytes]:
     """Start `kvplane ARGS...` (with `env` added to the environment) and return once
     `health_url` answers 200 (at once if None); killed if it does not in time. Its log
-    goes to `log`, or to this process's stderr."""
-    command = [sys.executable, "-m", "kvplane.cli", *args]
+    goes to `log`, or to this process's stderr. `module` is what `python -m` runs: the
+    kvplane command, or a wrapper of it."""
+    command = [sys.executable, "-m", module, *args]
     process = subprocess.Popen(
         command,
         env={**os.environ, **(env or {})},
@@ -54,9 +56,12 @@ def spawn_kvplane(
     *,
     env: Mapping[str, str] | None = None,
     start_timeout_s: float = 60.0,
+    module: str = "kvplane.cli",
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`start_kvplane`, killed when the block exits."""
-    process = start_kvplane(args, health_url, env=env, start_timeout_s=start_timeout_s)
+    process = start_kvplane(
+        args, health_url, env=env, start_timeout_s=start_timeout_s, module=module
+    )
     try:
         yield process
     finally:

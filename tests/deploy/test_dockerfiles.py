@@ -15,6 +15,7 @@ from tests.deploy.conftest import ROOT
 
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 FINAL_STAGES = ("kvplane", "engine-sim")
+BUILD_STAGES = ("build", "build-sim")
 _COMPILERS = re.compile(r"\b(gcc|g\+\+|clang|build-essential|make|cmake|rustc|cargo)\b")
 
 
@@ -114,10 +115,22 @@ def test_every_copied_file_exists_and_reaches_the_build() -> None:
 @pytest.mark.parametrize("name", FINAL_STAGES)
 def test_final_stages_install_no_compilers(name: str) -> None:
     for stage in lineage(BY_NAME[name]):
-        if stage.name == "build":
+        if stage.name in BUILD_STAGES:
             continue
         for command in stage.all("RUN"):
             assert not _COMPILERS.search(command), f"{stage.name}: {command}"
-    # Only the virtual environment leaves the build stage.
+    # Only the virtual environment leaves the build stages.
     copied = [c for stage in lineage(BY_NAME[name]) for c in stage.all("COPY")]
+    assert copied
+    assert all(re.fullmatch(r"--from=build(-sim)? /opt/kvplane /opt/kvplane", c) for c in copied)
+
+
+def test_the_product_image_installs_no_extra() -> None:
+    """The router and agent image is `pip install .`: no tool dependencies."""
+    copied = [c for stage in lineage(BY_NAME["kvplane"]) for c in stage.all("COPY")]
     assert copied == ["--from=build /opt/kvplane /opt/kvplane"]
+    installs = [c for c in BY_NAME["build"].all("RUN") if "pip install" in c]
+    assert installs
+    assert all(c.endswith(" .") for c in installs), installs
+    sim_installs = [c for c in BY_NAME["build-sim"].all("RUN") if "pip install" in c]
+    assert any("'.[sim]'" in c for c in sim_installs), sim_installs

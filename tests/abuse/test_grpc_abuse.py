@@ -12,7 +12,7 @@ index) while the proxy still serves.
 
 The same refusals against a bare router (no agents, the in-memory index) one message
 at a time are in tests/control_plane/test_stream.py and test_auth.py; pure validation
-in tests/control_plane/test_validation.py.
+in tests/wire/test_codec.py.
 """
 
 from __future__ import annotations

@@ -6,13 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
 
 import httpx
 import pytest
 
-from kvplane.core.serving import free_port
-from simulations.processes import spawn_kvplane
+from tests.one_worker_fleet import one_worker_fleet
 from tests.waiting import wait_until
 
 PRODUCT_ONLY = "tests.product_only"
@@ -24,41 +22,10 @@ PROMPT = "You are a careful assistant who answers in one short sentence. " * 8
 def product_fleet() -> Iterator[str]:
     """The router's URL: an engine simulator (a tool, run as usual) with a product-only
     router and agent in front of it."""
-    sim_port, grpc_port, http_port = free_port(), free_port(), free_port()
-    events, replay = free_port(), free_port()
-    engine_url = f"http://127.0.0.1:{sim_port}"
-    router_url = f"http://127.0.0.1:{http_port}"
-    kv_config = (
-        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
-        f'"replay_endpoint": "tcp://*:{replay}"}}'
-    )
-    with ExitStack() as stack:
-        stack.enter_context(
-            spawn_kvplane(
-                ["engine-sim", "--port", str(sim_port), "--time-scale", "0",
-                 "--kv-events-config", kv_config],
-                engine_url + "/health",
-            )
-        )  # fmt: skip
-        stack.enter_context(
-            spawn_kvplane(
-                ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
-                router_url + "/healthz",
-                env={"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN},
-                module=PRODUCT_ONLY,
-            )
-        )  # fmt: skip
-        stack.enter_context(
-            spawn_kvplane(
-                ["agent", "--worker-id", "product-only", "--engine-url", engine_url,
-                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
-                 "--control-plane-address", f"127.0.0.1:{grpc_port}"],
-                None,
-                module=PRODUCT_ONLY,
-            )
-        )  # fmt: skip
-        yield router_url
+    with one_worker_fleet(
+        "product-only", router_env={"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}, module=PRODUCT_ONLY
+    ) as fleet:
+        yield fleet.router_url
 
 
 async def test_product_only_router_and_agent_route_a_fleets_traffic(product_fleet: str) -> None:

@@ -7,7 +7,6 @@ import asyncio
 import re
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from kvplane.core.tokenizer import load_tokenizer
 from router.app import running_router
 from router.index.redis import RedisLocationIndex
 from simulations.processes import spawn_kvplane
+from tests.one_worker_fleet import one_worker_fleet
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent
 
@@ -50,40 +50,12 @@ def test_agent_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
 def processes(redis_url: str) -> Iterator[tuple[str, str]]:
     """(engine URL, Redis key prefix) of a running simulator, router and agent."""
     prefix = f"proc{uuid.uuid4().hex[:8]}"
-    sim_port, grpc_port, http_port = free_port(), free_port(), free_port()
-    events, replay = free_port(), free_port()
-    engine_url = f"http://127.0.0.1:{sim_port}"
-    kv_config = (
-        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
-        f'"replay_endpoint": "tcp://*:{replay}"}}'
-    )
-    with ExitStack() as stack:
-        stack.enter_context(
-            spawn_kvplane(
-                ["engine-sim", "--port", str(sim_port), "--time-scale", "0",
-                 "--kv-events-config", kv_config],
-                engine_url + "/health",
-            )
-        )  # fmt: skip
-        router_env = ["--index", "redis", "--redis-url", redis_url, "--lease-s", "2"]
-        stack.enter_context(
-            spawn_kvplane(
-                ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                 *router_env],
-                f"http://127.0.0.1:{http_port}/healthz",
-                env={"KVPLANE_INDEX__REDIS_PREFIX": prefix},
-            )
-        )  # fmt: skip
-        stack.enter_context(
-            spawn_kvplane(
-                ["agent", "--worker-id", "proc-worker", "--engine-url", engine_url,
-                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
-                 "--control-plane-address", f"127.0.0.1:{grpc_port}"],
-                None,
-            )
-        )  # fmt: skip
-        yield engine_url, prefix
+    with one_worker_fleet(
+        "proc-worker",
+        router_args=["--index", "redis", "--redis-url", redis_url, "--lease-s", "2"],
+        router_env={"KVPLANE_INDEX__REDIS_PREFIX": prefix},
+    ) as fleet:
+        yield fleet.engine_url, prefix
 
 
 async def test_a_prompt_served_by_the_engine_is_in_the_shared_index(

@@ -62,6 +62,7 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
+from router.scoring.policy import configured_policy
 from router.tenants import ANONYMOUS_TENANT
 from simulations.engine.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
@@ -177,7 +178,7 @@ def _planner(index: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
         fleet=fleet,
         predicted=PredictedPrefixes(proxy.predicted_ttl_s),
         accuracy=PredictionAccuracy(proxy.suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
-        weights=ScoringSettings(),
+        policy=configured_policy(ScoringSettings()),
         block_size=BLOCK_SIZE,
         index_timeout_s=proxy.index_timeout_s,
         tracer=trace.NoOpTracer(),

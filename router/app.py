@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
+from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings, Settings
 from kvplane.core.serving import cancel_task, serving_http, wait_for_stop_signal
 from router.control_plane.service import ControlPlaneService
@@ -36,6 +37,7 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
+from router.scoring.policy import configured_policy
 from router.tenants import TenantDirectory
 from router.tracing import open_tracing
 
@@ -63,16 +65,21 @@ class RunningRouter:
 
 @contextlib.asynccontextmanager
 async def running_router(
-    settings: Settings, *, span_exporter: SpanExporter | None = None
+    settings: Settings,
+    *,
+    span_exporter: SpanExporter | None = None,
+    clock: Clock = time.monotonic,
+    wall_clock: WallClock = time.time,
 ) -> AsyncIterator[RunningRouter]:
-    """The router on the configured ports; `span_exporter` receives its spans (tests)."""
+    """The router on the configured ports; `span_exporter` receives its spans, and
+    every decision that reads time reads `clock` (tests drive both by hand)."""
     cp, proxy_settings = settings.control_plane, settings.proxy
     async with contextlib.AsyncExitStack() as stack:
         # Unwound in reverse: readiness fails first, then gRPC stops (streams still open
         # are cancelled after a grace period; their clean-up, dropping drained workers,
         # needs the index), then HTTP, the upstream connections and the background
         # tasks, and the index closes last.
-        index = open_index(settings.index)
+        index = open_index(settings.index, clock)
         stack.push_async_callback(index.close)
         tracer, tracer_provider = open_tracing(settings.tracing, span_exporter)
         if tracer_provider is not None:
@@ -80,7 +87,9 @@ async def running_router(
         view = WorkerView()
         metrics = RouterMetrics()
         tenants = TenantDirectory.from_settings(settings.tenants)
-        fleet = Fleet(index, view, unreachable_backoff_s=proxy_settings.unreachable_backoff_s)
+        fleet = Fleet(
+            index, view, unreachable_backoff_s=proxy_settings.unreachable_backoff_s, clock=clock
+        )
         predicted = PredictedPrefixes(proxy_settings.predicted_ttl_s)
         accuracy = PredictionAccuracy(
             proxy_settings.suspect_after_misses, tolerance_tokens=cp.block_size
@@ -90,16 +99,17 @@ async def running_router(
             fleet=fleet,
             predicted=predicted,
             accuracy=accuracy,
-            weights=settings.scoring,
+            policy=configured_policy(settings.scoring),
             block_size=cp.block_size,
             index_timeout_s=proxy_settings.index_timeout_s,
             tracer=tracer,
+            clock=clock,
         )
         with contextlib.suppress(Exception):  # the index is down: the tasks below retry
             async with asyncio.timeout(proxy_settings.index_timeout_s * 4):
                 tenants.apply_generations(await index.scope_generations())
                 await fleet.refresh()
-        reaper = asyncio.create_task(reap_forever(index, view, cp.lease_s))
+        reaper = asyncio.create_task(reap_forever(index, view, cp.lease_s, clock))
         stack.push_async_callback(cancel_task, reaper)
         refresher = asyncio.create_task(
             fleet.refresh_forever(REGISTRY_REFRESH_S, proxy_settings.index_timeout_s * 4)
@@ -187,7 +197,13 @@ async def running_router(
         grpc_server.add_generic_rpc_handlers(
             [
                 ControlPlaneService(
-                    index, view, metrics, cp, on_removed=_forget(predicted, accuracy)
+                    index,
+                    view,
+                    metrics,
+                    cp,
+                    on_removed=_forget(predicted, accuracy),
+                    clock=clock,
+                    wall_clock=wall_clock,
                 ).rpc_handler()
             ]
         )
@@ -236,15 +252,17 @@ async def follow_scope_generations(index: LocationIndex, tenants: TenantDirector
         await asyncio.sleep(SCOPE_REFRESH_S)
 
 
-async def reap_forever(index: LocationIndex, view: WorkerView, lease_s: float) -> None:
+async def reap_forever(
+    index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock
+) -> None:
     """Purge expired workers about four times per lease, so a dead worker's entries
     outlive its lease by a quarter of one at most."""
     while True:
         await asyncio.sleep(lease_s / 4)
-        await reap_once(index, view, lease_s)
+        await reap_once(index, view, lease_s, clock)
 
 
-async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float) -> None:
+async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock) -> None:
     try:
         purged = await index.purge_expired()
     except Exception as error:  # the reaper outlives index outages and tries again
@@ -253,7 +271,7 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float) -> N
         # really died meanwhile costs a failover, not a failed request.
         log.warning("purging expired workers failed (%s)", type(error).__name__)
         return
-    view.sweep(purged, time.monotonic(), lease_s)
+    view.sweep(purged, clock(), lease_s)
     if purged:
         log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 import grpc.aio
 
+from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings
 from kvplane.core.types import AllBlocksCleared, BlocksRemoved, KvEvent
 from kvplane.wire.codec import (
@@ -104,10 +105,16 @@ class ControlPlaneService:
         metrics: RouterMetrics,
         settings: ControlPlaneSettings,
         on_removed: Callable[[str, Sequence[int] | None], None] | None = None,
+        clock: Clock = time.monotonic,
+        wall_clock: WallClock = time.time,
     ) -> None:
         """`on_removed(worker_id, keys)` hears of every removal this router applies
-        (keys None: all the worker's blocks), so that predictions never outlive one."""
+        (keys None: all the worker's blocks), so that predictions never outlive one.
+        `clock` times the view's leases and reports (the index's and the fleet's clock);
+        `wall_clock` is what agents' timestamps are compared with."""
         self.on_removed = on_removed or (lambda worker_id, keys: None)
+        self.clock = clock
+        self.wall_clock = wall_clock
         self.index = index
         self.view = view
         self.metrics = metrics
@@ -186,6 +193,7 @@ class _Stream:
         self.index = service.index
         self.view = service.view
         self.metrics = service.metrics
+        self.clock = service.clock
         self.id = stream_id
         self.worker_id: str | None = None
         self.incarnation = 0
@@ -239,7 +247,7 @@ class _Stream:
                 pb.REJECT_CODE_INVALID_MESSAGE,
                 f"this stream speaks for worker {self.worker_id}; open another for a second one",
             )
-        now = time.monotonic()
+        now = self.clock()
         record = self.view.get(info.worker_id)
         verdict = classify_register(record, info.incarnation, now)
         if verdict is RegisterVerdict.STALE:
@@ -289,7 +297,7 @@ class _Stream:
                 ResyncCause.SEQUENCE_GAP,
                 f"expected sequence {record.applied + 1}, got {message.sequence}",
             )
-        if needs_renewal(record, time.monotonic(), self.service.lease_s):
+        if needs_renewal(record, self.clock(), self.service.lease_s):
             failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
             if failed is not None:
                 return failed
@@ -301,11 +309,9 @@ class _Stream:
         self.metrics.batch_applied(events, time.perf_counter() - started)
         _tell_removals(self.service.on_removed, record.info.worker_id, events)
         if message.timestamp_ms:
-            lag = time.time() - message.timestamp_ms / 1000
+            lag = self.service.wall_clock() - message.timestamp_ms / 1000
             self.metrics.event_lag_seconds.observe(max(0.0, lag))
-        self.view.applied(
-            record.info.worker_id, record.incarnation, message.sequence, time.monotonic()
-        )
+        self.view.applied(record.info.worker_id, record.incarnation, message.sequence, self.clock())
         log.debug(
             "worker %s applied sequence %d: %d events, %d blocks",
             record.info.worker_id,
@@ -330,9 +336,9 @@ class _Stream:
             failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
             if failed is not None:
                 return _ending(failed)
-        self.view.load(record.info.worker_id, record.incarnation, report, time.monotonic())
+        self.view.load(record.info.worker_id, record.incarnation, report, self.clock())
         if report.timestamp_ms:
-            lag = time.time() - report.timestamp_ms / 1000
+            lag = self.service.wall_clock() - report.timestamp_ms / 1000
             self.metrics.load_lag_seconds.observe(max(0.0, lag))
         return None
 
@@ -346,7 +352,7 @@ class _Stream:
     async def _renew(self, record: WorkerRecord, *, draining: bool) -> Reply:
         """Extend the lease; None on success, else the reply that ends the incarnation."""
         # Taken before the index renews: the view's lease must not outlast the index's.
-        renewed_at = time.monotonic()
+        renewed_at = self.clock()
         try:
             await self.index.renew(
                 record.info.worker_id, record.incarnation, self.service.lease_s, draining=draining
@@ -372,7 +378,7 @@ class _Stream:
 
     def _resync(self, cause: ResyncCause, detail: str) -> pb.ControlMessage:
         assert self.worker_id is not None
-        self.view.dead(self.worker_id, time.monotonic())
+        self.view.dead(self.worker_id, self.clock())
         self.service.on_removed(self.worker_id, None)
         self.view.disconnected(self.worker_id, self.id)
         self.registered = False
@@ -404,7 +410,7 @@ class _Stream:
                 type(error).__name__,
             )
             return
-        self.view.dead(self.worker_id, time.monotonic())
+        self.view.dead(self.worker_id, self.clock())
         log.info("worker %s drained and disconnected; dropped", self.worker_id)
 
 

@@ -6,7 +6,8 @@ here: the highest sequence applied per incarnation (so a reconnecting agent lear
 where to resume), which stream currently speaks for a worker, and the last load and
 event times, for metrics and routing.
 
-All times are time.monotonic() seconds except LoadReport.timestamp_ms (agent wall clock).
+All times are seconds on the router's clock (kvplane/core/clock.py), which the caller
+reads and passes in, except LoadReport.timestamp_ms (agent wall clock).
 """
 
 from __future__ import annotations

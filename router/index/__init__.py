@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
+from kvplane.core.clock import Clock
 from kvplane.core.config import IndexSettings
 from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
 
 
-def open_index(settings: IndexSettings) -> LocationIndex:
+def open_index(settings: IndexSettings, clock: Clock = time.monotonic) -> LocationIndex:
     """The backend the settings name; Redis is imported only when asked for."""
     if settings.backend == "memory":
-        return MemoryLocationIndex(max_entries=settings.max_entries)
+        return MemoryLocationIndex(max_entries=settings.max_entries, clock=clock)
     from router.index.redis import RedisLocationIndex
 
     return RedisLocationIndex.from_url(
@@ -18,4 +21,5 @@ def open_index(settings: IndexSettings) -> LocationIndex:
         cluster=settings.backend == "redis-cluster",
         prefix=settings.redis_prefix,
         max_entries=settings.max_entries,
+        clock=clock,
     )

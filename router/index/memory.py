@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import array
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.core.clock import Clock
 from kvplane.core.types import (
     MAX_CHAIN_END,
     AllBlocksCleared,
@@ -92,7 +93,7 @@ class MemoryLocationIndex:
         self,
         *,
         max_entries: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         if max_entries is not None and max_entries < 1:
             raise ValueError("max_entries must be positive")

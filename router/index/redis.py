@@ -29,6 +29,7 @@ from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
+from kvplane.core.clock import Clock
 from kvplane.core.types import (
     MAX_CHAIN_END,
     AllBlocksCleared,
@@ -135,7 +136,9 @@ class RedisLocationIndex:
         grace_s: float = DEFAULT_GRACE_S,
         exact_key_count_limit: int = EXACT_KEY_COUNT_LIMIT,
         location: str = "Redis",
+        clock: Clock = time.monotonic,
     ) -> None:
+        """`clock` ages this router's copy of the registry; leases run on the server's."""
         if max_entries is not None and max_entries < 1:
             raise ValueError("max_entries must be positive")
         if not prefix or "{" in prefix or "}" in prefix:
@@ -146,6 +149,7 @@ class RedisLocationIndex:
         self._grace_ms = round(grace_s * 1000)
         self._exact_key_count_limit = exact_key_count_limit
         self._location = location
+        self._clock = clock
         self._registry = f"{prefix}:workers".encode()
         self._scopes = f"{prefix}:scopes".encode()  # scope -> generation
         # The registry as last read (plus workers registered here since), with each
@@ -163,6 +167,7 @@ class RedisLocationIndex:
         prefix: str = "kvp",
         max_entries: int | None = None,
         grace_s: float = DEFAULT_GRACE_S,
+        clock: Clock = time.monotonic,
     ) -> RedisLocationIndex:
         """Connects lazily: nothing is sent until the first call."""
         options: dict[str, Any] = {
@@ -186,6 +191,7 @@ class RedisLocationIndex:
             max_entries=max_entries,
             grace_s=grace_s,
             location=_redacted(url),
+            clock=clock,
         )
 
     # -- workers ---------------------------------------------------------------------
@@ -365,7 +371,7 @@ class RedisLocationIndex:
 
     def _registry_older_than(self, age_s: float) -> bool:
         read_at = self._registry_read_at
-        return read_at is None or time.monotonic() - read_at > age_s
+        return read_at is None or self._clock() - read_at > age_s
 
     def _registry_read_due(self) -> bool:
         return not self._registry_reading and self._registry_older_than(REGISTRY_REFRESH_S)
@@ -386,7 +392,7 @@ class RedisLocationIndex:
         if not read_registry:
             return await self._replies(commands, nodes)
         self._registry_reading = True
-        started = time.monotonic()
+        started = self._clock()
         try:
             replies = await self._replies(
                 [*commands, ("SMEMBERS", self._registry)], [*nodes, None] if nodes else ()

@@ -1,15 +1,14 @@
-"""One routing decision: key the prompt, look it up, score every candidate.
+"""One routing decision: key the prompt, look it up, rank every candidate.
 
-The scoring itself is the pure function in router/scoring; this module gathers its
-inputs (index lookup, predicted entries, load, tenant traffic) and records what was
-decided. When the index cannot answer within its timeout the decision goes on with
-load and this router's own predicted entries only, and says so.
+The ranking itself is the configured policy's (router/scoring/policy.py); this module
+gathers its inputs (index lookup, predicted entries, load, tenant traffic) and records
+what was decided. When the index cannot answer within its timeout the decision goes on
+with load and this router's own predicted entries only, and says so.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
@@ -19,21 +18,15 @@ from types import MappingProxyType
 
 from opentelemetry import trace
 
-from kvplane.core.config import ScoringSettings
+from kvplane.core.clock import Clock
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import Tier
 from router.index.base import LocationIndex, PrefixMatch
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.fleet import Candidate, Fleet
 from router.routing.predicted import PredictedPrefixes
-from router.scoring.score import (
-    RequestFacts,
-    ScoreBreakdown,
-    WorkerFacts,
-    deciding_factor,
-    queue_estimate,
-    rank_workers,
-)
+from router.scoring.policy import RoutingPolicy
+from router.scoring.score import RequestFacts, ScoreBreakdown, WorkerFacts, queue_estimate
 from router.tenants import POOL_LABEL, Tenant
 
 log = logging.getLogger(__name__)
@@ -79,23 +72,24 @@ class RoutingPlanner:
         fleet: Fleet,
         predicted: PredictedPrefixes,
         accuracy: PredictionAccuracy,
-        weights: ScoringSettings,
+        policy: RoutingPolicy,
         block_size: int,
         index_timeout_s: float,
         tracer: trace.Tracer,
         rng: random.Random | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.index = index
         self.fleet = fleet
         self.predicted = predicted
         self.accuracy = accuracy
-        self.weights = weights
+        self.policy = policy
         self.block_size = block_size
         self.index_timeout_s = index_timeout_s
         self.tracer = tracer
         self.rng = rng or random.Random()
+        self._clock = clock
         self.index_answering = True
-        self._turn = itertools.count()  # the round-robin baseline's position
         self._next_lookup_probe = 0.0  # while the index is down: when to try it again
 
     def keys(self, model: str, cache_scope: str, tokens: Sequence[int]) -> list[BlockKey]:
@@ -121,7 +115,7 @@ class RoutingPlanner:
             index_matches, answered = await self._lookup(keys, bool(candidates))
             span.set_attribute("kvplane.index_answered", answered)
         with self.tracer.start_as_current_span("kvplane.score") as span:
-            now = time.monotonic()
+            now = self._clock()
             self.predicted.prune(now)
             predicted = self.predicted.match(keys, now) if candidates else {}
             limit = servable_blocks(len(tokens), self.block_size)
@@ -144,13 +138,7 @@ class RoutingPlanner:
                 required_labels=tenant.required_labels,
                 pool=tenant.pool,
             )
-            ranked = rank_workers(request, facts, self.weights, self.rng)
-            factor = deciding_factor(ranked)
-            if self.weights.policy == "round-robin" and ranked:
-                ranked.sort(key=lambda breakdown: breakdown.worker_id)
-                turn = next(self._turn) % len(ranked)
-                ranked = ranked[turn:] + ranked[:turn]
-                factor = "round_robin"
+            ranked, factor = self.policy.rank(request, facts, self.rng)
             span.set_attribute("kvplane.candidates", len(candidates))
             span.set_attribute("kvplane.factor", factor)
         return Decision(
@@ -171,7 +159,7 @@ class RoutingPlanner:
         self.predicted.record(
             worker_id,
             decision.keys[: servable_blocks(decision.prompt_tokens, self.block_size)],
-            time.monotonic(),
+            self._clock(),
         )
 
     async def _lookup(
@@ -179,7 +167,7 @@ class RoutingPlanner:
     ) -> tuple[dict[str, PrefixMatch], bool]:
         if not keys or not wanted:
             return {}, True
-        if not self.index_answering and time.monotonic() < self._next_lookup_probe:
+        if not self.index_answering and self._clock() < self._next_lookup_probe:
             # An index that stopped answering costs each request its timeout: only one
             # request per probe interval pays it, the others route on load at once.
             return {}, False
@@ -192,7 +180,7 @@ class RoutingPlanner:
                     type(error).__name__,
                 )
             self.index_answering = False
-            self._next_lookup_probe = time.monotonic() + INDEX_PROBE_INTERVAL_S
+            self._next_lookup_probe = self._clock() + INDEX_PROBE_INTERVAL_S
             return {}, False
         if not self.index_answering:
             log.warning("the index answers lookups again: routing on cached prefixes")

@@ -20,9 +20,9 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
 from router.index.base import LocationIndex, WorkerState, WorkerStatus
@@ -40,7 +40,7 @@ class Ticket:
     worker_id: str
     tenant: str
     prefill_tokens: int  # uncached prompt tokens: the worker's prefill work for it
-    sent_at: float  # monotonic
+    sent_at: float  # on the fleet's clock
     streamed: bool = True
     prefilling: bool = True  # until the first byte comes back (see Fleet.candidates)
 
@@ -68,7 +68,7 @@ class Candidate:
 
     info: WorkerInfo
     load: LoadReport | None  # the last report this router received; None: none here
-    load_received_at: float | None  # monotonic
+    load_received_at: float | None  # on the fleet's clock
     traffic: WorkerTraffic
 
     @property
@@ -83,7 +83,7 @@ class Fleet:
         view: WorkerView,
         *,
         unreachable_backoff_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._index = index
         self._view = view

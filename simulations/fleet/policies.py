@@ -1,9 +1,12 @@
 """Routing policies, each deciding from a RouterView only.
 
-kvplane's policy calls the router's own scoring (router/scoring/score.py: the function
-`kvplane router` runs) and its predicted entries (router/routing/predicted.py); the
-inputs are gathered from the view as router/routing/decide.py gathers them from a live
-fleet. The others are baselines; peers' policies come with their own modules.
+kvplane's and round-robin are the router's own policy objects (router/scoring/policy.py:
+what `kvplane router` runs), driven by RouterPolicy, which gathers their inputs from
+the view as router/routing/decide.py gathers them from a live fleet and books the
+choice in the router's predicted entries (router/routing/predicted.py). The others are
+baselines, and peers' policies come with their own modules: they read what the router's
+WorkerFacts do not carry (in-flight counts, event-only prefixes, state of their own), so
+they implement this module's Policy directly.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Protocol
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
 from router.routing.predicted import PredictedPrefixes
-from router.scoring.score import RequestFacts, WorkerFacts, queue_estimate, rank_workers
+from router.scoring.policy import POLICIES as ROUTER_POLICIES
+from router.scoring.policy import RoutingPolicy
+from router.scoring.score import RequestFacts, WorkerFacts, queue_estimate
 from simulations.fleet.peer_policies import (
     DynamoPolicy,
     LlmdPolicy,
@@ -48,17 +53,6 @@ class RandomPolicy(_Stateless):
 
     def choose(self, request: TraceRequest, view: RouterView, now: float) -> int:
         return self.rng.randrange(view.workers)
-
-
-class RoundRobinPolicy(_Stateless):
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(self, request: TraceRequest, view: RouterView, now: float) -> int:
-        worker, self._next = self._next, (self._next + 1) % view.workers
-        return worker
 
 
 class LeastLoadedPolicy(_Stateless):
@@ -96,19 +90,28 @@ class LongestPrefixPolicy(_Stateless):
         return self.rng.choice([w for w, key in enumerate(keys) if key == best])
 
 
-class KvplanePolicy:
-    name = "kvplane"
+def worker_id(worker: int) -> str:
+    """A simulated worker's id for the router's policies: its index, zero-padded so
+    that the ids sort as the indexes do (round-robin takes turns in id order)."""
+    return f"{worker:06d}"
+
+
+class RouterPolicy:
+    """One of the router's policies deciding for the simulated router: the facts are
+    gathered from the view, and the choice booked, as RoutingPlanner gathers and books
+    them (the prompt's servable blocks predicted on the chosen worker)."""
 
     def __init__(
         self,
+        policy: RoutingPolicy,
         rng: random.Random,
         block_tokens: int,
-        weights: ScoringSettings | None = None,
         predicted_ttl_s: float = 3.0,
     ) -> None:
+        self.policy = policy
+        self.name = policy.name
         self.rng = rng
         self.block_tokens = block_tokens
-        self.weights = weights or ScoringSettings()
         self.predicted = PredictedPrefixes(predicted_ttl_s)
 
     def choose(self, request: TraceRequest, view: RouterView, now: float) -> int:
@@ -119,22 +122,22 @@ class KvplanePolicy:
         predicted = self.predicted.match(blocks, now)
         facts = []
         for worker in range(view.workers):
-            matched = max(view.matched_blocks(worker, blocks), predicted.get(str(worker), 0))
-            facts.append(self._facts(view, worker, min(matched, servable), now))
-        ranked = rank_workers(
-            RequestFacts(prompt_tokens=request.prompt_tokens), facts, self.weights, self.rng
+            matched = max(view.matched_blocks(worker, blocks), predicted.get(worker_id(worker), 0))
+            facts.append(self._facts(view, worker, min(matched, servable)))
+        ranking = self.policy.rank(
+            RequestFacts(prompt_tokens=request.prompt_tokens), facts, self.rng
         )
-        chosen = int(ranked[0].worker_id)
-        self.predicted.record(str(chosen), blocks[:servable], now)
+        chosen = int(ranking.ranked[0].worker_id)
+        self.predicted.record(worker_id(chosen), blocks[:servable], now)
         return chosen
 
     def events(self, worker: int, removed: list[int], cleared: bool) -> None:
         if cleared:
-            self.predicted.forget_worker(str(worker))
+            self.predicted.forget_worker(worker_id(worker))
         elif removed:
-            self.predicted.removed(str(worker), removed)
+            self.predicted.removed(worker_id(worker), removed)
 
-    def _facts(self, view: RouterView, worker: int, matched: int, now: float) -> WorkerFacts:
+    def _facts(self, view: RouterView, worker: int, matched: int) -> WorkerFacts:
         traffic = view.traffic[worker]
         report = view.reports[worker]
         since = 0
@@ -148,7 +151,7 @@ class KvplanePolicy:
         )
         kv_usage = 0.0 if report is None else report.load.kv_usage
         return WorkerFacts(
-            worker_id=str(worker),
+            worker_id=worker_id(worker),
             matched_tokens={Tier.DEVICE: matched * self.block_tokens} if matched else {},
             waiting_requests=waiting,
             running_requests=running,
@@ -166,19 +169,17 @@ def make_policy(
     scoring: ScoringSettings | None = None,
 ) -> Policy:
     """The policy called `name`; `capacity_tokens` (per worker) sizes the estimated
-    index of `llm-d-approximate`, `scoring` sets kvplane's weights (default: its
-    defaults)."""
+    index of `llm-d-approximate`, `scoring` sets the router's policies' weights (default:
+    their defaults)."""
     rng = random.Random(seed)
+    if name in ROUTER_POLICIES:
+        return RouterPolicy(ROUTER_POLICIES[name](scoring or ScoringSettings()), rng, block_tokens)
     if name == "random":
         return RandomPolicy(rng)
-    if name == "round-robin":
-        return RoundRobinPolicy()
     if name == "least-loaded":
         return LeastLoadedPolicy(rng)
     if name == "longest-prefix":
         return LongestPrefixPolicy(rng, block_tokens)
-    if name == "kvplane":
-        return KvplanePolicy(rng, block_tokens, scoring)
     # The peers' policies live apart, each following its published description.
     if name == "sglang-cache-aware":
         return SglangCacheAwarePolicy(rng, block_tokens)

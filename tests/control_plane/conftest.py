@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import grpc
 import grpc.aio
 import pytest
 
+from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings, HttpSettings, IndexSettings, Settings
 from kvplane.core.keys import KeyNamespace, block_keys
 from kvplane.core.types import BlocksStored, Tier, WorkerInfo
@@ -34,10 +36,10 @@ def make_settings(index: IndexSettings | None = None, **control_plane: Any) -> S
 
 @contextlib.asynccontextmanager
 async def router_with_channel(
-    settings: Settings,
+    settings: Settings, *, clock: Clock = time.monotonic, wall_clock: WallClock = time.time
 ) -> AsyncIterator[tuple[RunningRouter, grpc.aio.Channel]]:
     async with (
-        running_router(settings) as router,
+        running_router(settings, clock=clock, wall_clock=wall_clock) as router,
         grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel,
     ):
         yield router, channel

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import grpc.aio
 import pytest
@@ -15,6 +13,7 @@ from kvplane.wire.stream import CONNECT_METHOD, AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import RunningRouter
 from router.index.base import WorkerState
+from tests.clock import ManualClock
 from tests.control_plane.conftest import (
     body,
     make_settings,
@@ -388,12 +387,20 @@ async def test_drained_worker_is_dropped_when_its_stream_ends(
     assert record.state is WorkerState.DEAD
 
 
+# In the lease tests below the router runs on a manual clock: a lease runs out when the
+# test moves the clock past it, and the reaper (every quarter lease of real time, so
+# leases stay short) purges it on its next round.
+
+
 async def test_disconnected_worker_keeps_entries_until_its_lease_ends() -> None:
-    async with router_with_channel(make_settings(lease_s=0.3)) as (router, channel):
+    clock = ManualClock()
+    async with router_with_channel(make_settings(lease_s=0.3), clock=clock) as (router, channel):
         stream = await registered(channel)
         await stream.request(events_message(1, [stored(KEYS_A)]))
         await stream.close()
+        clock.advance(0.29)  # just short of the lease
         assert set(await router.index.lookup(KEYS_A)) == {"w1"}
+        clock.advance(0.29)  # well past it
 
         async def purged() -> bool:
             return await router.index.workers() == []
@@ -415,7 +422,12 @@ async def test_disconnected_worker_keeps_entries_until_its_lease_ends() -> None:
 
 
 async def test_an_engine_down_load_drains_and_lets_the_lease_run_out() -> None:
-    async with router_with_channel(make_settings(lease_s=1.5)) as (router, channel):
+    clock = ManualClock()
+    # A lease longer than the reconnect margin, so that the second Register reconnects.
+    async with router_with_channel(make_settings(lease_s=0.6), clock=clock) as (
+        router,
+        channel,
+    ):
         stream = await registered(channel)
         await stream.request(events_message(1, [stored(KEYS_A)]))
         await stream.send(load_message(0, 0, 0.0, engine_down=True))
@@ -433,17 +445,20 @@ async def test_an_engine_down_load_drains_and_lets_the_lease_run_out() -> None:
             await stream.send(load_message(0, 0, 0.0, engine_down=True))
             return await router.index.workers() == []
 
+        clock.advance(0.6)
         await wait_until("the engine-down worker's lease to run out", purged)
         assert await router.index.lookup(KEYS_A) == {}
 
 
 async def test_a_load_after_the_lease_ran_out_ends_the_stream() -> None:
-    async with router_with_channel(make_settings(lease_s=0.3)) as (router, channel):
+    clock = ManualClock()
+    async with router_with_channel(make_settings(lease_s=0.3), clock=clock) as (router, channel):
         stream = await registered(channel)
 
         async def purged() -> bool:
             return await router.index.workers() == []
 
+        clock.advance(0.3)
         await wait_until("the reaper to purge the silent worker", purged)
         # Load gets no reply, so a Resync here would be taken for the reply to the
         # agent's next request; the stream ends instead.
@@ -454,11 +469,12 @@ async def test_a_load_after_the_lease_ran_out_ends_the_stream() -> None:
 
 
 async def test_kv_events_keep_the_lease_alive() -> None:
-    async with router_with_channel(make_settings(lease_s=0.5)) as (router, channel):
+    clock = ManualClock()
+    async with router_with_channel(make_settings(lease_s=0.5), clock=clock) as (router, channel):
         stream = await registered(channel)
-        for sequence in range(1, 21):  # two leases or more of events, and no Load
+        for sequence in range(1, 21):  # two leases of events, and no Load
             await stream.request(events_message(sequence, [stored(prompt_keys(sequence, 1))]))
-            await asyncio.sleep(0.05)
+            clock.advance(0.05)
         assert [w.state for w in await router.index.workers()] == [WorkerState.LIVE]
 
 
@@ -472,16 +488,36 @@ async def test_one_stream_speaks_for_one_worker(
 
 
 async def test_silent_connected_worker_expires_and_must_resync() -> None:
-    async with router_with_channel(make_settings(lease_s=0.3)) as (router, channel):
+    clock = ManualClock()
+    async with router_with_channel(make_settings(lease_s=0.3), clock=clock) as (router, channel):
         stream = await registered(channel)
         await stream.request(events_message(1, [stored(KEYS_A)]))
 
         async def purged() -> bool:
             return await router.index.workers() == []
 
+        clock.advance(0.3)
         await wait_until("the reaper to purge the silent worker", purged)
         reply = await stream.request(events_message(2, [stored(KEYS_B)]))
 
         assert body(reply) == "resync"
         assert "lease_expired" in reply.resync.reason
         assert await router.index.lookup(KEYS_B) == {}
+
+
+async def test_lag_is_the_agents_timestamp_against_the_routers_wall_clock() -> None:
+    async with router_with_channel(make_settings(), wall_clock=lambda: 1000.0) as (
+        router,
+        channel,
+    ):
+        stream = await registered(channel)
+        events = events_message(1, [stored(KEYS_A)])
+        events.kv_events.timestamp_ms = 999_750
+        load = load_message(1, 0, 0.5)
+        load.load.timestamp_ms = 999_500
+        await stream.request(events)
+        await stream.send(load)
+        await stream.request(events_message(2, []))  # handled in order: the Load is in
+        registry = router.metrics.registry
+        assert registry.get_sample_value("kvplane_event_lag_seconds_sum") == pytest.approx(0.25)
+        assert registry.get_sample_value("kvplane_load_lag_seconds_sum") == pytest.approx(0.5)

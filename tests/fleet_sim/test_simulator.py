@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from simulations.fleet.policies import make_policy
+from router.scoring.policy import KvplaneScoring, RoundRobin
+from simulations.fleet.policies import RouterPolicy, make_policy
 from simulations.fleet.report import figures
 from simulations.fleet.requests import TraceRequest, Workload
 from simulations.fleet.simulator import FleetConfig, RunRecord, simulate
@@ -77,6 +78,22 @@ def test_every_request_finishes_and_is_accounted_for() -> None:
 def test_round_robin_takes_turns() -> None:
     counts = Counter(o.worker for o in run(groups_workload(), "round-robin").outcomes)
     assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_round_robin_takes_turns_in_index_order_past_ten_workers() -> None:
+    # Worker ids sort as their indexes do, so 10 comes after 9, not after 1.
+    config = dataclasses.replace(SMALL, workers=12)
+    outcomes = run(groups_workload(), "round-robin", config).outcomes
+    assert [o.worker for o in outcomes[:14]] == [*range(12), 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("kvplane", KvplaneScoring), ("round-robin", RoundRobin)]
+)
+def test_kvplane_and_round_robin_are_the_routers_own_policies(name: str, kind: type) -> None:
+    policy = make_policy(name, seed=0, block_tokens=64)
+    assert isinstance(policy, RouterPolicy)
+    assert isinstance(policy.policy, kind)
 
 
 def test_least_loaded_sends_to_the_emptiest_worker() -> None:

@@ -1,8 +1,10 @@
 """`make_index`: one fixture that builds every LocationIndex backend, so each test in
-this folder runs against the in-memory index, Redis and Redis Cluster alike."""
+this folder runs against the in-memory index, Redis and Redis Cluster alike; and
+`pass_time`, which lets their leases run."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -12,8 +14,10 @@ from redis.asyncio.cluster import RedisCluster
 
 from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
+from tests.clock import ManualClock
 
 IndexFactory = Callable[..., Awaitable[LocationIndex]]
+PassTime = Callable[[float], Awaitable[None]]
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
 
@@ -24,7 +28,29 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncIterator[IndexFactory]:
+def clock() -> ManualClock:
+    """The memory index's clock (Redis keeps leases on the server's own)."""
+    return ManualClock()
+
+
+@pytest.fixture
+def pass_time(backend: str, clock: ManualClock) -> PassTime:
+    """Let `seconds` go by for the indexes' leases: at once on the memory index's
+    clock; on Redis, whose leases run on the server's clock, by sleeping."""
+
+    async def pass_seconds(seconds: float) -> None:
+        if backend == "memory":
+            clock.advance(seconds)
+        else:
+            await asyncio.sleep(seconds)
+
+    return pass_seconds
+
+
+@pytest.fixture
+async def make_index(
+    backend: str, clock: ManualClock, request: pytest.FixtureRequest
+) -> AsyncIterator[IndexFactory]:
     created: list[LocationIndex] = []
     prefix = f"kvptest-{uuid.uuid4().hex[:10]}"
     url = None
@@ -36,7 +62,7 @@ async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncItera
     async def factory(*, max_entries: int | None = None) -> LocationIndex:
         index: LocationIndex
         if backend == "memory":
-            index = MemoryLocationIndex(max_entries=max_entries)
+            index = MemoryLocationIndex(max_entries=max_entries, clock=clock)
         else:
             from router.index.redis import RedisLocationIndex
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvplane.core.types import (
@@ -15,7 +13,7 @@ from kvplane.core.types import (
     WorkerInfo,
 )
 from router.index.base import StaleIncarnation, UnknownWorker, WorkerState
-from tests.index.conftest import IndexFactory
+from tests.index.conftest import IndexFactory, PassTime
 
 LEASE = 30.0
 
@@ -274,32 +272,34 @@ async def test_expired_lease_scores_nothing_and_is_purged(make_index: IndexFacto
     assert (await index.stats()).entries == 3
 
 
-async def test_lease_runs_out_with_time(make_index: IndexFactory):
+async def test_lease_runs_out_with_time(make_index: IndexFactory, pass_time: PassTime):
     index = await make_index()
     prompt = chain(19, 2)
     await index.register(info("a"), 0.3)
     await index.apply("a", 1, [stored(prompt)])
     assert set(await index.lookup(prompt)) == {"a"}
 
-    await asyncio.sleep(0.5)
+    await pass_time(0.5)
 
     assert await index.lookup(prompt) == {}
     assert await index.purge_expired() == ["a"]
 
 
-async def test_renew_keeps_a_worker_alive_and_marks_draining(make_index: IndexFactory):
+async def test_renew_keeps_a_worker_alive_and_marks_draining(
+    make_index: IndexFactory, pass_time: PassTime
+):
     index = await make_index()
     prompt = chain(20, 2)
     await index.register(info("a"), 0.4)
     await index.apply("a", 1, [stored(prompt)])
     for _ in range(3):
-        await asyncio.sleep(0.2)
+        await pass_time(0.2)
         await index.renew("a", 1, 0.4)
     await index.renew("a", 1, 0.4, draining=True)
 
     (status,) = await index.workers()
     assert status.state is WorkerState.DRAINING
-    assert 0 < status.lease_remaining_s <= 0.4
+    assert 0 < status.lease_remaining_s <= 0.4 + 1e-9  # a manual clock: all of it, rounded
     assert status.entries == 2
     # Draining workers still hold their cache; the scorer decides what to do with it.
     assert set(await index.lookup(prompt)) == {"a"}

@@ -32,6 +32,7 @@ from kvplane.core.types import (
 from router.index.base import IndexUnavailable, LocationIndex, StaleIncarnation, UnknownWorker
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import REGISTRY_MAX_AGE_S, ROUND_TRIP_TIMEOUT_S, RedisLocationIndex
+from tests.clock import ManualClock
 from tests.index.conftest import delete_prefix
 
 LEASE = 30.0
@@ -229,13 +230,14 @@ async def test_routers_sharing_a_redis_see_one_fleet(redises: Redises) -> None:
 
 
 async def test_a_worker_registered_elsewhere_is_scored_within_a_second(redises: Redises) -> None:
-    first, second = redises.index(), redises.index()
+    clock = ManualClock()  # ages the second router's copy of the registry
+    first, second = redises.index(), redises.index(clock=clock)
     prompt = chain(6, 3)
     assert await second.lookup(prompt) == {}  # reads (and caches) the empty registry
     await first.register(info("a"), LEASE)
     await first.apply("a", 1, [run(prompt)])
 
-    await asyncio.sleep(REGISTRY_MAX_AGE_S + 0.1)
+    clock.advance(REGISTRY_MAX_AGE_S + 0.1)
 
     assert (await second.lookup(prompt))["a"].blocks == 3
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 from opentelemetry import trace
 
+from kvplane.core.clock import Clock
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import BlocksStored, LoadReport, Tier, WorkerInfo
 from router.control_plane.workers import WorkerView
@@ -19,13 +20,16 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
+from router.scoring.policy import KvplaneScoring, RoundRobin, RoutingPolicy
 from router.tenants import ANONYMOUS_TENANT, Tenant
+from tests.clock import ManualClock
 
 MODEL = "test-model"
 BLOCK_SIZE = 4
 WORKERS = ("w1", "w2", "w3")
 TOKENS = list(range(1000, 1033))  # 33 tokens: 8 full blocks, all of them servable
 ACME = Tenant(name="acme", cache_scope="acme", cache_salt="acme-salt")
+WEIGHTS = ScoringSettings()
 
 
 class FlakyIndex(MemoryLocationIndex):
@@ -53,10 +57,11 @@ async def make_planner(
     suspect_after_misses: int = 2,
     index_timeout_s: float = 5.0,
     view: WorkerView | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock = time.monotonic,
+    policy: RoutingPolicy | None = None,
 ) -> RoutingPlanner:
     view = view if view is not None else WorkerView()
-    index = index if index is not None else MemoryLocationIndex()
+    index = index if index is not None else MemoryLocationIndex(clock=clock)
     for worker_id in workers:
         info = WorkerInfo(
             worker_id=worker_id,
@@ -66,7 +71,7 @@ async def make_planner(
             block_size=BLOCK_SIZE,
         )
         await index.register(info, lease_s=60.0)
-        view.registered(info, stream=1, now=time.monotonic(), lease_s=60.0)
+        view.registered(info, stream=1, now=clock(), lease_s=60.0)
     fleet = Fleet(index, view, unreachable_backoff_s=1.0, clock=clock)
     await fleet.refresh()
     return RoutingPlanner(
@@ -74,11 +79,12 @@ async def make_planner(
         fleet=fleet,
         predicted=PredictedPrefixes(ttl_s=30.0),
         accuracy=PredictionAccuracy(suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
-        weights=ScoringSettings(),
+        policy=policy or KvplaneScoring(WEIGHTS),
         block_size=BLOCK_SIZE,
         index_timeout_s=index_timeout_s,
         tracer=trace.NoOpTracer(),
         rng=random.Random(0),
+        clock=clock,
     )
 
 
@@ -241,28 +247,26 @@ async def test_this_routers_traffic_counts_as_load() -> None:
     assert decision.ranked[0].worker_id == "w2"
     assert decision.factor == "load"
     busy = next(r for r in decision.ranked if r.worker_id == "w1")
-    weights = planner.weights
     assert busy.queue_penalty == pytest.approx(
-        2 * weights.waiting_request_tokens + 1024 * weights.queued_prefill_weight
+        2 * WEIGHTS.waiting_request_tokens + 1024 * WEIGHTS.queued_prefill_weight
     )
 
 
 async def test_requests_sent_since_the_last_load_report_add_to_its_queue() -> None:
-    now = [10.0]
+    clock = ManualClock(10.0)
     view = WorkerView()
-    planner = await make_planner(workers=["w1"], view=view, clock=lambda: now[0])
+    planner = await make_planner(workers=["w1"], view=view, clock=clock)
     planner.fleet.sent("w1", "other", prefill_tokens=0)  # counted in the report already
-    now[0] = 11.0
+    clock.now = 11.0
     view.load("w1", 1, LoadReport(running=1, waiting=2, kv_usage=0.0, timestamp_ms=0), 11.0)
-    now[0] = 12.0
+    clock.now = 12.0
     planner.fleet.sent("w1", "other", prefill_tokens=0)  # sent after the report arrived
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
     (only,) = decision.ranked
-    weights = planner.weights
     assert only.queue_penalty == pytest.approx(
-        3 * weights.waiting_request_tokens + 1 * weights.running_request_tokens
+        3 * WEIGHTS.waiting_request_tokens + 1 * WEIGHTS.running_request_tokens
     )
 
 
@@ -288,7 +292,8 @@ async def test_no_live_worker_ranks_nothing() -> None:
 
 async def test_a_failing_index_leaves_load_only_routing() -> None:
     index = FlakyIndex()
-    planner = await make_planner(index)
+    clock = ManualClock()
+    planner = await make_planner(index, clock=clock)
     await store(planner, "w2", 8)
     index.failing = True
     decision = await planner.decide(
@@ -299,7 +304,7 @@ async def test_a_failing_index_leaves_load_only_routing() -> None:
     assert len(decision.ranked) == len(WORKERS)
     assert all(blocks == {} for blocks in decision.matched_blocks.values())
     index.failing = False
-    await asyncio.sleep(INDEX_PROBE_INTERVAL_S)  # the next probe of the index
+    clock.advance(INDEX_PROBE_INTERVAL_S)  # the next probe of the index
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
@@ -344,8 +349,7 @@ async def test_an_index_slower_than_its_timeout_counts_as_not_answering() -> Non
 
 
 async def test_the_round_robin_baseline_takes_turns_whatever_the_scores() -> None:
-    planner = await make_planner()
-    planner.weights = ScoringSettings(policy="round-robin")
+    planner = await make_planner(policy=RoundRobin(WEIGHTS))
     await store(planner, "w2", 8)
     firsts = []
     for _ in range(4):

@@ -10,6 +10,7 @@ from router.control_plane.workers import WorkerView
 from router.index.base import WorkerState
 from router.index.memory import MemoryLocationIndex
 from router.routing.fleet import Fleet
+from tests.clock import ManualClock
 
 MODEL = "test-model"
 
@@ -30,17 +31,9 @@ def worker(worker_id: str, incarnation: int = 1, **fields: Any) -> WorkerInfo:
     )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Setup:
     def __init__(self) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.index = MemoryLocationIndex(clock=self.clock)
         self.view = WorkerView()
         self.fleet = Fleet(self.index, self.view, unreachable_backoff_s=BACKOFF_S, clock=self.clock)

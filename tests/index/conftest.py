@@ -1,5 +1,7 @@
 """`make_index`: one fixture that builds every LocationIndex backend, so each test in
-this folder runs against the in-memory index, Redis and Redis Cluster alike."""
+this folder runs against the in-memory index, Redis and Redis Cluster alike; and the
+in-memory index wrapped as the router wraps its index (metrics and spans), which must
+keep the contract too."""
 
 from __future__ import annotations
 
@@ -8,14 +10,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from redis.asyncio.cluster import RedisCluster
 
 from router.index.base import LocationIndex
+from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
+from router.metrics import RouterMetrics
 
 IndexFactory = Callable[..., Awaitable[LocationIndex]]
 
-BACKENDS = ["memory", "redis", "redis-cluster"]
+BACKENDS = ["memory", "instrumented-memory", "redis", "redis-cluster"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -37,6 +42,9 @@ async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncItera
         index: LocationIndex
         if backend == "memory":
             index = MemoryLocationIndex(max_entries=max_entries)
+        elif backend == "instrumented-memory":
+            memory = MemoryLocationIndex(max_entries=max_entries)
+            index = InstrumentedIndex(memory, RouterMetrics(), trace.NoOpTracer())
         else:
             from router.index.redis import RedisLocationIndex
 

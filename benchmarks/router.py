@@ -55,7 +55,9 @@ from kvplane.core.tokenizer import load_tokenizer
 from kvplane.core.types import BlocksStored, Tier, WorkerInfo
 from router.control_plane.workers import WorkerView
 from router.index.base import LocationIndex
+from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
+from router.metrics import RouterMetrics
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import PromptTokens
 from router.routing.accuracy import PredictionAccuracy
@@ -169,9 +171,12 @@ def worker_holdings(
         yield info, events
 
 
-def _planner(index: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
-    """A RoutingPlanner wired as router/app.py wires it, with default settings."""
+def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
+    """A RoutingPlanner wired as router/app.py wires it (its index instrumented), with
+    default settings."""
     proxy = ProxySettings()
+    tracer = trace.NoOpTracer()
+    index = InstrumentedIndex(backend, RouterMetrics(), tracer)
     fleet = Fleet(index, WorkerView(), unreachable_backoff_s=proxy.unreachable_backoff_s)
     planner = RoutingPlanner(
         index=index,
@@ -181,7 +186,7 @@ def _planner(index: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
         policy=configured_policy(ScoringSettings()),
         block_size=BLOCK_SIZE,
         index_timeout_s=proxy.index_timeout_s,
-        tracer=trace.NoOpTracer(),
+        tracer=tracer,
         rng=random.Random(0),
     )
     return planner, fleet

@@ -29,7 +29,8 @@ from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi
 from router.http import create_http_app
 from router.index import open_index
-from router.index.base import LocationIndex
+from router.index.base import LocationIndex, LocationIndexError, index_deadline
+from router.index.instrumented import InstrumentedIndex
 from router.metrics import RouterMetrics, WorkerLoadSample
 from router.proxy.service import ProxyService
 from router.proxy.upstream import Upstream
@@ -79,13 +80,16 @@ async def running_router(
         # are cancelled after a grace period; their clean-up, dropping drained workers,
         # needs the index), then HTTP, the upstream connections and the background
         # tasks, and the index closes last.
-        index = open_index(settings.index, clock)
-        stack.push_async_callback(index.close)
+        backend = open_index(settings.index, clock)
+        stack.push_async_callback(backend.close)
         tracer, tracer_provider = open_tracing(settings.tracing, span_exporter)
         if tracer_provider is not None:
             stack.callback(tracer_provider.shutdown)
         view = WorkerView()
         metrics = RouterMetrics()
+        # Every user of the index below gets it instrumented: they record no index
+        # metrics or spans of their own.
+        index = InstrumentedIndex(backend, metrics, tracer)
         tenants = TenantDirectory.from_settings(settings.tenants)
         fleet = Fleet(
             index, view, unreachable_backoff_s=proxy_settings.unreachable_backoff_s, clock=clock
@@ -105,8 +109,8 @@ async def running_router(
             tracer=tracer,
             clock=clock,
         )
-        with contextlib.suppress(Exception):  # the index is down: the tasks below retry
-            async with asyncio.timeout(proxy_settings.index_timeout_s * 4):
+        with contextlib.suppress(LocationIndexError):  # the index is down: the tasks below retry
+            async with index_deadline(proxy_settings.index_timeout_s * 4):
                 tenants.apply_generations(await index.scope_generations())
                 await fleet.refresh()
         reaper = asyncio.create_task(reap_forever(index, view, cp.lease_s, clock))
@@ -247,8 +251,10 @@ async def follow_scope_generations(index: LocationIndex, tenants: TenantDirector
     while True:
         try:
             tenants.apply_generations(await index.scope_generations())
-        except Exception as error:  # the index is down: keep the salts we have
+        except LocationIndexError as error:  # the index is down: keep the salts we have
             log.debug("reading scope generations failed (%s)", type(error).__name__)
+        except Exception:  # a task's edge: a bug raised further is never seen, so log it
+            log.exception("reading scope generations failed")
         await asyncio.sleep(SCOPE_REFRESH_S)
 
 
@@ -259,13 +265,16 @@ async def reap_forever(
     outlive its lease by a quarter of one at most."""
     while True:
         await asyncio.sleep(lease_s / 4)
-        await reap_once(index, view, lease_s, clock)
+        try:
+            await reap_once(index, view, lease_s, clock)
+        except Exception:  # a task's edge: a bug raised further is never seen, so log it
+            log.exception("reaping expired workers failed")
 
 
 async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock) -> None:
     try:
         purged = await index.purge_expired()
-    except Exception as error:  # the reaper outlives index outages and tries again
+    except LocationIndexError as error:  # the reaper outlives index outages and tries again
         # No sweep either: while the index is down no agent can renew its lease, and
         # expiring them all here would stop routing to a healthy fleet. A worker that
         # really died meanwhile costs a failover, not a failed request.

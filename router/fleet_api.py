@@ -13,7 +13,6 @@ query a tenant may make with its own key (`/fleet/tenant/locality`, its own scop
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -25,7 +24,7 @@ from starlette.routing import Route
 
 from kvplane.core.types import Tier
 from router.control_plane.workers import WorkerView
-from router.index.base import LocationIndex, WorkerState
+from router.index.base import LocationIndex, LocationIndexError, WorkerState, index_deadline
 from router.proxy.bodies import (
     BadRequest,
     Endpoint,
@@ -149,8 +148,9 @@ class FleetApi:
 
     async def index_stats(self, request: Request) -> Response:
         try:
-            stats = await asyncio.wait_for(self.index.stats(), _INDEX_TIMEOUT_S)
-        except Exception as error:  # reported, not raised: the operator asked about it
+            async with index_deadline(_INDEX_TIMEOUT_S):
+                stats = await self.index.stats()
+        except LocationIndexError as error:  # reported, not raised: the operator asked about it
             return error_response(
                 503, f"the index is unreachable ({type(error).__name__})", kind="IndexUnavailable"
             )
@@ -192,10 +192,9 @@ class FleetApi:
                 kind="BadRequestError",
             )
         try:
-            generation = await asyncio.wait_for(
-                self.index.bump_scope_generation(tenant.cache_scope), _INDEX_TIMEOUT_S
-            )
-        except Exception as error:  # the operator may try again: purging twice is harmless
+            async with index_deadline(_INDEX_TIMEOUT_S):
+                generation = await self.index.bump_scope_generation(tenant.cache_scope)
+        except LocationIndexError as error:  # the operator may try again: purging twice is harmless
             return error_response(
                 503,
                 f"the index is unreachable ({type(error).__name__}); the purge may not have "

@@ -7,7 +7,6 @@ serves (routing on load alone) and /readyz says so in its body.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -18,7 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from router.control_plane.workers import WorkerView
-from router.index.base import IndexStats, LocationIndex
+from router.index.base import (
+    IndexStats,
+    IndexTimeout,
+    LocationIndex,
+    LocationIndexError,
+    index_deadline,
+)
 from router.metrics import RouterMetrics
 from router.openapi import openapi_document
 
@@ -80,17 +85,19 @@ async def _index_problem(index: LocationIndex) -> str | None:
     workers() is the probe because it is one cheap read on every backend, where stats()
     may count every key."""
     try:
-        await asyncio.wait_for(index.workers(), INDEX_PROBE_TIMEOUT_S)
-    except TimeoutError:
+        async with index_deadline(INDEX_PROBE_TIMEOUT_S):
+            await index.workers()
+    except IndexTimeout:
         return f"unreachable (no answer within {INDEX_PROBE_TIMEOUT_S:g} s)"
-    except Exception as error:  # whatever the backend raises, the index is not usable
+    except LocationIndexError as error:
         return f"unreachable ({type(error).__name__})"
     return None
 
 
 async def _index_stats(index: LocationIndex) -> IndexStats | None:
     try:
-        return await asyncio.wait_for(index.stats(), INDEX_PROBE_TIMEOUT_S)
-    except Exception as error:  # a scrape reports the index as down, it does not fail
+        async with index_deadline(INDEX_PROBE_TIMEOUT_S):
+            return await index.stats()
+    except LocationIndexError as error:  # a scrape reports the index as down, it does not fail
         log.warning("index stats unavailable for /metrics (%s)", type(error).__name__)
         return None

@@ -37,7 +37,8 @@ class WorkerLoadSample(NamedTuple):
 # trip or a few.
 _APPLY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-# A routing decision takes tens of microseconds in memory, a Redis round trip or two.
+# A routing decision (and its lookup) takes tens of microseconds in memory, a Redis
+# round trip or two.
 _DECISION_BUCKETS = (
     0.00005,
     0.0001,
@@ -108,6 +109,19 @@ class RouterMetrics:
         )
         self.apply_seconds = Histogram(
             "kvplane_apply_seconds", "Time to apply one batch", buckets=_APPLY_BUCKETS, registry=r
+        )
+        self.lookup_seconds = Histogram(
+            "kvplane_lookup_seconds",
+            "Time to look up one request's block keys in the index",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.index_errors = Counter(
+            "kvplane_index_errors",
+            "Index calls that raised, by operation and error (CancelledError: the caller "
+            "stopped waiting)",
+            ["operation", "error"],
+            registry=r,
         )
         self.event_lag_seconds = Histogram(
             "kvplane_event_lag_seconds",

@@ -21,12 +21,18 @@ Semantics every backend keeps:
 - A worker registered through another router replica is seen by lookups within about
   a second (Redis refreshes its worker list at least that often).
 - Scope generations are plain counters, shared like the registrations.
+
+Errors. A backend raises LocationIndexError subclasses for everything its store could
+not do (each backend maps its client's errors at one place), so callers catch those
+alone, and any other exception (a bug) is not mistaken for an outage.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -98,6 +104,29 @@ class UnknownWorker(LocationIndexError):
 
 class IndexUnavailable(LocationIndexError):
     """The backend cannot be reached; callers degrade (e.g. to load-only routing)."""
+
+
+class IndexTimeout(IndexUnavailable):
+    """No answer in time: the backend's own deadline ran out, or the caller's (see
+    index_deadline)."""
+
+
+@contextlib.asynccontextmanager
+async def index_deadline(timeout_s: float) -> AsyncIterator[None]:
+    """Give the index calls inside at most timeout_s: past it they are cancelled and
+    IndexTimeout is raised, so that a caller's own deadline reaches it as one more
+    LocationIndexError. A TimeoutError from inside the calls is not this deadline's and
+    goes on unchanged."""
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            yield
+    except TimeoutError:
+        if deadline.expired():
+            raise IndexTimeout(
+                f"the location index gave no answer within {timeout_s:g} s"
+            ) from None
+        raise
 
 
 class LocationIndex(Protocol):

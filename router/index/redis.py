@@ -10,6 +10,7 @@ The layout, the scripts, the eviction policy and the round trips: docs/redis-lay
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,9 +18,9 @@ import struct
 import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
-from typing import Any, NamedTuple, assert_never
+from typing import Any, NamedTuple, NoReturn, assert_never
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
@@ -27,7 +28,21 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    InvalidResponse,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvplane.core.clock import Clock
 from kvplane.core.types import (
@@ -42,6 +57,7 @@ from kvplane.core.types import (
 from router.index.base import (
     MAX_POSITION,
     IndexStats,
+    IndexTimeout,
     IndexUnavailable,
     PrefixMatch,
     StaleIncarnation,
@@ -84,6 +100,31 @@ _KEYS_NEED_BYTESWAP = sys.byteorder == "big"  # keys are stored little-endian ev
 
 Command = tuple[Any, ...]
 Client = Redis | RedisCluster
+
+# What redis-py raises (or a pipeline returns as a reply); _raise_mapped sorts it.
+_CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
+_TIMEOUTS = (TimeoutError, RedisTimeoutError)  # the round trip's deadline, or the socket's
+# The store cannot serve now, and a later call may succeed: nothing was connected or
+# answered (refused, reset, a failed or wrong password, loading its data, not speaking
+# Redis), the cluster has no node for a slot or is moving one, a failover left a
+# replica where a primary was, the server is out of memory or its scripts are gone
+# again, or this user may not run our commands (set-up, like a wrong password).
+_UNAVAILABLE = (
+    OSError,
+    RedisConnectionError,
+    RedisClusterException,
+    ClusterError,
+    TryAgainError,
+    AskError,
+    ReadOnlyError,
+    OutOfMemoryError,
+    NoScriptError,
+    NoPermissionError,
+    InvalidResponse,
+)
+# Replies that redis-py has no class for, with the same meaning: a script runs too long
+# (BUSY), writes are refused while persistence fails (MISCONF) or replicas are missing.
+_UNAVAILABLE_REPLY_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 
 
 class _Script:
@@ -351,11 +392,9 @@ class RedisLocationIndex:
         workers = list(self._workers.items())
         if not isinstance(self._client, RedisCluster):
             return [(None, workers)] if workers else []
-        try:
+        with self._mapped_errors():
             async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
                 await self._client.initialize()  # a no-op once the slot map is known
-        except (RedisError, RedisClusterException, OSError) as error:
-            raise self._unavailable(error) from error
         slots = self._client.nodes_manager.slots_cache
         groups: dict[str, tuple[ClusterNode, list[tuple[str, _WorkerKey]]]] = {}
         for worker in workers:
@@ -503,7 +542,7 @@ class RedisLocationIndex:
     async def _send(
         self, commands: Sequence[Command], nodes: Sequence[ClusterNode | None]
     ) -> list[Any]:
-        try:
+        with self._mapped_errors():
             async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
                 if len(commands) == 1:
                     # Alone, a command skips the pipeline's bookkeeping (~0.1 ms a call).
@@ -516,8 +555,6 @@ class RedisLocationIndex:
                     else:
                         pipeline.execute_command(*command, target_nodes=node)
                 return list(await pipeline.execute(raise_on_error=False))
-        except (RedisError, RedisClusterException, OSError) as error:
-            raise self._unavailable(error) from error
 
     async def _send_one(self, command: Command, node: ClusterNode | None) -> Any:
         """The reply, or the error Redis answered with (as a pipeline reports it)."""
@@ -529,23 +566,43 @@ class RedisLocationIndex:
             return error
 
     async def _load_scripts(self) -> None:
-        try:
+        with self._mapped_errors():
             async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
                 for script in _SCRIPTS:
                     await self._client.script_load(script.source)
-        except (RedisError, RedisClusterException, OSError) as error:
-            raise self._unavailable(error) from error
+
+    @contextlib.contextmanager
+    def _mapped_errors(self) -> Iterator[None]:
+        """Around every call into redis-py: its errors leave as the index's own."""
+        try:
+            yield
+        except _CLIENT_ERRORS as error:
+            self._raise_mapped(error)
 
     def _raise_failure(self, reply: Any) -> Any:
+        """A pipeline's reply, unless it is an error: that is raised, mapped."""
         if isinstance(reply, Exception):
-            raise self._unavailable(reply) from reply
+            self._raise_mapped(reply)
         return reply
 
-    def _unavailable(self, error: BaseException) -> IndexUnavailable:
-        return IndexUnavailable(
+    def _raise_mapped(self, error: Exception) -> NoReturn:
+        """The one place redis-py's errors become the index's: IndexTimeout or
+        IndexUnavailable when Redis could not serve the call. Any other error is raised
+        as it is: a bug (a script failing, a wrong argument or key type) must not pass
+        for an outage, which callers ride out by routing on load alone."""
+        if isinstance(error, _TIMEOUTS):
+            kind: type[IndexUnavailable] = IndexTimeout
+        elif isinstance(error, _UNAVAILABLE) or (
+            isinstance(error, ResponseError)
+            and str(error).split(" ", 1)[0] in _UNAVAILABLE_REPLY_CODES
+        ):
+            kind = IndexUnavailable
+        else:
+            raise error
+        raise kind(
             f"the location index in {self._location} is unavailable: "
             f"{type(error).__name__}: {error}"
-        )
+        ) from error
 
 
 # -- encoding ------------------------------------------------------------------------

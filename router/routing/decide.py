@@ -8,7 +8,6 @@ with load and this router's own predicted entries only, and says so.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -21,7 +20,7 @@ from opentelemetry import trace
 from kvplane.core.clock import Clock
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import Tier
-from router.index.base import LocationIndex, PrefixMatch
+from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.fleet import Candidate, Fleet
 from router.routing.predicted import PredictedPrefixes
@@ -111,10 +110,9 @@ class RoutingPlanner:
         # load, and the engine judges whether it serves the model.
         serving = self.fleet.candidates(model) or self.fleet.candidates()
         candidates = {c.worker_id: c for c in serving}
-        with self.tracer.start_as_current_span("kvplane.lookup") as span:
-            index_matches, answered = await self._lookup(keys, bool(candidates))
-            span.set_attribute("kvplane.index_answered", answered)
+        index_matches, answered = await self._lookup(keys, bool(candidates))
         with self.tracer.start_as_current_span("kvplane.score") as span:
+            span.set_attribute("kvplane.index_answered", answered)
             now = self._clock()
             self.predicted.prune(now)
             predicted = self.predicted.match(keys, now) if candidates else {}
@@ -172,8 +170,9 @@ class RoutingPlanner:
             # request per probe interval pays it, the others route on load at once.
             return {}, False
         try:
-            matches = await asyncio.wait_for(self.index.lookup(keys), self.index_timeout_s)
-        except Exception as error:  # any backend failure: route on load alone
+            async with index_deadline(self.index_timeout_s):
+                matches = await self.index.lookup(keys)
+        except LocationIndexError as error:  # the index is down or slow: route on load alone
             if self.index_answering:
                 log.warning(
                     "the index did not answer a lookup (%s): routing on load only until it does",

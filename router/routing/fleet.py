@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
-from router.index.base import LocationIndex, WorkerState, WorkerStatus
+from router.index.base import (
+    LocationIndex,
+    LocationIndexError,
+    WorkerState,
+    WorkerStatus,
+    index_deadline,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +112,12 @@ class Fleet:
     async def refresh_forever(self, period_s: float, timeout_s: float) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.refresh(), timeout_s)
-            except Exception as error:  # the index is down: keep the last picture
+                async with index_deadline(timeout_s):
+                    await self.refresh()
+            except LocationIndexError as error:  # the index is down: keep the last picture
                 log.debug("worker registry refresh failed (%s)", type(error).__name__)
+            except Exception:  # a task's edge: a bug raised further is never seen, so log it
+                log.exception("worker registry refresh failed")
             await asyncio.sleep(period_s)
 
     def statuses(self) -> list[WorkerStatus]:

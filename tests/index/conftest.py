@@ -1,6 +1,7 @@
 """`make_index`: one fixture that builds every LocationIndex backend, so each test in
-this folder runs against the in-memory index, Redis and Redis Cluster alike; and
-`pass_time`, which lets their leases run."""
+this folder runs against the in-memory index, Redis and Redis Cluster alike, and the
+in-memory index wrapped as the router wraps its index (metrics and spans), which must
+keep the contract too; and `pass_time`, which lets their leases run."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from redis.asyncio.cluster import RedisCluster
 
 from router.index.base import LocationIndex
+from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
+from router.metrics import RouterMetrics
 from tests.clock import ManualClock
 
 IndexFactory = Callable[..., Awaitable[LocationIndex]]
 PassTime = Callable[[float], Awaitable[None]]
 
-BACKENDS = ["memory", "redis", "redis-cluster"]
+BACKENDS = ["memory", "instrumented-memory", "redis", "redis-cluster"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -39,7 +43,7 @@ def pass_time(backend: str, clock: ManualClock) -> PassTime:
     clock; on Redis, whose leases run on the server's clock, by sleeping."""
 
     async def pass_seconds(seconds: float) -> None:
-        if backend == "memory":
+        if backend.endswith("memory"):
             clock.advance(seconds)
         else:
             await asyncio.sleep(seconds)
@@ -63,6 +67,9 @@ async def make_index(
         index: LocationIndex
         if backend == "memory":
             index = MemoryLocationIndex(max_entries=max_entries, clock=clock)
+        elif backend == "instrumented-memory":
+            memory = MemoryLocationIndex(max_entries=max_entries, clock=clock)
+            index = InstrumentedIndex(memory, RouterMetrics(), trace.NoOpTracer())
         else:
             from router.index.redis import RedisLocationIndex
 

@@ -13,12 +13,14 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from kvplane.core.serving import free_port
 from kvplane.core.types import (
@@ -29,11 +31,18 @@ from kvplane.core.types import (
     Tier,
     WorkerInfo,
 )
-from router.index.base import IndexUnavailable, LocationIndex, StaleIncarnation, UnknownWorker
+from router.index.base import (
+    IndexUnavailable,
+    LocationIndex,
+    LocationIndexError,
+    StaleIncarnation,
+    UnknownWorker,
+)
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import REGISTRY_MAX_AGE_S, ROUND_TRIP_TIMEOUT_S, RedisLocationIndex
 from tests.clock import ManualClock
 from tests.index.conftest import delete_prefix
+from tests.redis_servers import stoppable_redis
 
 LEASE = 30.0
 UNKNOWN_PARENT = b"unknown-parent"  # entries.lua's placeholder for runs without a parent
@@ -360,6 +369,42 @@ async def test_a_server_that_stops_answering_raises_index_unavailable() -> None:
     finally:
         await index.close()
         server.close()
+
+
+async def test_a_server_that_cannot_serve_now_raises_index_unavailable(tmp_path: Path) -> None:
+    """Replies that mean "not now" (out of memory, busy with a script) are outages."""
+    with stoppable_redis(tmp_path) as (url, _):
+        index = RedisLocationIndex.from_url(url, prefix="kvptest-busy")
+        admin = aioredis.Redis.from_url(url)
+        busy = aioredis.Redis.from_url(url)
+        try:
+            await admin.config_set("maxmemory", 1)  # every write refused: OOM
+            with pytest.raises(IndexUnavailable, match="OutOfMemoryError"):
+                await index.register(info("a"), LEASE)
+            await admin.config_set("maxmemory", 0)
+            await admin.config_set("lua-time-limit", 10)  # BUSY after 10 ms of a script
+            spinning = asyncio.create_task(busy.eval("while true do end", 0))
+            await asyncio.sleep(0.1)
+            with pytest.raises(IndexUnavailable, match="BUSY"):
+                await index.workers()
+            await admin.script_kill()
+            with pytest.raises(ResponseError):
+                await spinning
+            assert await index.workers() == []
+        finally:
+            await index.close()
+            await admin.aclose()
+            await busy.aclose()
+
+
+async def test_a_key_of_another_type_is_a_bug_not_an_outage(redises: Redises) -> None:
+    """What Redis refuses as wrong (here a key another program wrote under our prefix) is
+    raised as it is: callers must not route around it as if Redis were down."""
+    index = redises.index()
+    await redises.admin.set(f"{redises.prefix}:workers", "not a set")
+    with pytest.raises(ResponseError, match="WRONGTYPE") as raised:
+        await index.workers()
+    assert not isinstance(raised.value, LocationIndexError)
 
 
 async def test_a_task_waiting_on_the_index_can_always_be_cancelled(redises: Redises) -> None:

@@ -6,7 +6,8 @@ stalled one with a single attempt allowed, or none live at all) the client gets 
 with Retry-After, and a model no live worker serves is a 404. A worker whose
 simulator and agent are SIGKILLed (real child processes) stops getting traffic at
 once and leaves the fleet and the index within its lease. Redis stopping mid-test
-degrades routing to load only, without a failed request, even past a lease. A client
+degrades routing to load only, without a failed request, even past a lease; a bug in
+the index is no outage: the request fails with a 500 instead. A client
 that goes away, mid-stream or before the first byte, cancels the engine's request and
 the router's accounting of it.
 """
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
@@ -28,10 +29,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import IndexSettings
+from kvplane.core.keys import BlockKey
 from kvplane.core.serving import free_port
 from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter, running_router
-from router.index.base import WorkerState
+from router.index.base import PrefixMatch, WorkerState
+from router.index.memory import MemoryLocationIndex
 from simulations.engine.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
 from tests.proxy.conftest import MODEL, TENANT_KEYS, RoutedFleet, routed_fleet, router_settings
@@ -361,6 +364,33 @@ async def test_redis_down_for_longer_than_a_lease_fails_no_request(tmp_path: Pat
         ready = await loss.http.get("/readyz")
         assert ready.status_code == 200
         assert ready.json()["routing"] == "load-only"
+
+
+class LookupBug(MemoryLocationIndex):
+    """A memory index whose lookups hit a programming error."""
+
+    def __init__(self, bug: Exception) -> None:
+        super().__init__()
+        self.bug = bug
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> dict[str, PrefixMatch]:
+        raise self.bug
+
+
+@pytest.mark.parametrize("bug", [TypeError("a bug"), KeyError("w1")], ids=["TypeError", "KeyError"])
+async def test_a_bug_in_the_index_fails_the_request_rather_than_routing_on_load(
+    monkeypatch: pytest.MonkeyPatch, bug: Exception
+) -> None:
+    monkeypatch.setattr("router.app.open_index", lambda settings: LookupBug(bug))
+    async with routed_fleet(1) as fleet, fleet.http() as http:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+        response = await http.post("/v1/completions", json=body, headers=AUTH)
+        assert response.status_code == 500
+        assert fleet.router.planner.index_answering
+        text = (await http.get("/metrics")).text
+    error = type(bug).__name__
+    assert sample_sum(text, "kvplane_index_errors_total", operation="lookup", error=error) == 1
+    assert sample_sum(text, "kvplane_index_degraded") == 0
 
 
 # -- clients that go away -------------------------------------------------------------

@@ -12,10 +12,12 @@ from opentelemetry import trace
 
 from kvplane.core.clock import Clock
 from kvplane.core.config import ScoringSettings
+from kvplane.core.serving import free_port
 from kvplane.core.types import BlocksStored, LoadReport, Tier, WorkerInfo
 from router.control_plane.workers import WorkerView
 from router.index.base import IndexUnavailable, PrefixMatch
 from router.index.memory import MemoryLocationIndex
+from router.index.redis import RedisLocationIndex
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks
 from router.routing.fleet import Fleet
@@ -33,16 +35,19 @@ WEIGHTS = ScoringSettings()
 
 
 class FlakyIndex(MemoryLocationIndex):
-    """A memory index whose lookups fail, or hang, while told to."""
+    """A memory index whose lookups fail, hang, or hit a bug, while told to."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failing = False
         self.hanging = False
+        self.bug: Exception | None = None
         self.lookups = 0
 
     async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
         self.lookups += 1
+        if self.bug is not None:
+            raise self.bug
         if self.failing:
             raise IndexUnavailable("the backend is down")
         if self.hanging:
@@ -346,6 +351,32 @@ async def test_an_index_slower_than_its_timeout_counts_as_not_answering() -> Non
     )
     assert not again.index_answered
     assert index.lookups == lookups_before
+
+
+async def test_an_unreachable_redis_leaves_load_only_routing() -> None:
+    planner = await make_planner()  # the workers registered in memory; lookups in Redis
+    planner.index = RedisLocationIndex.from_url(
+        f"redis://127.0.0.1:{free_port()}/0", prefix="kvptest-down"
+    )
+    try:
+        decision = await planner.decide(
+            model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+        )
+    finally:
+        await planner.index.close()
+    assert not decision.index_answered
+    assert not planner.index_answering
+    assert len(decision.ranked) == len(WORKERS)
+
+
+@pytest.mark.parametrize("bug", [TypeError("a bug"), KeyError("w1")], ids=["TypeError", "KeyError"])
+async def test_a_bug_in_the_index_is_raised_not_taken_for_an_outage(bug: Exception) -> None:
+    index = FlakyIndex()
+    planner = await make_planner(index)
+    index.bug = bug
+    with pytest.raises(type(bug)):
+        await planner.decide(model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS)
+    assert planner.index_answering  # no load-only routing on a bug
 
 
 async def test_the_round_robin_baseline_takes_turns_whatever_the_scores() -> None:

@@ -207,8 +207,13 @@ async def test_bad_requests_get_a_clear_error_without_their_text() -> None:
         assert SECRET_PHRASE not in response.text
 
 
+# Short-lived predictions: the tests below wait them out to see what events alone say.
+SHORT_PREDICTIONS = {"predicted_ttl_s": 0.3}
+
+
 async def test_fleet_api_shows_workers_and_locality_without_sending() -> None:
-    async with routed_fleet(2) as fleet, fleet.http() as client:
+    settings = router_settings(proxy=SHORT_PREDICTIONS)
+    async with routed_fleet(2, settings) as fleet, fleet.http() as client:
         holder = (await _complete(fleet, PROMPT)).headers["x-kvplane-worker"]
 
         async def predicted_on_holder() -> bool:
@@ -221,7 +226,7 @@ async def test_fleet_api_shows_workers_and_locality_without_sending() -> None:
             return bool(body["chosen"] == holder and body["factor"] == "cache")
 
         await asyncio.sleep(fleet.router.planner.predicted.ttl_s)  # events, not predictions
-        assert await predicted_on_holder()
+        await wait_until("the holder's events reach the index", predicted_on_holder, 10)
         workers = (await client.get("/fleet/workers", headers=ADMIN)).json()["workers"]
         assert {w["worker_id"] for w in workers} == {"worker-1", "worker-2"}
         row = next(w for w in workers if w["worker_id"] == holder)
@@ -251,16 +256,21 @@ async def test_drain_stops_routing_to_a_worker_until_undrained() -> None:
 
 
 async def test_a_tenant_queries_its_own_scope_only() -> None:
-    async with routed_fleet(1) as fleet, fleet.http() as client:
+    settings = router_settings(proxy=SHORT_PREDICTIONS)
+    async with routed_fleet(1, settings) as fleet, fleet.http() as client:
         await _complete(fleet, PROMPT, tenant="acme")
-        await asyncio.sleep(fleet.router.planner.predicted.ttl_s)
-        own = await client.post(
-            "/fleet/tenant/locality",
-            json={"model": MODEL, "prompt": PROMPT},
-            headers={"authorization": "Bearer sk-acme"},
-        )
-        assert own.status_code == 200
-        assert own.json()["workers"][0]["cached_tokens"] > 0
+        await asyncio.sleep(fleet.router.planner.predicted.ttl_s)  # events, not predictions
+
+        async def own_prefix_cached() -> bool:
+            own = await client.post(
+                "/fleet/tenant/locality",
+                json={"model": MODEL, "prompt": PROMPT},
+                headers={"authorization": "Bearer sk-acme"},
+            )
+            assert own.status_code == 200
+            return bool(own.json()["workers"][0]["cached_tokens"] > 0)
+
+        await wait_until("the tenant's events reach the index", own_prefix_cached, 10)
         theirs = await client.post(
             "/fleet/tenant/locality",
             json={"model": MODEL, "prompt": PROMPT},

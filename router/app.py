@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
-from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from kvplane.core.clock import Clock, WallClock
@@ -56,6 +56,8 @@ class RunningRouter:
     grpc_port: int
     http_port: int
     admin_port: int | None  # the fleet API's and /metrics' own port, when configured
+    http_app: FastAPI
+    admin_app: FastAPI | None
     index: LocationIndex
     workers: WorkerView
     metrics: RouterMetrics
@@ -145,6 +147,7 @@ async def running_router(
             tenants=tenants,
             prompt_tokens=proxy.prompt_tokens,
             max_body_bytes=proxy_settings.max_body_bytes,
+            clock=clock,
         )
 
         serving = asyncio.Event()  # set while the gRPC server accepts streams
@@ -164,7 +167,7 @@ async def running_router(
             metrics.set_token_cache(token_cache.hits, token_cache.misses, token_cache.tokens)
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
-        def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> Starlette:
+        def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> FastAPI:
             return create_http_app(
                 index=index,
                 view=view,
@@ -178,23 +181,15 @@ async def running_router(
         http = settings.http
         separate_admin = http.admin_port is not None
         public_routes = [*proxy.routes(), *([] if separate_admin else fleet_api.routes())]
+        public_app = http_app(public_routes, serve_metrics=not separate_admin)
         http_port = await stack.enter_async_context(
-            serving_http(
-                http_app(public_routes, serve_metrics=not separate_admin),
-                http.host,
-                http.port,
-                stop_grace_s=_HTTP_STOP_GRACE_S,
-            )
+            serving_http(public_app, http.host, http.port, stop_grace_s=_HTTP_STOP_GRACE_S)
         )
-        admin_port = None
+        admin_port = admin_app = None
         if http.admin_port is not None:
+            admin_app = http_app(fleet_api.routes(), serve_metrics=True)
             admin_port = await stack.enter_async_context(
-                serving_http(
-                    http_app(fleet_api.routes(), serve_metrics=True),
-                    http.host,
-                    http.admin_port,
-                    stop_grace_s=_HTTP_STOP_GRACE_S,
-                )
+                serving_http(admin_app, http.host, http.admin_port, stop_grace_s=_HTTP_STOP_GRACE_S)
             )
 
         grpc_server = grpc.aio.server(options=_grpc_options(cp))
@@ -221,6 +216,8 @@ async def running_router(
             grpc_port=grpc_port,
             http_port=http_port,
             admin_port=admin_port,
+            http_app=public_app,
+            admin_app=admin_app,
             index=index,
             workers=view,
             metrics=metrics,

@@ -11,21 +11,39 @@ query a tenant may make with its own key (`/fleet/tenant/locality`, its own scop
   its index entries (and the engines' blocks) are never matched again.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations at
+# run time, and one names this instance's security dependency (tenant_locality's).
 
-import hmac
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any
 
+from fastapi import Path, Security
+from fastapi.routing import APIRoute
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
+from kvplane.core.clock import Clock
+from kvplane.core.config import NAME_PATTERN
 from kvplane.core.types import Tier
+from kvplane.wire.codec import WORKER_ID_PATTERN
+from router.auth import ADMIN_ERRORS, UNAUTHORIZED, AdminToken, TenantKey
 from router.control_plane.workers import WorkerView
+from router.errors import ApiError, documented
+from router.fleet_models import (
+    Drained,
+    Engine,
+    IndexStatistics,
+    Locality,
+    LocalityQuery,
+    LocalityRow,
+    Purged,
+    WorkerLoad,
+    WorkerRow,
+    Workers,
+)
 from router.index.base import LocationIndex, LocationIndexError, WorkerState, index_deadline
 from router.proxy.bodies import (
+    BODY_ERRORS,
     BadRequest,
     Endpoint,
     ParsedRequest,
@@ -33,15 +51,36 @@ from router.proxy.bodies import (
     key_scope,
     read_body,
 )
-from router.proxy.service import error_response
+from router.proxy.schema import MAX_TOKEN_ID
 from router.proxy.tokens import PromptTokens
+from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
 from router.tenants import ANONYMOUS_TENANT, Tenant, TenantDirectory
 
 _INDEX_TIMEOUT_S = 2.0
-_Handler = Callable[[Request], Awaitable[Response]]
+
+# Any other id or name is unknown (404), not malformed: no agent registers such an id
+# (the control plane checks the same pattern), no configuration names such a tenant. So
+# the patterns describe the parameters without being checked here.
+WorkerId = Annotated[
+    str,
+    Path(
+        description="as the worker's agent registered it; any other is unknown",
+        json_schema_extra={"pattern": f"^{WORKER_ID_PATTERN.pattern}$"},
+    ),
+]
+TenantName = Annotated[
+    str,
+    Path(
+        description="a configured tenant; any other is unknown",
+        json_schema_extra={"pattern": NAME_PATTERN},
+    ),
+]
+_NO_TENANT = documented("no such tenant")
+_NO_WORKER = documented("no such worker")
+_INDEX_DOWN = "the index is unreachable"
 
 
 class FleetApi:
@@ -57,8 +96,11 @@ class FleetApi:
         tenants: TenantDirectory,
         prompt_tokens: PromptTokens,
         max_body_bytes: int,
+        clock: Clock = time.monotonic,
     ) -> None:
-        self._admin_token = admin_token
+        self._clock = clock  # the router's: the ages shown are measured on it
+        self.admin_token = AdminToken(admin_token)
+        self.tenant_key = TenantKey(tenants)
         self.index = index
         self.view = view
         self.fleet = fleet
@@ -68,40 +110,88 @@ class FleetApi:
         self.prompt_tokens = prompt_tokens
         self.max_body_bytes = max_body_bytes
 
-    def routes(self) -> list[Route]:
-        admin = self._admin_only
+    def routes(self) -> list[APIRoute]:
+        admin = [Security(self.admin_token)]
+
+        async def tenant_locality(
+            request: Request, tenant: Annotated[Tenant, Security(self.tenant_key)]
+        ) -> Locality:
+            return await self.tenant_locality(request, tenant)
+
         return [
-            Route("/fleet/workers", admin(self.workers), methods=["GET"]),
-            Route("/fleet/locality", admin(self.locality), methods=["POST"]),
-            Route("/fleet/index", admin(self.index_stats), methods=["GET"]),
-            Route("/fleet/workers/{worker_id}/drain", admin(self.drain), methods=["POST"]),
-            Route("/fleet/workers/{worker_id}/undrain", admin(self.undrain), methods=["POST"]),
-            Route("/fleet/tenants/{name}/purge", admin(self.purge_tenant), methods=["POST"]),
-            Route("/fleet/tenant/locality", self.tenant_locality, methods=["POST"]),
+            APIRoute(
+                "/fleet/workers",
+                self.workers,
+                methods=["GET"],
+                summary="every worker: state, incarnation, load, lease, index entries",
+                responses=ADMIN_ERRORS,
+                dependencies=admin,
+            ),
+            RawBodyRoute(
+                "/fleet/locality",
+                self.locality,
+                body=LocalityQuery,
+                methods=["POST"],
+                summary="where a prompt's prefix is cached, each score term, and the pick",
+                description="Nothing is sent to an engine.",
+                responses={**BODY_ERRORS, **ADMIN_ERRORS, 404: _NO_TENANT},
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/index",
+                self.index_stats,
+                methods=["GET"],
+                summary="index statistics",
+                responses={**ADMIN_ERRORS, 503: documented(_INDEX_DOWN)},
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/workers/{worker_id}/drain",
+                self.drain,
+                methods=["POST"],
+                summary="stop routing to a worker (this router only)",
+                responses={**ADMIN_ERRORS, 404: _NO_WORKER},
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/workers/{worker_id}/undrain",
+                self.undrain,
+                methods=["POST"],
+                summary="resume routing to a worker (this router only)",
+                responses={**ADMIN_ERRORS, 404: _NO_WORKER},
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/tenants/{name}/purge",
+                self.purge_tenant,
+                methods=["POST"],
+                summary="a new generation of the tenant's cache scope (a new salt)",
+                responses={
+                    400: documented("the tenant uses the shared scope, which has no salt"),
+                    **ADMIN_ERRORS,
+                    404: _NO_TENANT,
+                    503: documented(f"{_INDEX_DOWN}: the purge may not have happened"),
+                },
+                dependencies=admin,
+            ),
+            RawBodyRoute(
+                "/fleet/tenant/locality",
+                tenant_locality,
+                body=LocalityQuery,
+                methods=["POST"],
+                summary="the locality query in the caller's own scope: eligible workers, "
+                "their cached tokens and total scores",
+                description="Nothing is sent to an engine.",
+                responses={
+                    **BODY_ERRORS,
+                    401: UNAUTHORIZED,
+                    403: documented("a tenant's key queries its own scope only"),
+                },
+            ),
         ]
 
-    def _admin_only(self, handler: _Handler) -> _Handler:
-        async def guarded(request: Request) -> Response:
-            if self._admin_token is None:
-                return error_response(
-                    403, "the fleet API is off: set http.admin_token", kind="PermissionDenied"
-                )
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self._admin_token.encode()
-            ):
-                return error_response(
-                    401,
-                    "the fleet API needs the admin token (Authorization: Bearer TOKEN)",
-                    kind="AuthenticationError",
-                    headers={"www-authenticate": "Bearer"},
-                )
-            return await handler(request)
-
-        return guarded
-
-    async def workers(self, request: Request) -> Response:
-        now = time.monotonic()
+    async def workers(self) -> Workers:
+        now = self._clock()
         rows = []
         for status in sorted(self.fleet.statuses(), key=lambda s: s.info.worker_id):
             info = status.info
@@ -111,82 +201,78 @@ class FleetApi:
             )
             load = local.last_load if local is not None else None
             traffic = self.fleet.traffic(info.worker_id)
-            state = status.state.value
-            if status.state is WorkerState.LIVE and info.worker_id in self.fleet.drained:
-                state = WorkerState.DRAINING.value
+            state = status.state
+            if state is WorkerState.LIVE and info.worker_id in self.fleet.drained:
+                state = WorkerState.DRAINING
             rows.append(
-                {
-                    "worker_id": info.worker_id,
-                    "state": state,
-                    "drained_by_operator": info.worker_id in self.fleet.drained,
-                    "incarnation": info.incarnation,
-                    "model": info.model,
-                    "base_url": info.base_url,
-                    "labels": dict(info.labels),
-                    "engine": {"kind": info.engine_kind, "version": info.engine_version},
-                    "block_size": info.block_size,
-                    "kv_capacity_blocks": info.kv_capacity_blocks,
-                    "lease_remaining_s": round(status.lease_remaining_s, 3),
-                    "index_entries": status.entries,
-                    "load": None
+                WorkerRow(
+                    worker_id=info.worker_id,
+                    state=state,
+                    drained_by_operator=info.worker_id in self.fleet.drained,
+                    incarnation=info.incarnation,
+                    model=info.model,
+                    base_url=info.base_url,
+                    labels=dict(info.labels),
+                    engine=Engine(kind=info.engine_kind, version=info.engine_version),
+                    block_size=info.block_size,
+                    kv_capacity_blocks=info.kv_capacity_blocks,
+                    lease_remaining_s=round(status.lease_remaining_s, 3),
+                    index_entries=status.entries,
+                    load=None
                     if load is None
-                    else {
-                        "running": load.running,
-                        "waiting": load.waiting,
-                        "kv_usage": load.kv_usage,
-                        "engine_down": load.engine_down,
-                    },
-                    "router_in_flight": traffic.in_flight,
-                    "router_prefilling": traffic.prefilling,
-                    "last_event_age_s": _age(now, local.last_event_at if local else None),
-                    "last_heartbeat_age_s": _age(now, local.last_heartbeat_at if local else None),
-                    "stream_on_this_router": local is not None and local.stream is not None,
-                    "suspect": self.accuracy.is_suspect(info.worker_id, info.incarnation),
-                }
+                    else WorkerLoad(
+                        running=load.running,
+                        waiting=load.waiting,
+                        kv_usage=load.kv_usage,
+                        engine_down=load.engine_down,
+                    ),
+                    router_in_flight=traffic.in_flight,
+                    router_prefilling=traffic.prefilling,
+                    last_event_age_s=_age(now, local.last_event_at if local else None),
+                    last_heartbeat_age_s=_age(now, local.last_heartbeat_at if local else None),
+                    stream_on_this_router=local is not None and local.stream is not None,
+                    suspect=self.accuracy.is_suspect(info.worker_id, info.incarnation),
+                )
             )
-        return JSONResponse({"workers": rows, "index_reachable": self.planner.index_answering})
+        return Workers(workers=rows, index_reachable=self.planner.index_answering)
 
-    async def index_stats(self, request: Request) -> Response:
+    async def index_stats(self) -> IndexStatistics:
         try:
             async with index_deadline(_INDEX_TIMEOUT_S):
                 stats = await self.index.stats()
         except LocationIndexError as error:  # reported, not raised: the operator asked about it
-            return error_response(
-                503, f"the index is unreachable ({type(error).__name__})", kind="IndexUnavailable"
-            )
-        return JSONResponse(
-            {
-                "keys": stats.keys,
-                "entries": stats.entries,
-                "workers": stats.workers,
-                "bytes": stats.bytes,
-                "predicted_entries": len(self.planner.predicted),
-            }
+            raise ApiError(
+                503, f"{_INDEX_DOWN} ({type(error).__name__})", kind="IndexUnavailable"
+            ) from None
+        return IndexStatistics(
+            keys=stats.keys,
+            entries=stats.entries,
+            workers=stats.workers,
+            bytes=stats.bytes,
+            predicted_entries=len(self.planner.predicted),
         )
 
-    async def drain(self, request: Request) -> Response:
-        return self._set_drained(request, drained=True)
+    async def drain(self, worker_id: WorkerId) -> Drained:
+        return self._set_drained(worker_id, drained=True)
 
-    async def undrain(self, request: Request) -> Response:
-        return self._set_drained(request, drained=False)
+    async def undrain(self, worker_id: WorkerId) -> Drained:
+        return self._set_drained(worker_id, drained=False)
 
-    def _set_drained(self, request: Request, *, drained: bool) -> Response:
-        worker_id = request.path_params["worker_id"]
+    def _set_drained(self, worker_id: str, *, drained: bool) -> Drained:
         if self.fleet.status(worker_id) is None:
-            return error_response(404, f"no worker {worker_id!r}", kind="NotFoundError")
+            raise ApiError(404, f"no worker {worker_id!r}", kind="NotFoundError")
         if drained:
             self.fleet.drained.add(worker_id)
         else:
             self.fleet.drained.discard(worker_id)
-        return JSONResponse({"worker_id": worker_id, "drained": drained})
+        return Drained(worker_id=worker_id, drained=drained)
 
-    async def purge_tenant(self, request: Request) -> Response:
-        name = request.path_params["name"]
+    async def purge_tenant(self, name: TenantName) -> Purged:
         tenant = self.tenants.get(name)
         if tenant is None:
-            return error_response(404, f"no tenant {name!r}", kind="NotFoundError")
+            raise ApiError(404, f"no tenant {name!r}", kind="NotFoundError")
         if tenant.cache_salt is None:
-            return error_response(
+            raise ApiError(
                 400,
                 f"tenant {name!r} uses the shared scope, which has no salt to change",
                 kind="BadRequestError",
@@ -195,53 +281,37 @@ class FleetApi:
             async with index_deadline(_INDEX_TIMEOUT_S):
                 generation = await self.index.bump_scope_generation(tenant.cache_scope)
         except LocationIndexError as error:  # the operator may try again: purging twice is harmless
-            return error_response(
+            raise ApiError(
                 503,
-                f"the index is unreachable ({type(error).__name__}); the purge may not have "
-                "happened: try again",
+                f"{_INDEX_DOWN} ({type(error).__name__}); the purge may not have happened: "
+                "try again",
                 kind="IndexUnavailable",
-            )
+            ) from None
         self.tenants.apply_generations({tenant.cache_scope: generation})
-        return JSONResponse(
-            {"tenant": name, "cache_scope": tenant.cache_scope, "generation": generation}
-        )
+        return Purged(tenant=name, cache_scope=tenant.cache_scope, generation=generation)
 
-    async def locality(self, request: Request) -> Response:
-        try:
-            query, body_bytes = await self._query(request)
-            name = query.get("tenant")
-            if name is not None and not isinstance(name, str):
-                raise BadRequest("'tenant' must be a string", "tenant")
-            tenant = ANONYMOUS_TENANT if name is None else self.tenants.get(name)
-            if tenant is None:
-                return error_response(404, f"no tenant {name!r}", kind="NotFoundError")
-            decision, model = await self._decide(query, body_bytes, tenant)
-            return JSONResponse(_describe(decision, model, tenant, detailed=True))
-        except BadRequest as error:
-            return error_response(error.status, str(error), kind="BadRequestError")
+    async def locality(self, request: Request) -> Locality:
+        query, body_bytes = await self._query(request)
+        name = query.get("tenant")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest("'tenant' must be a string", "tenant")
+        tenant = ANONYMOUS_TENANT if name is None else self.tenants.get(name)
+        if tenant is None:
+            raise ApiError(404, f"no tenant {name!r}", kind="NotFoundError")
+        decision, model = await self._decide(query, body_bytes, tenant)
+        return _describe(decision, model, tenant, detailed=True)
 
-    async def tenant_locality(self, request: Request) -> Response:
+    async def tenant_locality(self, request: Request, tenant: Tenant) -> Locality:
         """Its own scope only, and nothing of other tenants: eligible workers, their
         cached tokens and total scores, not the terms (the tenant term counts other
         tenants' requests) nor the workers of other tenants' pools."""
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        if tenant is None:
-            return error_response(
-                401,
-                "a valid API key is required (Authorization: Bearer KEY)",
-                kind="AuthenticationError",
-                headers={"www-authenticate": "Bearer"},
+        query, body_bytes = await self._query(request)
+        if query.get("tenant", tenant.name) != tenant.name:
+            raise ApiError(
+                403, "a tenant's key queries its own scope only", kind="PermissionDenied"
             )
-        try:
-            query, body_bytes = await self._query(request)
-            if query.get("tenant", tenant.name) != tenant.name:
-                return error_response(
-                    403, "a tenant's key queries its own scope only", kind="PermissionDenied"
-                )
-            decision, model = await self._decide(query, body_bytes, tenant)
-            return JSONResponse(_describe(decision, model, tenant, detailed=False))
-        except BadRequest as error:
-            return error_response(error.status, str(error), kind="BadRequestError")
+        decision, model = await self._decide(query, body_bytes, tenant)
+        return _describe(decision, model, tenant, detailed=False)
 
     async def _query(self, request: Request) -> tuple[dict[str, Any], int]:
         raw = await read_body(request, self.max_body_bytes)
@@ -262,7 +332,7 @@ class FleetApi:
         if "token_ids" in query:
             token_ids = query["token_ids"]
             if not isinstance(token_ids, list) or not all(
-                type(t) is int and 0 <= t < 2**32 for t in token_ids
+                type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids
             ):
                 raise BadRequest("'token_ids' must be an array of token ids", "token_ids")
             endpoint, body["prompt"] = Endpoint.COMPLETIONS, token_ids
@@ -291,40 +361,37 @@ def _tiers(blocks: Mapping[Tier, int], block_size: int) -> dict[str, int]:
     return {tier.name.lower(): count * block_size for tier, count in blocks.items()}
 
 
-def _describe(decision: Decision, model: str, tenant: Tenant, *, detailed: bool) -> dict[str, Any]:
+def _describe(decision: Decision, model: str, tenant: Tenant, *, detailed: bool) -> Locality:
     """The decision for the fleet API; not `detailed`, for a tenant: only the workers
     it may use, and their total scores."""
     scores = {breakdown.worker_id: breakdown for breakdown in decision.ranked}
     rows = []
     for worker_id in sorted(decision.candidates if detailed else scores):
         blocks = decision.matched_blocks.get(worker_id, {})
-        row: dict[str, Any] = {
-            "worker_id": worker_id,
-            "eligible": worker_id in scores,
-            "matched_blocks": {tier.name.lower(): count for tier, count in blocks.items()},
-            "matched_tokens": _tiers(blocks, decision.block_size),
-            "cached_tokens": decision.predicted_tokens(worker_id),
-        }
+        row = LocalityRow(
+            worker_id=worker_id,
+            eligible=worker_id in scores,
+            matched_blocks={tier.name.lower(): count for tier, count in blocks.items()},
+            matched_tokens=_tiers(blocks, decision.block_size),
+            cached_tokens=decision.predicted_tokens(worker_id),
+        )
         breakdown = scores.get(worker_id)
-        if breakdown is not None and not detailed:
+        if breakdown is not None:
             row["score"] = breakdown.score
-        elif breakdown is not None:
-            row.update(
-                score=breakdown.score,
-                saved_tokens=breakdown.saved_tokens,
-                queue_penalty=breakdown.queue_penalty,
-                memory_penalty=breakdown.memory_penalty,
-                tenant_penalty=breakdown.tenant_penalty,
-            )
+        if breakdown is not None and detailed:
+            row["saved_tokens"] = breakdown.saved_tokens
+            row["queue_penalty"] = breakdown.queue_penalty
+            row["memory_penalty"] = breakdown.memory_penalty
+            row["tenant_penalty"] = breakdown.tenant_penalty
         rows.append(row)
-    return {
-        "model": model,
-        "tenant": tenant.name,
-        "cache_scope": tenant.cache_scope,
-        "prompt_tokens": decision.prompt_tokens,
-        "blocks": len(decision.keys),
-        "index_answered": decision.index_answered,
-        "chosen": decision.ranked[0].worker_id if decision.ranked else None,
-        "factor": decision.factor,
-        "workers": rows,
-    }
+    return Locality(
+        model=model,
+        tenant=tenant.name,
+        cache_scope=tenant.cache_scope,
+        prompt_tokens=decision.prompt_tokens,
+        blocks=len(decision.keys),
+        index_answered=decision.index_answered,
+        chosen=decision.ranked[0].worker_id if decision.ranked else None,
+        factor=decision.factor,
+        workers=rows,
+    )

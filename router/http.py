@@ -1,5 +1,5 @@
-"""The router's HTTP app: liveness, readiness, Prometheus metrics and the OpenAPI
-description, plus the routes the caller adds (the OpenAI proxy, the fleet API).
+"""The router's HTTP app (FastAPI): liveness, readiness, Prometheus metrics and the
+OpenAPI document, plus the routes the caller adds (the OpenAI proxy, the fleet API).
 
 Readiness does not depend on the index: when it is unreachable the router still
 serves (routing on load alone) and /readyz says so in its body.
@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute
 
 from router.control_plane.workers import WorkerView
+from router.errors import EXCEPTION_HANDLERS
 from router.index.base import (
     IndexStats,
     IndexTimeout,
@@ -33,6 +37,17 @@ INDEX_PROBE_TIMEOUT_S = 2.0
 """How long a probe or a scrape waits for the index before calling it unreachable."""
 
 
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    ready: bool
+    grpc: str
+    index: str
+    routing: Literal["cache-aware", "load-only"]
+
+
 def create_http_app(
     *,
     index: LocationIndex,
@@ -42,41 +57,73 @@ def create_http_app(
     routes: Sequence[BaseRoute] = (),
     before_scrape: Callable[[], None] = lambda: None,
     serve_metrics: bool = True,
-) -> Starlette:
-    async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+) -> FastAPI:
+    async def healthz() -> Health:
+        return Health()
 
-    async def readyz(request: Request) -> Response:
+    async def readyz(response: Response) -> Readiness:
         index_problem = await _index_problem(index)
         serving = grpc_serving()
-        body = {
-            "ready": serving,
-            "grpc": "serving" if serving else "not serving",
-            "index": index_problem or "ok",
-            "routing": "cache-aware" if index_problem is None else "load-only",
-        }
-        return JSONResponse(body, status_code=200 if serving else 503)
+        response.status_code = 200 if serving else 503
+        return Readiness(
+            ready=serving,
+            grpc="serving" if serving else "not serving",
+            index=index_problem or "ok",
+            routing="cache-aware" if index_problem is None else "load-only",
+        )
 
-    document = openapi_document()
+    document: dict[str, Any] = {}  # of every route, this one's included: filled below
 
-    async def openapi(request: Request) -> Response:
-        return JSONResponse(document)
+    async def openapi() -> dict[str, Any]:
+        return document
 
-    async def metrics_endpoint(request: Request) -> Response:
+    async def metrics_endpoint() -> Response:
         metrics.set_index_stats(await _index_stats(index))
         metrics.set_worker_counts(view.counts_by_state())
         before_scrape()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return Starlette(
-        routes=[
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/openapi.json", openapi, methods=["GET"]),
-            *([Route("/metrics", metrics_endpoint, methods=["GET"])] if serve_metrics else []),
-            *routes,
-        ]
+    own_routes = [
+        APIRoute("/healthz", healthz, methods=["GET"], summary="the process is up"),
+        APIRoute(
+            "/readyz",
+            readyz,
+            methods=["GET"],
+            summary="200 while gRPC serves; the body says whether routing is cache-aware "
+            "or load-only (the index unreachable)",
+            response_description="ready",
+            responses={503: {"model": Readiness, "description": "not serving"}},
+        ),
+        APIRoute("/openapi.json", openapi, methods=["GET"], summary="this document"),
+    ]
+    if serve_metrics:
+        own_routes.append(
+            APIRoute(
+                "/metrics",
+                metrics_endpoint,
+                methods=["GET"],
+                summary="Prometheus metrics (on the admin port when one is set)",
+                response_class=PlainTextResponse,
+            )
+        )
+    app = FastAPI(
+        routes=[*own_routes, *routes],
+        openapi_url=None,  # served by the route above, which the document describes too
+        docs_url=None,
+        redoc_url=None,
+        exception_handlers=EXCEPTION_HANDLERS,
+        # The router traces requests itself (router/tracing.py), with its own provider.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    # Unknown paths and methods get Starlette's plain-text 404 and 405, not FastAPI's JSON.
+    del app.exception_handlers[HTTPException]
+    # Starlette's routes answer HEAD where they answer GET (without the body); FastAPI's
+    # do not. The document leaves HEAD out (openapi.py).
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.methods and "GET" in route.methods:
+            route.methods.add("HEAD")
+    document.update(openapi_document(app.routes))
+    return app
 
 
 async def _index_problem(index: LocationIndex) -> str | None:

@@ -128,18 +128,18 @@ class ProxySettings(_Section):
 
 
 IsolationClass = Literal["shared", "private", "dedicated"]
-_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
 
 class TenantSpec(_Section):
     """One tenant: its API keys (SHA-256 hex digests, never the keys) and isolation."""
 
-    name: str = Field(pattern=_NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN)
     api_key_sha256: list[str] = Field(default_factory=list)
     # Tenants naming the same scope share cached blocks (an explicit opt-in); without
     # one a tenant's scope is its own ("tenant:<name>", which no name can match). The
     # scope "shared" is the unsalted cache that requests without a cache_salt use.
-    cache_scope: str | None = Field(default=None, pattern=_NAME_PATTERN)
+    cache_scope: str | None = Field(default=None, pattern=NAME_PATTERN)
     isolation: IsolationClass = "shared"
     required_labels: dict[str, str] = Field(default_factory=dict)  # `private`: soft
     pool: str | None = None  # `dedicated`: only workers labelled kvplane.io/pool=<pool>

@@ -19,6 +19,8 @@ import numpy as np
 from starlette.requests import Request
 
 from kvplane.core.tokenizer import PromptTokenizer
+from router.errors import ApiError, documented
+from router.proxy.schema import MAX_TOKEN_ID
 from router.tenants import SHARED_SCOPE, Tenant
 
 
@@ -27,13 +29,12 @@ class Endpoint(enum.Enum):
     CHAT = "/v1/chat/completions"
 
 
-class BadRequest(ValueError):
+class BadRequest(ApiError):
     """A body the router cannot route; the message is safe to show and to log."""
 
     def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
-        super().__init__(message)
+        super().__init__(status, message, kind="BadRequestError")
         self.param = param
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,12 @@ class ParsedRequest:
 
 
 _decoder = msgspec.json.Decoder()
-_MAX_TOKEN_ID = 2**32 - 1
+
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: documented("not JSON, not an object, or a field the router reads is wrong"),
+    413: documented("the body is over proxy.max_body_bytes"),
+}
+"""What read_body, decode_json and the checks of the fields refuse, for the document."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -159,7 +165,7 @@ def _first_prompt(prompt: Any) -> str | Sequence[int] | None:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
-        if all(type(token) is int and 0 <= token <= _MAX_TOKEN_ID for token in prompt):
+        if all(type(token) is int and 0 <= token <= MAX_TOKEN_ID for token in prompt):
             return prompt
         return _first_prompt(prompt[0]) if isinstance(prompt[0], str | list) else None
     return None

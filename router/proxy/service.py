@@ -15,18 +15,23 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx2
 import msgspec
+from fastapi import Security
+from fastapi.routing import APIRoute
 from opentelemetry import trace
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import Response, StreamingResponse
 
 from kvplane.core.config import ProxySettings
+from router.auth import UNAUTHORIZED, TenantKey, unauthorized
+from router.errors import documented, error_response, required_header
 from router.metrics import RouterMetrics
 from router.proxy.bodies import (
+    BODY_ERRORS,
     BadRequest,
     Endpoint,
     ParsedRequest,
@@ -38,8 +43,17 @@ from router.proxy.bodies import (
     read_body,
     response_usage,
 )
+from router.proxy.schema import (
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    StreamEvent,
+)
 from router.proxy.tokens import PromptTokens
 from router.proxy.upstream import AttemptFailed, NoFreeConnection, Upstream, UpstreamAnswer
+from router.routes import HotRoute
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet, Ticket
@@ -52,17 +66,38 @@ CACHED_TOKENS_HEADER = "x-kvplane-cached-tokens"
 ATTEMPTS_HEADER = "x-kvplane-attempts"  # workers tried, this one included
 _T = TypeVar("_T")
 
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": Completion,
+        "description": "the engine's answer; `text/event-stream` when `stream` is true",
+        "headers": {
+            WORKER_HEADER: required_header({"type": "string"}, "the worker that answered"),
+            CACHED_TOKENS_HEADER: required_header(
+                {"type": "integer", "minimum": 0}, "the cached prefix the router predicted there"
+            ),
+            ATTEMPTS_HEADER: required_header(
+                {"type": "integer", "minimum": 1}, "the workers tried, this one included"
+            ),
+        },
+        "content": {"text/event-stream": {"schema": StreamEvent.model_json_schema()}},
+    },
+    400: documented(
+        "refused by the router (not JSON, not an object, `model`, `stream`, `prompt` or "
+        "`messages`) or by the engine (its own checks)"
+    ),
+    401: UNAUTHORIZED,
+    404: documented("the engine does not serve the model"),
+    413: BODY_ERRORS[413],
+    503: documented(
+        "no live worker, none answered before its first byte, or the router's connections "
+        "to the engines are all in use",
+        {"retry-after": required_header({"type": "integer", "minimum": 0}, "seconds")},
+    ),
+}
+
 
 class ClientGone(Exception):
     """The client disconnected while the router waited on an engine."""
-
-
-def error_response(
-    status: int, message: str, *, kind: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """An error in the OpenAI shape; `message` must hold no prompt or completion text."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass(slots=True)
@@ -99,43 +134,58 @@ class ProxyService:
         self.metrics = metrics
         self.tracer = tracer
         self.prompt_tokens = PromptTokens(settings)
+        self.tenant_key = TenantKey(tenants)
         # Worker incarnations seen sending prompt_tokens_details: from them, usage
         # without it means no cached tokens (vLLM leaves it out at zero).
         self._reporting_workers: set[tuple[str, int]] = set()
 
-    def routes(self) -> list[Route]:
-        async def completions(request: Request) -> Response:
-            return await self.proxy(request, Endpoint.COMPLETIONS)
-
-        async def chat(request: Request) -> Response:
-            return await self.proxy(request, Endpoint.CHAT)
+    def routes(self) -> list[APIRoute]:
+        async def models() -> ModelList:
+            return ModelList(data=[ModelCard(id=model) for model in self.fleet.models()])
 
         return [
-            Route(Endpoint.COMPLETIONS.value, completions, methods=["POST"]),
-            Route(Endpoint.CHAT.value, chat, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            self._generation(Endpoint.COMPLETIONS, CompletionRequest, "a completion"),
+            self._generation(Endpoint.CHAT, ChatCompletionRequest, "a chat completion"),
+            APIRoute(
+                "/v1/models",
+                models,
+                methods=["GET"],
+                summary="the models live workers serve",
+                dependencies=[Security(self.tenant_key)],
+                responses={401: UNAUTHORIZED},
+            ),
         ]
 
-    async def models(self, request: Request) -> Response:
-        if self.tenants.authenticate(request.headers.get("authorization")) is None:
-            return _unauthorized()
-        data = [
-            {"id": model, "object": "model", "created": 0, "owned_by": "kvplane"}
-            for model in self.fleet.models()
-        ]
-        return JSONResponse({"object": "list", "data": data})
+    def _generation(self, endpoint: Endpoint, body: type[BaseModel], summary: str) -> HotRoute:
+        async def generate(request: Request) -> Response:
+            return await self.proxy(request, endpoint)
+
+        return HotRoute(
+            endpoint.value,
+            generate,
+            body=body,
+            name=endpoint.name.lower(),
+            methods=["POST"],
+            summary=summary,
+            description=(
+                "Routed to the worker holding most of the prompt's prefix, net of load; "
+                "the engine's answer (and its errors) come back unchanged."
+            ),
+            openapi_extra={"security": self.tenant_key.requirement()},
+            responses=_GENERATION_RESPONSES,
+        )
 
     async def proxy(self, request: Request, endpoint: Endpoint) -> Response:
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        tenant = self.tenant_key.tenant(request)
         if tenant is None:
             self._count("unauthorized")
-            return _unauthorized()
+            return unauthorized().response()
         try:
             raw = await read_body(request, self.settings.max_body_bytes)
             parsed = parse_body(raw, endpoint)
         except BadRequest as error:
             self._count("bad_request")
-            return error_response(error.status, str(error), kind="BadRequestError")
+            return error.response()
         except ClientDisconnect:
             self._count("client_disconnected")
             return Response(status_code=499)
@@ -365,15 +415,6 @@ class ProxyService:
 
     def _count(self, outcome: str, worker: str = "none") -> None:
         self.metrics.requests.labels(outcome=outcome, worker=worker).inc()
-
-
-def _unauthorized() -> JSONResponse:
-    return error_response(
-        401,
-        "a valid API key is required (Authorization: Bearer KEY)",
-        kind="AuthenticationError",
-        headers={"www-authenticate": "Bearer"},
-    )
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:

@@ -24,6 +24,7 @@ from tests.proxy.conftest import (
     router_settings,
     tenant_settings,
 )
+from tests.waiting import wait_until
 
 SECRET_PHRASE = "purple-elephant-quartz"  # must never show up in spans, logs or errors
 PROMPT = f"{SECRET_PHRASE} The cache remembers what the model has already read. " * 12

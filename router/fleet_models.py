@@ -1,0 +1,152 @@
+"""What the fleet API takes and gives, as typed models: its handlers build the answers
+from them and the OpenAPI document describes both with them.
+
+The locality query's body is read by the handler itself (the size limit, the JSON and
+its nesting are checked as for the proxy's bodies), so LocalityQuery only describes it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, NotRequired
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+from typing_extensions import TypedDict
+
+from router.index.base import WorkerState
+from router.proxy.schema import ModelName, RoutedPrompt, TokenId
+
+# -- the locality query --------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class RenderedMessage(BaseModel):
+    """A message as kvplane's default chat template renders it."""
+
+    role: str
+    content: str | list[TextPart]
+
+
+class _Query(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: ModelName
+    tenant: str | None = Field(default=None, description="whose scope; default: anonymous")
+
+
+class ByTokenIds(_Query):
+    token_ids: list[TokenId]
+
+
+class ByMessages(_Query):
+    model_config = ConfigDict(json_schema_extra={"not": {"required": ["token_ids"]}})
+
+    messages: Annotated[list[RenderedMessage], Field(min_length=1)]
+
+
+class ByPrompt(_Query):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {"anyOf": [{"required": ["token_ids"]}, {"required": ["messages"]}]}
+        }
+    )
+
+    prompt: RoutedPrompt
+
+
+class LocalityQuery(RootModel[ByTokenIds | ByMessages | ByPrompt]):
+    """`token_ids` if given, else `messages`, else `prompt`; the others are ignored.
+    Messages must render with the model's chat template (the shape here is what
+    kvplane's default template accepts)."""
+
+
+# -- the answers ---------------------------------------------------------------------
+
+
+class LocalityRow(TypedDict):
+    """A worker's part in a decision. The score and its terms are there only for an
+    eligible worker; the terms (saved_tokens and the penalties) only for an operator."""
+
+    worker_id: str
+    eligible: bool
+    matched_blocks: dict[str, int]  # per tier
+    matched_tokens: dict[str, int]
+    cached_tokens: Annotated[int, Field(ge=0)]
+    score: NotRequired[float]
+    saved_tokens: NotRequired[float]
+    queue_penalty: NotRequired[float]
+    memory_penalty: NotRequired[float]
+    tenant_penalty: NotRequired[float]
+
+
+class Locality(BaseModel):
+    model: str
+    tenant: str
+    cache_scope: str
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    blocks: Annotated[int, Field(ge=0)]
+    index_answered: bool
+    chosen: str | None
+    factor: str
+    workers: list[LocalityRow]
+
+
+class Engine(BaseModel):
+    kind: str
+    version: str
+
+
+class WorkerLoad(BaseModel):
+    running: int
+    waiting: int
+    kv_usage: float
+    engine_down: bool
+
+
+class WorkerRow(BaseModel):
+    worker_id: str
+    state: WorkerState
+    drained_by_operator: bool
+    incarnation: Annotated[int, Field(ge=1)]
+    model: str
+    base_url: str
+    labels: dict[str, str]
+    engine: Engine
+    block_size: int
+    kv_capacity_blocks: int
+    lease_remaining_s: float
+    index_entries: int
+    load: WorkerLoad | None
+    router_in_flight: int
+    router_prefilling: int
+    last_event_age_s: float | None
+    last_heartbeat_age_s: float | None
+    stream_on_this_router: bool
+    suspect: bool
+
+
+class Workers(BaseModel):
+    workers: list[WorkerRow]
+    index_reachable: bool
+
+
+class IndexStatistics(BaseModel):
+    keys: Annotated[int, Field(ge=0)]
+    entries: Annotated[int, Field(ge=0)]
+    workers: Annotated[int, Field(ge=0)]
+    bytes: Annotated[int, Field(ge=0)]
+    predicted_entries: Annotated[int, Field(ge=0)]
+
+
+class Drained(BaseModel):
+    worker_id: str
+    drained: bool
+
+
+class Purged(BaseModel):
+    tenant: str
+    cache_scope: str
+    generation: Annotated[int, Field(ge=1)]

@@ -28,6 +28,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvplane.core.clock import Clock
 from kvplane.core.config import IndexSettings
 from kvplane.core.keys import BlockKey
 from kvplane.core.serving import free_port
@@ -369,8 +370,8 @@ async def test_redis_down_for_longer_than_a_lease_fails_no_request(tmp_path: Pat
 class LookupBug(MemoryLocationIndex):
     """A memory index whose lookups hit a programming error."""
 
-    def __init__(self, bug: Exception) -> None:
-        super().__init__()
+    def __init__(self, bug: Exception, clock: Clock) -> None:
+        super().__init__(clock=clock)
         self.bug = bug
 
     async def lookup(self, keys: Sequence[BlockKey]) -> dict[str, PrefixMatch]:
@@ -381,7 +382,7 @@ class LookupBug(MemoryLocationIndex):
 async def test_a_bug_in_the_index_fails_the_request_rather_than_routing_on_load(
     monkeypatch: pytest.MonkeyPatch, bug: Exception
 ) -> None:
-    monkeypatch.setattr("router.app.open_index", lambda settings: LookupBug(bug))
+    monkeypatch.setattr("router.app.open_index", lambda settings, clock: LookupBug(bug, clock))
     async with routed_fleet(1) as fleet, fleet.http() as http:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
         response = await http.post("/v1/completions", json=body, headers=AUTH)

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from kvplane.core.clock import Clock
 from kvplane.core.config import NAME_PATTERN
+from kvplane.core.keys import MAX_TOKEN_ID
 from kvplane.core.types import Tier
 from kvplane.wire.codec import WORKER_ID_PATTERN
 from router.auth import ADMIN_ERRORS, UNAUTHORIZED, AdminToken, TenantKey
@@ -51,7 +52,6 @@ from router.proxy.bodies import (
     key_scope,
     read_body,
 )
-from router.proxy.schema import MAX_TOKEN_ID
 from router.proxy.tokens import PromptTokens
 from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy

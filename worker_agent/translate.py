@@ -1,7 +1,7 @@
 """Translating the engine's block events into kvplane block keys. No I/O.
 
 For each stored engine block the translator computes the kvplane key with the shared
-scheme (`kvplane.keys`), rooted in the namespace the router uses for the same request:
+scheme (`kvplane.core.keys`), rooted in the namespace the router uses for the same request:
 model, LoRA name, cache scope (the cache salt), router block size. A chain that starts
 after a parent continues from the parent's key. It remembers, per engine hash, what it
 needs to translate later events (removals carry engine hashes only): the block's

@@ -32,7 +32,7 @@ them) and must never be mixed with these."""
 
 SCHEME_VERSION = 1
 _ROOT_TAG = b"kvplane-block-key\x00"
-_MAX_TOKEN_ID = 2**32 - 1
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as unsigned 32-bit integers
 
 _hash64 = xxhash.xxh3_64_intdigest
 _pack_key = struct.Struct("<Q").pack
@@ -84,7 +84,7 @@ def _tokens_as_u32le(tokens: Sequence[int]) -> bytes:
     try:
         packed = array.array("I", tokens)
     except OverflowError:
-        raise ValueError(f"token ids must be in 0..{_MAX_TOKEN_ID}") from None
+        raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}") from None
     except TypeError:
         raise ValueError("token ids must be integers") from None
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts

@@ -2,7 +2,7 @@
 
 gRPC runs every stream in its own task and this module handles one message at a time
 per stream, so a stream's messages are applied in the order they were sent. Decisions
-come from the pure functions in validation.py and workers.py; this module only does
+come from pure functions (the wire codec, admission.py, workers.py); this module only does
 the I/O they call for (index calls, replies) and keeps the view and metrics current.
 
 Outcomes, as proto/kvplane/wire/v1/control_plane.proto defines them:

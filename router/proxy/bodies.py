@@ -18,9 +18,9 @@ import msgspec
 import numpy as np
 from starlette.requests import Request
 
+from kvplane.core.keys import MAX_TOKEN_ID
 from kvplane.core.tokenizer import PromptTokenizer
 from router.errors import ApiError, documented
-from router.proxy.schema import MAX_TOKEN_ID
 from router.tenants import SHARED_SCOPE, Tenant
 
 

@@ -21,7 +21,7 @@ from pydantic_core import CoreSchema
 from pydantic_core import core_schema as core_schema_of
 from typing_extensions import TypedDict
 
-MAX_TOKEN_ID = 2**32 - 1
+from kvplane.core.keys import MAX_TOKEN_ID
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

@@ -2,7 +2,7 @@
 
 SHA-256 over the pickled tuple (parent hash, block token ids, extra keys), chained from a
 root `NONE_HASH`; on the wire the hash is the digest's low 64 bits. It is deliberately NOT
-kvplane's block key (`kvplane.keys`): agents must translate the engine's hashes into
+kvplane's block key (`kvplane.core.keys`): agents must translate the engine's hashes into
 kvplane keys, as they must for real engines, and nothing in kvplane may rely on them.
 
 Extra keys follow vLLM: the LoRA name on every block, then the cache salt on the first

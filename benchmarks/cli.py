@@ -75,6 +75,21 @@ def _run_bench_policies(args: argparse.Namespace) -> int:
         return 2
 
 
+def _run_bench_live(args: argparse.Namespace) -> int:
+    from benchmarks.live.main import run_live_benchmark
+
+    profile = "quick" if args.quick else "full" if args.full else "default"
+    return run_live_benchmark(
+        profile_name=profile,
+        only=args.only,
+        runs=args.runs,
+        duration_s=args.duration,
+        json_path=args.json,
+        plot_path=args.plot,
+        log_dir=args.logs,
+    )
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -156,6 +171,30 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     )
     grid.add_argument("--slo-ttft-p90", type=float, default=2.0)
     grid.set_defaults(handler=_run_bench_policies)
+    live = bench_kinds.add_parser(
+        "live",
+        help="the bake-off: kvplane and the real peer routers in front of the same fleet",
+        description="kvplane and every peer router that runs here (from `make peers-env`), "
+        "each in turn in front of a fresh fleet of engine simulators, with the same requests "
+        "from the official openai client; one table per workload, situation and load.",
+    )
+    profiles = live.add_mutually_exclusive_group()
+    profiles.add_argument("--quick", action="store_true", help="a smoke test: one short run each")
+    profiles.add_argument("--full", action="store_true", help="every workload, load and situation")
+    live.add_argument(
+        "--only",
+        type=lambda text: [part for part in text.split(",") if part],
+        action="append",
+        default=[],
+        metavar="TERM[,TERM...]",
+        help="the cells whose name holds every term (e.g. 'kvplane,shared-8'); repeatable",
+    )
+    live.add_argument("--runs", type=int, help="runs of each point (default: the profile's)")
+    live.add_argument("--duration", type=float, help="seconds of traffic per cell")
+    live.add_argument("--json", type=Path, help="also write the figures here")
+    live.add_argument("--plot", type=Path, help="also draw them in this PNG")
+    live.add_argument("--logs", type=Path, help="keep every process's log under this folder")
+    live.set_defaults(handler=_run_bench_live)
     return parser
 
 

@@ -1,0 +1,154 @@
+"""`kvplane bench live`: run every cell of the grid, each on a fresh fleet, and gather
+its figures.
+
+One cell: start the engines, start the router (kvplane with its agents, or a peer),
+read the router's CPU, send the workload, read the CPU again and the engines'
+counters, collect the evidence that what was measured was in play, and stop every
+process. A cell that fails says why in its result; the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.live.client import Outcome, Traffic, run_workload
+from benchmarks.live.fleet import MODEL, EngineFleet, FleetShape, hit_rate, start_engines
+from benchmarks.live.grid import BYPASS_SHARE, Cell
+from benchmarks.live.processes import Children, StartFailed
+from benchmarks.live.routers import api_key
+from benchmarks.live.workloads import build_workload
+from simulations.reporting import percentile
+
+DRAIN_S = 30.0  # the longest a cell waits for its last responses after the schedule ends
+
+
+@dataclass(slots=True)
+class CellResult:
+    router: str
+    family: str
+    policy: str
+    workload: str
+    load: str
+    rate_per_s: float
+    situation: str
+    run: int
+    version: str = ""
+    commands: list[str] = field(default_factory=list)
+    error: str | None = None  # why the cell has no figures
+    requests: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    engine_hit_rate: float = 0.0  # from the engines' vllm:prefix_cache_* counters
+    client_cached_share: float = 0.0  # cached / prompt tokens from the responses' usage
+    ttft_p50_ms: float = float("nan")
+    ttft_p90_ms: float = float("nan")
+    ttft_p99_ms: float = float("nan")
+    requests_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    engine_requests: dict[str, float] = field(default_factory=dict)
+    imbalance: float = 0.0  # busiest engine's requests over the mean
+    preemptions: float = 0.0
+    router_cpu_s: float = 0.0  # the router's processes (and kvplane's agents)
+    cpu_ms_per_request: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_cell(
+    cell: Cell, *, duration_s: float, trace: Path, log_root: Path, shape: FleetShape
+) -> CellResult:
+    spec = cell.router
+    result = CellResult(
+        spec.name, spec.family, spec.policy, cell.workload, cell.load, cell.rate_per_s,
+        cell.situation, cell.run,
+    )  # fmt: skip
+    reason = spec.unavailable()
+    if reason is not None:
+        result.error = reason
+        return result
+    result.version = spec.version()
+    workload = build_workload(cell.workload, cell.rate_per_s, duration_s, trace=trace)
+    children = Children(log_root / _slug(cell.key))
+    try:
+        fleet = start_engines(children, shape)
+        deployment = spec.start(spec, fleet, children, cell.replicas, workload)
+        result.commands = [shlex.join(child.command) for child in deployment.charged]
+        cpu_before = deployment.cpu_seconds()
+        traffic = Traffic(
+            deployment.urls,
+            fleet.urls if cell.situation == "bypass" else (),
+            BYPASS_SHARE if cell.situation == "bypass" else 0.0,
+            seed=cell.run,
+        )
+        during = []
+        if cell.situation == "engine-restart":
+            during.append((workload.span_s / 2, _restarter(fleet)))
+        started = time.perf_counter()
+        outcomes = asyncio.run(
+            run_workload(
+                workload,
+                traffic,
+                model=MODEL,
+                api_key=lambda tenant: api_key(tenant or "anonymous"),
+                deadline_s=workload.span_s + DRAIN_S,
+                during=during,
+            )
+        )
+        result.seconds = time.perf_counter() - started
+        result.router_cpu_s = deployment.cpu_seconds() - cpu_before
+        _figures(result, outcomes, fleet)
+        result.evidence = deployment.in_play()
+    except (StartFailed, OSError, RuntimeError, ValueError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    finally:
+        children.stop_all()
+    return result
+
+
+def _restarter(fleet: EngineFleet) -> Any:
+    async def restart() -> None:
+        await asyncio.to_thread(fleet.restart, 0)
+
+    return restart
+
+
+def _figures(result: CellResult, outcomes: list[Outcome], fleet: EngineFleet) -> None:
+    result.requests = len(outcomes)
+    result.failed = sum(not outcome.ok for outcome in outcomes)
+    ttfts = [outcome.ttft_s for outcome in outcomes if outcome.ttft_s is not None]
+    result.ttft_p50_ms = percentile(ttfts, 0.5) * 1000
+    result.ttft_p90_ms = percentile(ttfts, 0.9) * 1000
+    result.ttft_p99_ms = percentile(ttfts, 0.99) * 1000
+    done = [outcome for outcome in outcomes if outcome.ok]
+    prompt = sum(outcome.prompt_tokens for outcome in done)
+    result.client_cached_share = sum(o.cached_tokens for o in done) / prompt if prompt else 0.0
+    result.requests_per_s = len(done) / result.seconds if result.seconds else 0.0
+    result.output_tokens_per_s = (
+        sum(o.output_tokens for o in done) / result.seconds if result.seconds else 0.0
+    )
+    totals = fleet.totals()
+    result.engine_hit_rate = hit_rate(list(totals.values()))
+    result.engine_requests = {name: total.requests for name, total in totals.items()}
+    counts = list(result.engine_requests.values())
+    mean = statistics.fmean(counts) if counts else 0.0
+    result.imbalance = max(counts) / mean if mean else 0.0
+    result.preemptions = sum(total.preemptions for total in totals.values())
+    routed = sum(not outcome.direct for outcome in outcomes)
+    result.cpu_ms_per_request = result.router_cpu_s * 1000 / routed if routed else 0.0
+
+
+def _slug(text: str) -> str:
+    return "".join(char if char.isalnum() or char in "-." else "_" for char in text).strip("_")
+
+
+def default_log_root() -> Path:
+    return Path(tempfile.mkdtemp(prefix="kvplane-bench-live-"))

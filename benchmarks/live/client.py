@@ -1,0 +1,200 @@
+"""The bake-off's client: the official `openai` client, streaming, sending a workload's
+conversations through a router (or straight to an engine, for the traffic that goes
+around it) and timing each request.
+
+Conversations start on the workload's schedule whatever the router does (open loop);
+a conversation's next step waits for its parent's response and carries it, as a chat
+client does. Time to first token is the time to the first chunk with content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+from benchmarks.live.workloads import Conversation, Step, Workload
+
+REQUEST_TIMEOUT_S = 60.0
+Message = dict[str, str]
+
+
+@dataclass(slots=True)
+class Outcome:
+    ok: bool
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    direct: bool = False  # sent to an engine, around the router
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Where the client sends requests: the router's replicas in turn, and a share of
+    conversations straight to the engines."""
+
+    router_urls: Sequence[str]
+    engine_urls: Sequence[str] = ()
+    direct_share: float = 0.0
+    seed: int = 0
+    _sent: int = 0
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def route_conversation(self) -> str | None:
+        """An engine URL if this conversation goes around the router, else None."""
+        if self.engine_urls and self._rng.random() < self.direct_share:
+            return self._rng.choice(list(self.engine_urls)) + "/v1"
+        return None
+
+    def next_router_url(self) -> str:
+        url = self.router_urls[self._sent % len(self.router_urls)]
+        self._sent += 1
+        return url
+
+
+class Clients:
+    """One `AsyncOpenAI` per (base URL, API key), made on first use."""
+
+    def __init__(self) -> None:
+        self._clients: dict[tuple[str, str], openai.AsyncOpenAI] = {}
+
+    def get(self, base_url: str, key: str) -> openai.AsyncOpenAI:
+        client = self._clients.get((base_url, key))
+        if client is None:
+            client = openai.AsyncOpenAI(
+                base_url=base_url, api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+            )
+            self._clients[(base_url, key)] = client
+        return client
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self._clients.values()))
+
+
+async def run_workload(
+    workload: Workload,
+    traffic: Traffic,
+    *,
+    model: str,
+    api_key: Callable[[str | None], str],
+    deadline_s: float,
+    during: Sequence[tuple[float, Callable[[], Awaitable[None]]]] = (),
+) -> list[Outcome]:
+    """Send every conversation; requests still open `deadline_s` after the start are
+    cancelled and count as failed. `during`: (seconds after the start, action) pairs,
+    e.g. restarting an engine mid-run."""
+    outcomes: list[Outcome] = []
+    clients = Clients()
+    started = time.perf_counter()
+
+    async def conversation(item: Conversation) -> None:
+        await asyncio.sleep(max(0.0, item.start_s - (time.perf_counter() - started)))
+        direct = traffic.route_conversation()
+        messages: list[Message] = []
+        if item.system is not None:
+            messages.append({"role": "system", "content": item.system})
+        await step(item, item.root, messages, direct)
+
+    async def step(
+        item: Conversation, current: Step, history: list[Message], direct: str | None
+    ) -> None:
+        messages = [*history, {"role": "user", "content": current.text}]
+        url = direct or traffic.next_router_url()
+        client = clients.get(url, api_key(item.tenant))
+        outcome, text = await _send(client, model, messages, current.max_tokens, item.tenant)
+        outcome.direct = direct is not None
+        outcomes.append(outcome)
+        if not outcome.ok:
+            return  # the conversation cannot go on without the response
+        follow = [*messages, {"role": "assistant", "content": text}]
+        await asyncio.gather(
+            *(
+                _after(child.after_s, step(item, child, follow, direct))
+                for child in current.children
+            )
+        )
+
+    async def actions() -> None:
+        for at_s, action in sorted(during, key=lambda pair: pair[0]):
+            await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - started)))
+            await action()
+
+    tasks = [asyncio.ensure_future(conversation(item)) for item in workload.conversations]
+    side = asyncio.ensure_future(actions())
+    try:
+        _done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        unfinished = workload.requests - len(outcomes)
+        outcomes += [Outcome(ok=False, error="not finished by the deadline")] * max(0, unfinished)
+    finally:
+        side.cancel()
+        await asyncio.gather(side, return_exceptions=True)
+        await clients.close()
+    return outcomes
+
+
+async def _after(delay_s: float, work: Awaitable[None]) -> None:
+    await asyncio.sleep(delay_s)
+    await work
+
+
+async def _send(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[Message],
+    max_tokens: int,
+    tenant: str | None,
+) -> tuple[Outcome, str]:
+    extra: dict[str, Any] = {}
+    if tenant is not None:
+        # What a careful client of vLLM does to keep tenants apart in the engine's cache;
+        # kvplane replaces it with the tenant's own salt.
+        extra["cache_salt"] = f"salt-{tenant}"
+    sent = time.perf_counter()
+    first: float | None = None
+    pieces: list[str] = []
+    usage = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra or None,
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.perf_counter()
+                pieces.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except (TimeoutError, openai.APIError) as error:
+        return Outcome(ok=False, error=type(error).__name__), ""
+    ended = time.perf_counter()
+    outcome = Outcome(
+        ok=first is not None,
+        ttft_s=None if first is None else first - sent,
+        latency_s=ended - sent,
+        error=None if first is not None else "no content streamed",
+    )
+    if usage is not None:
+        outcome.prompt_tokens = usage.prompt_tokens
+        outcome.output_tokens = usage.completion_tokens
+        details = usage.prompt_tokens_details
+        outcome.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
+    return outcome, "".join(pieces)

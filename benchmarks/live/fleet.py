@@ -1,0 +1,138 @@
+"""The engines of one bake-off cell: engine simulators as real processes on loopback,
+each publishing vLLM's KV events on ZMQ, and what the report reads from them.
+
+Small KV caches, so that placement matters; the simulator's default timing model, so
+that a cache miss costs prefill time as it would on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx2
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.live.processes import Child, Children, wait_ready
+from kvplane.core.serving import free_port
+
+MODEL = "kvplane-tiny"
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class FleetShape:
+    engines: int = 4
+    kv_blocks: int = 256  # 4,096 tokens each: about four 1,000-token system prompts
+    max_num_seqs: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    child: Child
+    base_url: str
+    events_endpoint: str  # where it publishes, for subscribers: tcp://127.0.0.1:PORT
+    replay_endpoint: str
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    """Counters summed over an engine's lives (a restart sets them back to zero)."""
+
+    queried_tokens: float = 0.0
+    hit_tokens: float = 0.0
+    requests: float = 0.0
+    preemptions: float = 0.0
+
+    def add(self, other: EngineTotals) -> None:
+        self.queried_tokens += other.queried_tokens
+        self.hit_tokens += other.hit_tokens
+        self.requests += other.requests
+        self.preemptions += other.preemptions
+
+
+@dataclass(slots=True)
+class EngineFleet:
+    engines: list[Engine]
+    children: Children
+    banked: dict[str, EngineTotals] = field(default_factory=dict)
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.base_url for engine in self.engines]
+
+    def restart(self, index: int) -> None:
+        """An engine restarted in place: its cache and counters are gone, nothing is
+        announced (a new process sends no events). Its counters are banked first."""
+        engine = self.engines[index]
+        self.banked.setdefault(engine.name, EngineTotals()).add(scrape(engine.base_url))
+        response = httpx2.post(f"{engine.base_url}/sim/faults", json={"restart": True}, timeout=5)
+        response.raise_for_status()
+
+    def totals(self) -> dict[str, EngineTotals]:
+        """Every engine's counters since the cell started."""
+        result = {}
+        for engine in self.engines:
+            totals = scrape(engine.base_url)
+            totals.add(self.banked.get(engine.name, EngineTotals()))
+            result[engine.name] = totals
+        return result
+
+
+def start_engines(children: Children, shape: FleetShape) -> EngineFleet:
+    """Start every engine at once and wait until all answer `/health`."""
+    engines = []
+    for number in range(1, shape.engines + 1):
+        port, events, replay = free_port(), free_port(), free_port()
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{events}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        }
+        command = [
+            sys.executable, "-m", "kvplane.cli", "engine-sim",
+            "--port", str(port),
+            "--model", MODEL,
+            "--block-size", str(BLOCK_SIZE),
+            "--num-gpu-blocks-override", str(shape.kv_blocks),
+            "--max-num-seqs", str(shape.max_num_seqs),
+            "--kv-events-config", json.dumps(kv_events),
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        name = f"engine-{number}"
+        engines.append(
+            Engine(
+                name,
+                children.launch(name, command),
+                f"http://127.0.0.1:{port}",
+                f"tcp://127.0.0.1:{events}",
+                f"tcp://127.0.0.1:{replay}",
+            )
+        )
+    wait_ready((engine.child, engine.base_url + "/health") for engine in engines)
+    return EngineFleet(engines, children)
+
+
+def scrape(base_url: str) -> EngineTotals:
+    """The engine's vLLM counters that the report uses."""
+    text = httpx2.get(f"{base_url}/metrics", timeout=5).text
+    values: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] += sample.value
+    return EngineTotals(
+        queried_tokens=values["vllm:prefix_cache_queries_total"],
+        hit_tokens=values["vllm:prefix_cache_hits_total"],
+        requests=values["vllm:e2e_request_latency_seconds_count"],
+        preemptions=values["vllm:num_preemptions_total"],
+    )
+
+
+def hit_rate(totals: Sequence[EngineTotals]) -> float:
+    queried = sum(total.queried_tokens for total in totals)
+    return sum(total.hit_tokens for total in totals) / queried if queried else 0.0

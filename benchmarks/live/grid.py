@@ -1,0 +1,131 @@
+"""What the bake-off runs: cells of router x workload x load x situation x repeat, and
+the profiles that pick them (`quick`, the default grid, `full`).
+
+Situations are where a router that guesses from its own decisions should go wrong and
+one that reads engine events should not:
+- `steady`: nothing happens but the traffic;
+- `two-replicas`: two replicas of the router, the client alternating between them
+  (kvplane's share an index in Redis; a peer's replicas each keep their own);
+- `engine-restart`: one engine restarts (cache emptied, nothing announced) halfway;
+- `eviction`: a working set several times the fleet's cache (`shared-64`);
+- `bypass`: a quarter of the conversations reach the engines around the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.live.routers import ROUTERS, RouterSpec
+
+# Offered load, in requests per second, for four engines with the default timing model
+# on a 2-core machine: light, about where round-robin saturates, past it.
+LOADS: dict[str, float] = {"light": 4.0, "medium": 10.0, "heavy": 20.0}
+SITUATIONS = ("steady", "two-replicas", "engine-restart", "eviction", "bypass")
+EVICTION_WORKLOAD = "shared-64"
+BYPASS_SHARE = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    router: RouterSpec
+    workload: str
+    load: str
+    situation: str
+    run: int
+
+    @property
+    def rate_per_s(self) -> float:
+        return LOADS[self.load]
+
+    @property
+    def replicas(self) -> int:
+        return 2 if self.situation == "two-replicas" else 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.router.name} | {self.workload} | {self.load} | {self.situation} | run {self.run}"
+
+    @property
+    def point(self) -> tuple[str, str, str]:
+        """What the table groups by: every router and run of a point side by side."""
+        return (self.workload, self.situation, self.load)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    duration_s: float
+    runs: int
+    steady_workloads: tuple[str, ...]
+    steady_loads: tuple[str, ...]
+    situations: tuple[str, ...]
+    situation_workload: str
+    situation_load: str
+    situation_routers: str  # "cache-aware" or "all"
+
+
+PROFILES: dict[str, Profile] = {
+    "quick": Profile("quick", 6.0, 1, ("shared-4",), ("light",), (), "shared-4", "light", "all"),
+    "default": Profile(
+        "default",
+        15.0,
+        2,
+        ("shared-8", "multi-turn"),
+        ("medium",),
+        ("two-replicas", "engine-restart"),
+        "shared-8",
+        "medium",
+        "cache-aware",
+    ),
+    "full": Profile(
+        "full",
+        20.0,
+        2,
+        ("shared-4", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
+        ("light", "medium", "heavy"),
+        ("two-replicas", "engine-restart", "eviction", "bypass"),
+        "shared-8",
+        "medium",
+        "all",
+    ),
+}
+
+
+def _cache_aware(router: RouterSpec) -> bool:
+    return router.policy not in ("round-robin", "round_robin")
+
+
+def cells(profile: Profile, routers: Sequence[RouterSpec] = ROUTERS) -> list[Cell]:
+    """Every cell of the profile, runs interleaved (all routers' first run, then the
+    second), so that a slow spell of the machine does not hit one router's runs only."""
+    result = []
+    for run in range(1, profile.runs + 1):
+        for workload in profile.steady_workloads:
+            for load in profile.steady_loads:
+                result += [Cell(router, workload, load, "steady", run) for router in routers]
+        for situation in profile.situations:
+            workload = EVICTION_WORKLOAD if situation == "eviction" else profile.situation_workload
+            chosen = [
+                router
+                for router in routers
+                if profile.situation_routers == "all" or _cache_aware(router)
+            ]
+            result += [
+                Cell(router, workload, profile.situation_load, situation, run) for router in chosen
+            ]
+    return result
+
+
+def select(all_cells: Sequence[Cell], only: Sequence[Sequence[str]]) -> list[Cell]:
+    """The cells that some filter of `only` picks (all of them when there is none): a
+    filter picks a cell when the cell's key contains every one of its terms, ignoring
+    case (`["kvplane", "shared-8"]`: kvplane's routers on shared-8)."""
+    if not only:
+        return list(all_cells)
+    filters = [[term.lower() for term in terms] for terms in only]
+    return [
+        cell
+        for cell in all_cells
+        if any(all(term in cell.key.lower() for term in terms) for terms in filters)
+    ]

@@ -1,0 +1,122 @@
+"""The bake-off's report: one table per point (workload, situation, load) with every
+router's figures and every run side by side, the JSON, and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.live.bakeoff import CellResult
+from simulations.reporting import format_table
+
+
+def _runs(values: Sequence[float], fmt: str) -> str:
+    """Each run's figure, '/' between them: the spread is what a 2-core machine gives."""
+    return " / ".join("-" if math.isnan(value) else format(value, fmt) for value in values)
+
+
+def _points(results: Sequence[CellResult]) -> dict[tuple[str, str, str], list[CellResult]]:
+    points: dict[tuple[str, str, str], list[CellResult]] = {}
+    for result in results:
+        points.setdefault((result.workload, result.situation, result.load), []).append(result)
+    return points
+
+
+def _by_router(results: Sequence[CellResult]) -> dict[str, list[CellResult]]:
+    routers: dict[str, list[CellResult]] = {}
+    for result in sorted(results, key=lambda r: r.run):
+        routers.setdefault(result.router, []).append(result)
+    return routers
+
+
+def render_tables(results: Sequence[CellResult]) -> str:
+    sections = []
+    for (workload, situation, load), point in _points(results).items():
+        rate = point[0].rate_per_s
+        rows: list[tuple[str, ...]] = [
+            (
+                "router",
+                "hit %",
+                "TTFT p50 ms",
+                "TTFT p90 ms",
+                "TTFT p99 ms",
+                "req/s",
+                "failed",
+                "busiest/mean",
+                "CPU ms/req",
+            )
+        ]
+        notes = []
+        for router, runs in _by_router(point).items():
+            ok = [run for run in runs if run.error is None]
+            if not ok:
+                notes.append(f"{router}: no figures: {runs[0].error}")
+                continue
+            rows.append(
+                (
+                    router,
+                    _runs([run.engine_hit_rate * 100 for run in ok], ".1f"),
+                    _runs([run.ttft_p50_ms for run in ok], ".0f"),
+                    _runs([run.ttft_p90_ms for run in ok], ".0f"),
+                    _runs([run.ttft_p99_ms for run in ok], ".0f"),
+                    _runs([run.requests_per_s for run in ok], ".1f"),
+                    _runs([float(run.failed) for run in ok], ".0f"),
+                    _runs([run.imbalance for run in ok], ".2f"),
+                    _runs([run.cpu_ms_per_request for run in ok], ".1f"),
+                )
+            )
+            notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]
+        header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
+        sections.append("\n".join([header, format_table(rows), *notes]))
+    return "\n\n".join(sections)
+
+
+def write_json(path: Path, results: Sequence[CellResult], meta: dict[str, Any]) -> None:
+    document = {**meta, "cpus": os.cpu_count(), "cells": [result.as_json() for result in results]}
+    path.write_text(json.dumps(document, indent=2, allow_nan=True) + "\n")
+
+
+def write_plot(path: Path, results: Sequence[CellResult]) -> None:
+    """One panel per point: each router's TTFT p90 (bar: mean of the runs; whiskers: the
+    runs' range) labelled with its engine-reported hit rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    points = _points(results)
+    columns = min(2, len(points)) or 1
+    rows = math.ceil(len(points) / columns) or 1
+    figure, axes = plt.subplots(rows, columns, figsize=(7 * columns, 3.2 * rows), squeeze=False)
+    for panel, ((workload, situation, load), point) in zip(axes.flat, points.items(), strict=False):
+        names, means, lows, highs, labels = [], [], [], [], []
+        for router, runs in _by_router(point).items():
+            ok = [
+                run.ttft_p90_ms
+                for run in runs
+                if run.error is None and not math.isnan(run.ttft_p90_ms)
+            ]
+            if not ok:
+                continue
+            hits = [run.engine_hit_rate for run in runs if run.error is None]
+            mean = sum(ok) / len(ok)
+            names.append(router)
+            means.append(mean)
+            lows.append(mean - min(ok))
+            highs.append(max(ok) - mean)
+            labels.append(f"{sum(hits) / len(hits):.0%} hit")
+        bars = panel.barh(names, means, xerr=[lows, highs], color="tab:blue", alpha=0.7)
+        panel.bar_label(bars, labels, padding=4, fontsize=7)
+        panel.invert_yaxis()
+        panel.set_title(f"{workload}, {situation}, {load}", fontsize=9)
+        panel.set_xlabel("TTFT p90 (ms)", fontsize=8)
+        panel.tick_params(labelsize=7)
+    for panel in list(axes.flat)[len(points) :]:
+        panel.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

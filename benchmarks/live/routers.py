@@ -1,0 +1,323 @@
+"""The routers of the bake-off: kvplane and the real peers, each started from its own
+code in front of an `EngineFleet`.
+
+Peers come from PyPI into an environment of their own (`make peers-env`), never the
+product's dependencies; each is started with its documented command line, its own
+defaults, and the policy under test. A router that cannot run here says why
+(`RouterSpec.unavailable`) instead of vanishing from the table.
+
+Every deployment reports evidence that what it measures was in play (`in_play`): for
+kvplane, the workers registered and the index entries on each replica; for a peer that
+reads engine events, what its metrics say it received.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
+from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
+from benchmarks.live.workloads import Workload
+from kvplane.core.serving import free_port
+from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
+
+PEERS_VENV = Path(".peers-venv")
+PEERS_BUILD_COMMAND = "make peers-env"
+ADMIN_TOKEN = "bench-live-admin"  # loopback only, for the fleet API's evidence
+REDIS_URL = "redis://127.0.0.1:6379/13"  # the replicas' shared index: flushed per cell
+
+
+def api_key(tenant: str) -> str:
+    return f"sk-bench-{tenant}"
+
+
+@dataclass(slots=True)
+class Deployment:
+    """A router running in front of the fleet: the URLs clients use (one per replica)
+    and the processes whose CPU it is charged (agents included)."""
+
+    urls: list[str]
+    charged: list[Child]
+    in_play: Callable[[], dict[str, Any]] = lambda: {}
+
+    def cpu_seconds(self) -> float:
+        return sum(child.cpu_seconds() for child in self.charged)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    name: str  # as the table shows it: "family policy"
+    family: str  # kvplane, smg, sglang-router, vllm-router
+    policy: str
+    reads_engine_events: bool
+    start: Callable[[RouterSpec, EngineFleet, Children, int, Workload], Deployment] = field(
+        compare=False, repr=False
+    )
+
+    def unavailable(self) -> str | None:
+        """Why this router cannot run here, or None."""
+        if self.family == "kvplane":
+            return None
+        if not peers_python().exists():
+            return f"the peers' environment {PEERS_VENV}/ is missing: run `{PEERS_BUILD_COMMAND}`"
+        return None
+
+    def version(self) -> str:
+        if self.family == "kvplane":
+            return importlib.metadata.version("kvplane")
+        return peer_version(self.family)
+
+
+def peers_python() -> Path:
+    return PEERS_VENV / "bin" / "python"
+
+
+def peer_version(distribution: str) -> str:
+    completed = subprocess.run(
+        [
+            str(peers_python()),
+            "-c",
+            f"import importlib.metadata as m; print(m.version({distribution!r}))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return completed.stdout.strip() or "unknown"
+
+
+# --- kvplane -------------------------------------------------------------------------
+
+
+def _start_kvplane(
+    spec: RouterSpec, fleet: EngineFleet, children: Children, replicas: int, workload: Workload
+) -> Deployment:
+    env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
+    flags = ["--policy", spec.policy, "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
+    if replicas > 1:
+        _flush_redis()
+        flags += ["--index", "redis", "--redis-url", REDIS_URL]
+    if workload.tenants:
+        flags += ["--tenants-file", str(_tenants_file(workload.tenants))]
+        env["KVPLANE_TENANTS__CACHE_SALT_SECRET"] = "bench-live"
+    routers = []
+    for number in range(1, replicas + 1):
+        http, grpc = free_port(), free_port()
+        command = [
+            sys.executable, "-m", "kvplane.cli", "router",
+            "--http-host", "127.0.0.1", "--http-port", str(http),
+            "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc),
+            *flags,
+        ]  # fmt: skip
+        routers.append((children.launch(f"kvplane-router-{number}", command, env), http, grpc))
+    wait_ready((child, f"http://127.0.0.1:{http}/readyz") for child, http, _ in routers)
+    addresses = ",".join(f"127.0.0.1:{grpc}" for _, _, grpc in routers)
+    agents = []
+    for engine in fleet.engines:
+        command = [
+            sys.executable, "-m", "kvplane.cli", "agent",
+            "--worker-id", engine.name,
+            "--engine-url", engine.base_url,
+            "--kv-events-endpoint", engine.events_endpoint,
+            "--kv-events-replay-endpoint", engine.replay_endpoint,
+            "--control-plane-address", addresses,
+            "--block-size", str(BLOCK_SIZE),
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        agents.append(children.launch(f"kvplane-agent-{engine.name}", command))
+    urls = [f"http://127.0.0.1:{http}" for _, http, _ in routers]
+    _wait_registered(urls, len(fleet.engines), [*[r[0] for r in routers], *agents])
+
+    def in_play() -> dict[str, Any]:
+        evidence = {}
+        for url in urls:
+            index = _admin_get(url, "/fleet/index")
+            workers = _admin_get(url, "/fleet/workers")["workers"]
+            evidence[url] = {
+                "index_entries": index["entries"],
+                "live_workers": sum(row["state"] == "live" for row in workers),
+                "suspect_workers": sum(bool(row["suspect"]) for row in workers),
+            }
+        return evidence
+
+    return Deployment(
+        [url + "/v1" for url in urls], [child for child, _, _ in routers] + agents, in_play
+    )
+
+
+def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:
+        for child in watched:
+            if child.process.poll() is not None:
+                raise StartFailed(f"{child.name} exited:\n{child.log_tail()}")
+        try:
+            if all(
+                sum(row["state"] == "live" for row in _admin_get(url, "/fleet/workers")["workers"])
+                >= engines
+                for url in urls
+            ):
+                return
+        except httpx2.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise StartFailed("kvplane's agents did not register with every router in 60 s")
+        time.sleep(0.1)
+
+
+def _admin_get(url: str, path: str) -> Any:
+    response = httpx2.get(url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)
+    response.raise_for_status()
+    return response.json()
+
+
+def _tenants_file(tenants: tuple[str, ...]) -> Path:
+    from router.tenants import api_key_digest
+
+    lines = []
+    for tenant in tenants:
+        lines += [
+            "[[tenants]]",
+            f'name = "{tenant}"',
+            f'api_key_sha256 = ["{api_key_digest(api_key(tenant))}"]',
+            "",
+        ]
+    handle = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="bench-tenants-")
+    with handle:
+        handle.write("\n".join(lines))
+    return Path(handle.name)
+
+
+def _flush_redis() -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+# --- peers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCommand:
+    """How one peer starts: its command line for a port and the fleet, its extra
+    environment, and the path that answers 200 once it routes."""
+
+    argv: Callable[[int, EngineFleet], list[str]]
+    env: Callable[[EngineFleet], dict[str, str]] = lambda fleet: {}
+    ready_path: str = "/health"
+    evidence: Callable[[str], dict[str, Any]] = lambda url: {}
+
+
+def _peer_starter(
+    command: PeerCommand,
+) -> Callable[[RouterSpec, EngineFleet, Children, int, Workload], Deployment]:
+    def start(
+        spec: RouterSpec, fleet: EngineFleet, children: Children, replicas: int, workload: Workload
+    ) -> Deployment:
+        launched = []
+        for number in range(1, replicas + 1):
+            port = free_port()
+            child = children.launch(
+                f"{spec.family}-{number}", command.argv(port, fleet), command.env(fleet)
+            )
+            launched.append((child, f"http://127.0.0.1:{port}"))
+        wait_ready((child, url + command.ready_path) for child, url in launched)
+        urls = [url for _, url in launched]
+        return Deployment(
+            [url + "/v1" for url in urls],
+            [child for child, _ in launched],
+            lambda: {url: command.evidence(url) for url in urls},
+        )
+
+    return start
+
+
+def _smg_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
+    def argv(port: int, fleet: EngineFleet) -> list[str]:
+        return [
+            str(peers_python()), "-m", "smg", "launch",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *fleet.urls,
+            "--policy", policy,
+            "--backend", "vllm",
+        ]  # fmt: skip
+
+    return argv
+
+
+def _sglang_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
+    def argv(port: int, fleet: EngineFleet) -> list[str]:
+        return [
+            str(peers_python()), "-m", "sglang_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *fleet.urls,
+            "--policy", policy,
+        ]  # fmt: skip
+
+    return argv
+
+
+def _vllm_router_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
+    def argv(port: int, fleet: EngineFleet) -> list[str]:
+        command = [
+            str(PEERS_VENV / "bin" / "vllm-router"),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *fleet.urls,
+            "--policy", policy,
+        ]  # fmt: skip
+        if policy == "kv_aware":
+            for engine in fleet.engines:
+                command += ["--kv-event-source", f"{engine.base_url}={engine.events_endpoint}"]
+            command += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+        return command
+
+    return argv
+
+
+def _vllm_router_env(fleet: EngineFleet) -> dict[str, str]:
+    return {"VLLM_ROUTER_TOKENIZER": str(DEFAULT_TOKENIZER_DIR)}
+
+
+def _kvplane(policy: str) -> RouterSpec:
+    return RouterSpec(f"kvplane {policy}", "kvplane", policy, policy == "kvplane", _start_kvplane)
+
+
+def _peer(family: str, policy: str, command: PeerCommand, reads_events: bool = False) -> RouterSpec:
+    return RouterSpec(f"{family} {policy}", family, policy, reads_events, _peer_starter(command))
+
+
+ROUTERS: tuple[RouterSpec, ...] = (
+    _kvplane("kvplane"),
+    _kvplane("round-robin"),
+    _peer("smg", "cache_aware", PeerCommand(_smg_argv("cache_aware"))),
+    _peer("smg", "round_robin", PeerCommand(_smg_argv("round_robin"))),
+    _peer("sglang-router", "cache_aware", PeerCommand(_sglang_argv("cache_aware"))),
+    _peer("sglang-router", "round_robin", PeerCommand(_sglang_argv("round_robin"))),
+    _peer(
+        "vllm-router",
+        "cache_aware",
+        PeerCommand(_vllm_router_argv("cache_aware"), _vllm_router_env),
+    ),
+    _peer(
+        "vllm-router",
+        "kv_aware",
+        PeerCommand(_vllm_router_argv("kv_aware"), _vllm_router_env),
+        reads_events=True,
+    ),
+    _peer("vllm-router", "round_robin", PeerCommand(_vllm_router_argv("round_robin"))),
+)

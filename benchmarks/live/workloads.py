@@ -1,0 +1,345 @@
+"""The live bake-off's workloads: conversations of real text, generated deterministically.
+
+Text, not token ids: the peers' cache-aware policies match request text (SGLang's and
+SMG's approximate trees) or token ids they ask the engine for (vllm-router), so every
+router must see the same bytes. Each piece of text is a run of words drawn from a seed
+named after what the text stands for, so two prompts share a prefix exactly where the
+workload says they do. With kvplane's tiny tokenizer a word is about 2.5 tokens
+(`TOKENS_PER_WORD`); the lengths below are in tokens and approximate, and the engines'
+own counts are what the report uses.
+
+A workload is a list of `Conversation`s. A conversation starts at `start_s` with its
+system prompt (if any) and its root `Step`; each child step is sent `after_s` seconds
+after its parent's response ends, with the parent's messages, the parent's real
+response and the child's text: a multi-turn chat is a chain, an agent run a tree, a
+single request a conversation of one step. Conversations start open-loop (on a
+schedule, whatever the routers do); steps within one follow their responses.
+
+Workloads (the shapes of `simulations/fleet/workloads.py`, scaled for a small machine):
+- `shared-N`: N system prompts (about 1,000 tokens each) shared by groups of requests,
+  each with its own question; Poisson arrivals.
+- `multi-turn`: chats sharing one system prompt, growing turn by turn.
+- `multi-tenant`: four tenants with the same system prompts' text; each tenant's
+  requests carry its API key and its own `cache_salt` (as a careful client of vLLM
+  would), so tenants never share cache in the engines.
+- `agent-tree`: agent runs branching from a shared trunk (task, tools, documents).
+- `mooncake`: the Mooncake FAST'25 conversation trace, its first requests replayed at
+  the chosen rate, each 512-token block of the trace as a short run of text (32 tokens
+  by default: prefixes are shared exactly as in the trace, at 1/16 of the length).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOKENS_PER_WORD = 2.5
+# Words the tiny tokenizer knows well (its training text): prompts stay short in tokens
+# for their length in words, as English does with a real tokenizer.
+_WORDS = [
+    "cache",
+    "model",
+    "request",
+    "prefix",
+    "block",
+    "router",
+    "engine",
+    "token",
+    "replica",
+    "answer",
+    "question",
+    "system",
+    "helpful",
+    "assistant",
+    "summarise",
+    "document",
+    "engineer",
+    "function",
+    "return",
+    "longest",
+    "common",
+    "list",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "lazy",
+    "dog",
+    "sentence",
+    "grammar",
+    "translate",
+    "capital",
+    "city",
+    "largest",
+    "paragraph",
+    "short",
+    "read",
+    "work",
+    "again",
+    "part",
+    "earlier",
+    "same",
+    "way",
+    "start",
+    "below",
+    "remember",
+    "already",
+    "skip",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One request of a conversation: the user's new text, what it may generate, and the
+    steps that follow its response."""
+
+    text: str
+    max_tokens: int
+    after_s: float = 0.0  # after the parent's response (the root: after the start)
+    children: tuple[Step, ...] = ()
+
+    def count(self) -> int:
+        return 1 + sum(child.count() for child in self.children)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    start_s: float
+    root: Step
+    system: str | None = None
+    tenant: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    conversations: tuple[Conversation, ...]
+    tenants: tuple[str, ...] = ()  # empty: no tenants, every request anonymous
+    description: str = ""
+    notes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return sum(conversation.root.count() for conversation in self.conversations)
+
+    @property
+    def span_s(self) -> float:
+        return max((c.start_s for c in self.conversations), default=0.0)
+
+
+def words(key: str, tokens: int) -> str:
+    """About `tokens` tokens of text, the same for the same key on every machine."""
+    rng = random.Random(key)
+    count = max(1, round(tokens / TOKENS_PER_WORD))
+    return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+
+def poisson_starts(rng: random.Random, rate_per_s: float, duration_s: float) -> Iterator[float]:
+    """Arrival times of a Poisson process at `rate_per_s` over `duration_s`."""
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("the rate and the duration must be positive")
+    now = rng.expovariate(rate_per_s)
+    while now < duration_s:
+        yield now
+        now += rng.expovariate(rate_per_s)
+
+
+def shared_prompts(
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    groups: int,
+    system_tokens: int = 1000,
+    question_tokens: int = 48,
+    max_tokens: int = 16,
+    seed: int = 0,
+) -> Workload:
+    rng = random.Random(f"shared-{groups}-{seed}")
+    systems = [words(f"system-{group}", system_tokens) for group in range(groups)]
+    conversations = tuple(
+        Conversation(
+            start,
+            Step(words(f"question-{seed}-{number}", question_tokens), max_tokens),
+            system=f"You are assistant {group}. " + systems[group],
+        )
+        for number, start in enumerate(poisson_starts(rng, rate_per_s, duration_s))
+        for group in (rng.randrange(groups),)
+    )
+    return Workload(
+        f"shared-{groups}",
+        conversations,
+        description=f"{groups} shared system prompts of ~{system_tokens} tokens, "
+        f"unique ~{question_tokens}-token questions",
+    )
+
+
+def multi_turn(
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    turns: int = 5,
+    system_tokens: int = 500,
+    user_tokens: int = 64,
+    max_tokens: int = 24,
+    think_s: float = 1.0,
+    seed: int = 0,
+) -> Workload:
+    """Chats sharing one system prompt; `rate_per_s` counts requests (turns), so chats
+    start at rate / turns."""
+    rng = random.Random(f"multi-turn-{seed}")
+    system = words("chat-system", system_tokens)
+    conversations = []
+    for number, start in enumerate(poisson_starts(rng, rate_per_s / turns, duration_s)):
+        step: Step | None = None
+        for turn in reversed(range(turns)):
+            text = words(f"chat-{seed}-{number}-{turn}", user_tokens)
+            after = rng.expovariate(1 / think_s) if turn else 0.0
+            step = Step(text, max_tokens, after, () if step is None else (step,))
+        assert step is not None
+        conversations.append(Conversation(start, step, system=system))
+    return Workload(
+        "multi-turn",
+        tuple(conversations),
+        description=f"{turns}-turn chats, one ~{system_tokens}-token system prompt, "
+        f"~{user_tokens}-token turns, think time {think_s} s",
+    )
+
+
+def multi_tenant(
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    tenants: int = 4,
+    prompts_per_tenant: int = 3,
+    system_tokens: int = 800,
+    question_tokens: int = 48,
+    max_tokens: int = 16,
+    seed: int = 0,
+) -> Workload:
+    """Every tenant uses the same system prompts' text (so only the cache salts keep them
+    apart)."""
+    rng = random.Random(f"multi-tenant-{seed}")
+    names = tuple(f"tenant{number}" for number in range(tenants))
+    systems = [
+        words(f"tenant-system-{prompt}", system_tokens) for prompt in range(prompts_per_tenant)
+    ]
+    conversations = tuple(
+        Conversation(
+            start,
+            Step(words(f"tenant-question-{seed}-{number}", question_tokens), max_tokens),
+            system=rng.choice(systems),
+            tenant=rng.choice(names),
+        )
+        for number, start in enumerate(poisson_starts(rng, rate_per_s, duration_s))
+    )
+    return Workload(
+        "multi-tenant",
+        conversations,
+        tenants=names,
+        description=f"{tenants} tenants x {prompts_per_tenant} system prompts (the same "
+        f"text for every tenant), ~{system_tokens} tokens each",
+    )
+
+
+def agent_tree(
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    trunk_tokens: int = 1000,
+    step_tokens: int = 64,
+    branches: int = 3,
+    depth: int = 2,
+    max_tokens: int = 24,
+    step_s: float = 0.2,
+    seed: int = 0,
+) -> Workload:
+    """Trees start at rate / (requests per tree), so `rate_per_s` counts requests."""
+    rng = random.Random(f"agent-tree-{seed}")
+    per_tree = sum(branches**level for level in range(depth + 1))
+
+    def subtree(path: str, level: int) -> Step:
+        children = ()
+        if level < depth:
+            children = tuple(subtree(f"{path}.{branch}", level + 1) for branch in range(branches))
+        after = rng.expovariate(1 / step_s) if level else 0.0
+        return Step(words(f"agent-step-{seed}-{path}", step_tokens), max_tokens, after, children)
+
+    conversations = tuple(
+        Conversation(
+            start, subtree(str(number), 0), system=words(f"trunk-{seed}-{number}", trunk_tokens)
+        )
+        for number, start in enumerate(poisson_starts(rng, rate_per_s / per_tree, duration_s))
+    )
+    return Workload(
+        "agent-tree",
+        conversations,
+        description=f"agent trees: a ~{trunk_tokens}-token trunk, {branches} branches, "
+        f"depth {depth} ({per_tree} requests a tree)",
+    )
+
+
+def mooncake(
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    trace: Path,
+    tokens_per_block: int = 32,
+    max_tokens: int = 16,
+) -> Workload:
+    """The trace's first requests, spaced as in the trace but sped up to `rate_per_s` on
+    average, for about `duration_s`."""
+    rows = []
+    with trace.open() as lines:
+        for line in lines:
+            rows.append(json.loads(line))
+            if len(rows) >= math.ceil(rate_per_s * duration_s):
+                break
+    if len(rows) < 2:
+        raise ValueError(f"{trace}: too few requests to replay")
+    first, last = rows[0]["timestamp"], rows[-1]["timestamp"]
+    speedup = (last - first) / 1000 / duration_s if last > first else 1.0
+    conversations = tuple(
+        Conversation(
+            (row["timestamp"] - first) / 1000 / speedup,
+            Step(
+                " ".join(
+                    words(f"mooncake-block-{block}", tokens_per_block) for block in row["hash_ids"]
+                ),
+                max(1, min(max_tokens, row["output_length"] // 16)),
+            ),
+        )
+        for row in rows
+    )
+    return Workload(
+        "mooncake",
+        conversations,
+        description=f"Mooncake conversation trace, first {len(rows)} requests at "
+        f"{speedup:.1f}x, {tokens_per_block} tokens per 512-token block",
+        notes={"speedup": speedup},
+    )
+
+
+WorkloadFactory = Callable[[float, float], Workload]
+
+
+def build_workload(name: str, rate_per_s: float, duration_s: float, *, trace: Path) -> Workload:
+    """The named workload at a request rate over a duration."""
+    if name.startswith("shared-"):
+        try:
+            groups = int(name.removeprefix("shared-"))
+        except ValueError:
+            raise ValueError(f"unknown workload {name!r}") from None
+        return shared_prompts(rate_per_s, duration_s, groups=groups)
+    factories: dict[str, WorkloadFactory] = {
+        "multi-turn": multi_turn,
+        "multi-tenant": multi_tenant,
+        "agent-tree": agent_tree,
+        "mooncake": lambda rate, duration: mooncake(rate, duration, trace=trace),
+    }
+    if name not in factories:
+        raise ValueError(f"unknown workload {name!r} (known: shared-N, {', '.join(factories)})")
+    return factories[name](rate_per_s, duration_s)

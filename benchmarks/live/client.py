@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from benchmarks.live.workloads import Conversation, Step, Workload
 
 REQUEST_TIMEOUT_S = 60.0
-Message = dict[str, str]
+Message = ChatCompletionMessageParam
 
 
 @dataclass(slots=True)
@@ -109,7 +110,8 @@ async def run_workload(
     async def step(
         item: Conversation, current: Step, history: list[Message], direct: str | None
     ) -> None:
-        messages = [*history, {"role": "user", "content": current.text}]
+        question: Message = {"role": "user", "content": current.text}
+        messages = [*history, question]
         url = direct or traffic.next_router_url()
         client = clients.get(url, api_key(item.tenant))
         outcome, text = await _send(client, model, messages, current.max_tokens, item.tenant)
@@ -117,7 +119,8 @@ async def run_workload(
         outcomes.append(outcome)
         if not outcome.ok:
             return  # the conversation cannot go on without the response
-        follow = [*messages, {"role": "assistant", "content": text}]
+        answer: Message = {"role": "assistant", "content": text}
+        follow = [*messages, answer]
         await asyncio.gather(
             *(
                 _after(child.after_s, step(item, child, follow, direct))
@@ -170,7 +173,7 @@ async def _send(
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,
             max_tokens=max_tokens,
             stream=True,
             stream_options={"include_usage": True},

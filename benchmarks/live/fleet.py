@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,11 +87,13 @@ def start_engines(children: Children, shape: FleetShape) -> EngineFleet:
     engines = []
     for number in range(1, shape.engines + 1):
         port, events, replay = free_port(), free_port(), free_port()
+        # vLLM binds only a wildcard endpoint (and connects to any other), so the engines
+        # bind every interface, as in a real deployment; subscribers dial loopback.
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{events}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
         }
         command = [
             sys.executable, "-m", "kvplane.cli", "engine-sim",
@@ -121,15 +122,15 @@ def start_engines(children: Children, shape: FleetShape) -> EngineFleet:
 def scrape(base_url: str) -> EngineTotals:
     """The engine's vLLM counters that the report uses."""
     text = httpx2.get(f"{base_url}/metrics", timeout=5).text
-    values: Counter[str] = Counter()
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values[sample.name] += sample.value
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return EngineTotals(
-        queried_tokens=values["vllm:prefix_cache_queries_total"],
-        hit_tokens=values["vllm:prefix_cache_hits_total"],
-        requests=values["vllm:e2e_request_latency_seconds_count"],
-        preemptions=values["vllm:num_preemptions_total"],
+        queried_tokens=values.get("vllm:prefix_cache_queries_total", 0.0),
+        hit_tokens=values.get("vllm:prefix_cache_hits_total", 0.0),
+        requests=values.get("vllm:e2e_request_latency_seconds_count", 0.0),
+        preemptions=values.get("vllm:num_preemptions_total", 0.0),
     )
 
 

@@ -44,7 +44,8 @@ class Cell:
 
     @property
     def key(self) -> str:
-        return f"{self.router.name} | {self.workload} | {self.load} | {self.situation} | run {self.run}"
+        parts = (self.router.name, self.workload, self.load, self.situation, f"run {self.run}")
+        return " | ".join(parts)
 
     @property
     def point(self) -> tuple[str, str, str]:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx2
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
 from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
@@ -107,7 +107,7 @@ def _start_kvplane(
         _flush_redis()
         flags += ["--index", "redis", "--redis-url", REDIS_URL]
     if workload.tenants:
-        flags += ["--tenants-file", str(_tenants_file(workload.tenants))]
+        flags += ["--tenants-file", str(_tenants_file(workload.tenants, children.log_dir))]
         env["KVPLANE_TENANTS__CACHE_SALT_SECRET"] = "bench-live"
     routers = []
     for number in range(1, replicas + 1):
@@ -182,7 +182,7 @@ def _admin_get(url: str, path: str) -> Any:
     return response.json()
 
 
-def _tenants_file(tenants: tuple[str, ...]) -> Path:
+def _tenants_file(tenants: tuple[str, ...], directory: Path) -> Path:
     from router.tenants import api_key_digest
 
     lines = []
@@ -193,10 +193,9 @@ def _tenants_file(tenants: tuple[str, ...]) -> Path:
             f'api_key_sha256 = ["{api_key_digest(api_key(tenant))}"]',
             "",
         ]
-    handle = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="bench-tenants-")
-    with handle:
-        handle.write("\n".join(lines))
-    return Path(handle.name)
+    path = directory / "tenants.toml"
+    path.write_text("\n".join(lines))
+    return path
 
 
 def _flush_redis() -> None:
@@ -217,10 +216,10 @@ class PeerCommand:
     """How one peer starts: its command line for a port and the fleet, its extra
     environment, and the path that answers 200 once it routes."""
 
-    argv: Callable[[int, EngineFleet], list[str]]
+    argv: Callable[[int, EngineFleet], list[str]]  # (HTTP port, fleet)
     env: Callable[[EngineFleet], dict[str, str]] = lambda fleet: {}
     ready_path: str = "/health"
-    evidence: Callable[[str], dict[str, Any]] = lambda url: {}
+    log_level: str = "warn"
 
 
 def _peer_starter(
@@ -231,20 +230,45 @@ def _peer_starter(
     ) -> Deployment:
         launched = []
         for number in range(1, replicas + 1):
-            port = free_port()
-            child = children.launch(
-                f"{spec.family}-{number}", command.argv(port, fleet), command.env(fleet)
-            )
-            launched.append((child, f"http://127.0.0.1:{port}"))
-        wait_ready((child, url + command.ready_path) for child, url in launched)
-        urls = [url for _, url in launched]
+            port, metrics_port = free_port(), free_port()
+            # Every peer here serves Prometheus metrics, on 0.0.0.0:29000 unless told.
+            argv = [
+                *command.argv(port, fleet),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                "--log-level", command.log_level,
+            ]  # fmt: skip
+            child = children.launch(f"{spec.family}-{number}", argv, command.env(fleet))
+            launched.append((child, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"))
+        wait_ready((child, url + command.ready_path) for child, url, _ in launched)
         return Deployment(
-            [url + "/v1" for url in urls],
-            [child for child, _ in launched],
-            lambda: {url: command.evidence(url) for url in urls},
+            [url + "/v1" for _, url, _ in launched],
+            [child for child, _, _ in launched],
+            lambda: {url: _peer_metrics(metrics) for _, url, metrics in launched},
         )
 
     return start
+
+
+# What a peer's metrics say about its cache-aware machinery (events received, token ids
+# missing, tree sizes): the series whose names mention it, summed over their labels.
+_EVIDENCE_WORDS = ("kv", "cache", "event", "token", "tree", "policy")
+
+
+def _peer_metrics(metrics_url: str) -> dict[str, Any]:
+    try:
+        text = httpx2.get(metrics_url + "/metrics", timeout=5).text
+    except httpx2.HTTPError as error:
+        return {"metrics": f"unreadable: {type(error).__name__}"}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if any(word in sample.name for word in _EVIDENCE_WORDS) and not sample.name.endswith(
+                ("_bucket", "_created")
+            ):
+                label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+                name = f"{sample.name}{{{label}}}" if label else sample.name
+                totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
 
 
 def _smg_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
@@ -293,6 +317,10 @@ def _vllm_router_env(fleet: EngineFleet) -> dict[str, str]:
     return {"VLLM_ROUTER_TOKENIZER": str(DEFAULT_TOKENIZER_DIR)}
 
 
+def _vllm_router(policy: str) -> PeerCommand:
+    return PeerCommand(_vllm_router_argv(policy), _vllm_router_env, log_level="warning")
+
+
 def _kvplane(policy: str) -> RouterSpec:
     return RouterSpec(f"kvplane {policy}", "kvplane", policy, policy == "kvplane", _start_kvplane)
 
@@ -308,16 +336,7 @@ ROUTERS: tuple[RouterSpec, ...] = (
     _peer("smg", "round_robin", PeerCommand(_smg_argv("round_robin"))),
     _peer("sglang-router", "cache_aware", PeerCommand(_sglang_argv("cache_aware"))),
     _peer("sglang-router", "round_robin", PeerCommand(_sglang_argv("round_robin"))),
-    _peer(
-        "vllm-router",
-        "cache_aware",
-        PeerCommand(_vllm_router_argv("cache_aware"), _vllm_router_env),
-    ),
-    _peer(
-        "vllm-router",
-        "kv_aware",
-        PeerCommand(_vllm_router_argv("kv_aware"), _vllm_router_env),
-        reads_events=True,
-    ),
-    _peer("vllm-router", "round_robin", PeerCommand(_vllm_router_argv("round_robin"))),
+    _peer("vllm-router", "cache_aware", _vllm_router("cache_aware")),
+    _peer("vllm-router", "kv_aware", _vllm_router("kv_aware"), reads_events=True),
+    _peer("vllm-router", "round_robin", _vllm_router("round_robin")),
 )

@@ -262,7 +262,7 @@ def agent_tree(
     per_tree = sum(branches**level for level in range(depth + 1))
 
     def subtree(path: str, level: int) -> Step:
-        children = ()
+        children: tuple[Step, ...] = ()
         if level < depth:
             children = tuple(subtree(f"{path}.{branch}", level + 1) for branch in range(branches))
         after = rng.expovariate(1 / step_s) if level else 0.0

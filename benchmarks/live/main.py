@@ -14,7 +14,7 @@ from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
 from benchmarks.live.fleet import FleetShape
 from benchmarks.live.grid import PROFILES, cells, select
 from benchmarks.live.report import render_tables, write_json, write_plot
-from benchmarks.live.routers import PEERS_BUILD_COMMAND, PEERS_VENV, peers_python
+from benchmarks.live.routers import PEERS_BUILD_COMMAND, peers_python, peers_venv
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
@@ -43,7 +43,7 @@ def run_live_benchmark(
         return 2
     if any(cell.router.family != "kvplane" for cell in chosen) and not peers_python().exists():
         print(
-            f"kvplane bench live: the peer routers' environment {PEERS_VENV}/ is missing; "
+            f"kvplane bench live: the peer routers' environment {peers_venv()}/ is missing; "
             f"build it with `{PEERS_BUILD_COMMAND}` (or pick kvplane's cells with --only kvplane)",
             file=sys.stderr,
         )

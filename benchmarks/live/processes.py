@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,13 +96,21 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
+Ready = Callable[[httpx2.Response], bool]
+
+
+def answers_200(response: httpx2.Response) -> bool:
+    return response.status_code == 200
+
+
 def wait_ready(
     waits: Iterable[tuple[Child, str]],
     *,
+    ready: Ready = answers_200,
     timeout_s: float = 60.0,
 ) -> None:
-    """Wait until each child's URL answers 200; StartFailed if a child exits first or the
-    time runs out (with the end of its log)."""
+    """Wait until each child's URL answers as `ready` wants (200 by default); StartFailed
+    if a child exits first or the time runs out (with the end of its log)."""
     pending = list(waits)
     deadline = time.monotonic() + timeout_s
     with httpx2.Client(timeout=1.0) as client:
@@ -113,7 +121,7 @@ def wait_ready(
                     f"{child.name} exited with status {child.process.returncode}:\n"
                     f"{child.log_tail()}"
                 )
-            if _answers(client, url):
+            if _answers(client, url, ready):
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
@@ -123,8 +131,8 @@ def wait_ready(
             time.sleep(0.1)
 
 
-def _answers(client: httpx2.Client, url: str) -> bool:
+def _answers(client: httpx2.Client, url: str, ready: Ready) -> bool:
     try:
-        return client.get(url).status_code == 200
+        return ready(client.get(url))
     except httpx2.TransportError:
         return False

@@ -14,6 +14,7 @@ reads engine events, what its metrics say it received.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,9 +29,10 @@ from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
 from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
-from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
 
-PEERS_VENV = Path(".peers-venv")
+# Where `make peers-env` builds the peers' environment; KVPLANE_PEERS_VENV points
+# elsewhere.
+_DEFAULT_PEERS_VENV = Path(__file__).resolve().parents[2] / ".peers-venv"
 PEERS_BUILD_COMMAND = "make peers-env"
 ADMIN_TOKEN = "bench-live-admin"  # loopback only, for the fleet API's evidence
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the replicas' shared index: flushed per cell
@@ -68,7 +70,7 @@ class RouterSpec:
         if self.family == "kvplane":
             return None
         if not peers_python().exists():
-            return f"the peers' environment {PEERS_VENV}/ is missing: run `{PEERS_BUILD_COMMAND}`"
+            return f"the peers' environment {peers_venv()}/ is missing: run `{PEERS_BUILD_COMMAND}`"
         return None
 
     def version(self) -> str:
@@ -77,8 +79,12 @@ class RouterSpec:
         return peer_version(self.family)
 
 
+def peers_venv() -> Path:
+    return Path(os.environ.get("KVPLANE_PEERS_VENV", _DEFAULT_PEERS_VENV))
+
+
 def peers_python() -> Path:
-    return PEERS_VENV / "bin" / "python"
+    return peers_venv() / "bin" / "python"
 
 
 def peer_version(distribution: str) -> str:
@@ -218,7 +224,10 @@ class PeerCommand:
 
     argv: Callable[[int, EngineFleet], list[str]]  # (HTTP port, fleet)
     env: Callable[[EngineFleet], dict[str, str]] = lambda fleet: {}
-    ready_path: str = "/health"
+    # smg's and sglang-router's /readiness turns 200 once one worker is registered, and
+    # a worker they could not reach is left out: wait until every engine is counted.
+    ready_path: str = "/readiness"
+    counts_workers: bool = True
     log_level: str = "warn"
 
 
@@ -239,7 +248,14 @@ def _peer_starter(
             ]  # fmt: skip
             child = children.launch(f"{spec.family}-{number}", argv, command.env(fleet))
             launched.append((child, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"))
-        wait_ready((child, url + command.ready_path) for child, url, _ in launched)
+        expected = len(fleet.engines)
+
+        def ready(response: httpx2.Response) -> bool:
+            if response.status_code != 200:
+                return False
+            return not command.counts_workers or response.json().get("healthy_workers") == expected
+
+        wait_ready(((child, url + command.ready_path) for child, url, _ in launched), ready=ready)
         return Deployment(
             [url + "/v1" for _, url, _ in launched],
             [child for child, _, _ in launched],
@@ -278,7 +294,6 @@ def _smg_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
             "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *fleet.urls,
             "--policy", policy,
-            "--backend", "vllm",
         ]  # fmt: skip
 
     return argv
@@ -299,10 +314,13 @@ def _sglang_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
 def _vllm_router_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
     def argv(port: int, fleet: EngineFleet) -> list[str]:
         command = [
-            str(PEERS_VENV / "bin" / "vllm-router"),
+            str(peers_venv() / "bin" / "vllm-router"),
             "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *fleet.urls,
             "--policy", policy,
+            # It opens its port once a worker answers /health, checking every 30 s by
+            # default; the engines are up already, but one early miss would cost 30 s.
+            "--worker-startup-check-interval", "1",
         ]  # fmt: skip
         if policy == "kv_aware":
             for engine in fleet.engines:
@@ -313,12 +331,12 @@ def _vllm_router_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
     return argv
 
 
-def _vllm_router_env(fleet: EngineFleet) -> dict[str, str]:
-    return {"VLLM_ROUTER_TOKENIZER": str(DEFAULT_TOKENIZER_DIR)}
-
-
 def _vllm_router(policy: str) -> PeerCommand:
-    return PeerCommand(_vllm_router_argv(policy), _vllm_router_env, log_level="warning")
+    # Its /readiness counts every configured worker healthy, reachable or not (it opens
+    # its port only once one answers); it does not honour `--log-level warning`. Its
+    # prefix policies take token ids from the engines' render endpoints over HTTP (a
+    # tokenizer of its own, VLLM_ROUTER_TOKENIZER, changes nothing there).
+    return PeerCommand(_vllm_router_argv(policy), counts_workers=False, log_level="error")
 
 
 def _kvplane(policy: str) -> RouterSpec:

@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvplane demo
 
-## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM).
-test: $(STAMP) $(VLLM_STAMP) $(HELM) lint typecheck unit
+## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
+## the real peer routers in `kvplane bench live --quick`).
+test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(HELM) lint typecheck unit
 
 ## helm, in .tools/ (tests/deploy renders and lints the chart with it).
 helm: $(HELM)

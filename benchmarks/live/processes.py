@@ -64,7 +64,8 @@ class Children:
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 list(command),
-                env={**os.environ, **(env or {})},
+                # Marks the process as this cell's, for whoever checks that none is left.
+                env={**os.environ, **(env or {}), "KVPLANE_BENCH_LIVE_LOGS": str(self.log_dir)},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

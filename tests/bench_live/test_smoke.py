@@ -1,0 +1,78 @@
+"""`kvplane bench live --quick`: every router, kvplane's and the real peers' (from
+`make peers-env`), produced figures in front of a real fleet; and the command refuses
+clearly when the peers' environment is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from benchmarks.live.routers import ROUTERS, peers_python
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench_live(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvplane.cli", "bench", "live", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_refuses_without_the_peers_environment_and_says_how_to_build_it(tmp_path: Path) -> None:
+    completed = _bench_live("--quick", env={"KVPLANE_PEERS_VENV": str(tmp_path / "none")})
+    assert completed.returncode == 2
+    assert "make peers-env" in completed.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not peers_python().exists(), reason="needs `make peers-env` (make test builds it)"
+)
+def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
+    report = tmp_path / "live.json"
+    logs = tmp_path / "logs"
+    completed = _bench_live(
+        "--quick", "--json", str(report), "--plot", str(tmp_path / "live.png"), "--logs", str(logs)
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    cells = json.loads(report.read_text())["cells"]
+    assert sorted(cell["router"] for cell in cells) == sorted(router.name for router in ROUTERS)
+    for cell in cells:
+        assert cell["error"] is None, cell
+        assert cell["version"] not in ("", "unknown"), cell
+        assert cell["commands"], cell
+        assert cell["requests"] > 0, cell
+        assert cell["failed"] == 0, cell
+        assert cell["ttft_p90_ms"] > 0, cell
+        assert cell["router_cpu_s"] > 0, cell
+        assert sum(cell["engine_requests"].values()) == cell["requests"], cell
+    kvplane = next(cell for cell in cells if cell["router"] == "kvplane kvplane")
+    (evidence,) = kvplane["evidence"].values()
+    assert evidence["live_workers"] == 4
+    assert evidence["index_entries"] > 0
+    assert (tmp_path / "live.png").stat().st_size > 0
+    assert "hit %" in completed.stdout  # the table
+    assert _processes_marked(logs) == []  # it stopped everything it started
+
+
+def _processes_marked(logs: Path) -> list[str]:
+    """Processes a cell under `logs` started that are still running."""
+    left = []
+    for process in psutil.process_iter(["cmdline", "environ"]):
+        marker = (process.info["environ"] or {}).get("KVPLANE_BENCH_LIVE_LOGS", "")
+        if marker.startswith(str(logs)):
+            left.append(" ".join(process.info["cmdline"] or []))
+    return left

@@ -1,0 +1,102 @@
+"""The bake-off's workloads: deterministic, and sharing text exactly where they say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.live.workloads import (
+    Step,
+    agent_tree,
+    build_workload,
+    mooncake,
+    multi_tenant,
+    multi_turn,
+    shared_prompts,
+    words,
+)
+from kvplane.core.tokenizer import load_tokenizer
+
+
+def test_text_is_the_same_for_the_same_key_and_about_the_asked_length() -> None:
+    assert words("a", 200) == words("a", 200)
+    assert words("a", 200) != words("b", 200)
+    tokens = len(load_tokenizer().completion_tokens(words("length", 1000)))
+    assert 700 < tokens < 1300
+
+
+def test_shared_prompts_share_a_system_prompt_per_group_and_never_a_question() -> None:
+    workload = shared_prompts(20.0, 10.0, groups=3)
+    assert workload == shared_prompts(20.0, 10.0, groups=3)  # deterministic
+    systems = {conversation.system for conversation in workload.conversations}
+    assert len(systems) == 3
+    questions = [conversation.root.text for conversation in workload.conversations]
+    assert len(set(questions)) == len(questions)
+    starts = [conversation.start_s for conversation in workload.conversations]
+    assert starts == sorted(starts)
+    assert starts[-1] < 10.0
+    assert 120 < workload.requests < 280  # Poisson at 20 req/s over 10 s
+
+
+def test_multi_turn_chats_are_chains_and_the_rate_counts_requests() -> None:
+    workload = multi_turn(10.0, 20.0, turns=4)
+    for conversation in workload.conversations:
+        depth, step = 1, conversation.root
+        while step.children:
+            assert len(step.children) == 1
+            assert step.children[0].after_s > 0
+            depth, step = depth + 1, step.children[0]
+        assert depth == 4
+    assert 120 < workload.requests < 280
+    assert len({conversation.system for conversation in workload.conversations}) == 1
+
+
+def test_agent_trees_branch_from_their_own_trunk() -> None:
+    workload = agent_tree(13.0, 20.0, branches=3, depth=2)
+    assert all(c.root.count() == 13 for c in workload.conversations)
+    trunks = [conversation.system for conversation in workload.conversations]
+    assert len(set(trunks)) == len(trunks)
+
+
+def test_tenants_use_the_same_texts_under_different_names() -> None:
+    workload = multi_tenant(20.0, 10.0, tenants=4, prompts_per_tenant=2)
+    assert workload.tenants == ("tenant0", "tenant1", "tenant2", "tenant3")
+    by_tenant: dict[str | None, set[str | None]] = {}
+    for conversation in workload.conversations:
+        by_tenant.setdefault(conversation.tenant, set()).add(conversation.system)
+    assert set(by_tenant) == set(workload.tenants)
+    assert len(set.union(*by_tenant.values())) == 2
+
+
+def test_the_mooncake_replay_shares_text_exactly_where_the_trace_shares_blocks(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 160, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 1536, "output_length": 32, "hash_ids": [1, 2, 3]},
+        {"timestamp": 4000, "input_length": 512, "output_length": 900, "hash_ids": [4]},
+    ]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    workload = mooncake(1.5, 2.0, trace=trace, tokens_per_block=20, max_tokens=16)
+    first, second, third = (conversation.root for conversation in workload.conversations)
+    assert second.text.startswith(first.text + " ")
+    assert not third.text.startswith(first.text[:20])
+    assert [c.start_s for c in workload.conversations] == [0.0, 0.5, 2.0]  # 2x faster
+    assert [first.max_tokens, second.max_tokens, third.max_tokens] == [10, 2, 16]
+
+
+def test_unknown_workloads_and_rates_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("shared-x", 1.0, 1.0, trace=Path("unused"))
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("chat", 1.0, 1.0, trace=Path("unused"))
+    with pytest.raises(ValueError, match="positive"):
+        shared_prompts(0.0, 1.0, groups=2)
+
+
+def test_a_step_counts_its_whole_subtree() -> None:
+    leaf = Step("c", 1)
+    assert Step("a", 1, children=(Step("b", 1, children=(leaf,)), leaf)).count() == 4

@@ -25,7 +25,10 @@ BLOCK_SIZE = 16
 @dataclass(frozen=True, slots=True)
 class FleetShape:
     engines: int = 4
-    kv_blocks: int = 256  # 4,096 tokens each: about four 1,000-token system prompts
+    # 8,192 tokens each: three or four 2,048-token system prompts with their questions,
+    # so the fleet holds about fourteen: `shared-8` fits only where routing keeps each
+    # prompt on one or two engines.
+    kv_blocks: int = 512
     max_num_seqs: int = 16
 
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from benchmarks.live.routers import ROUTERS, RouterSpec
 
-# Offered load, in requests per second, for four engines with the default timing model
-# on a 2-core machine: light, about where round-robin saturates, past it.
-LOADS: dict[str, float] = {"light": 4.0, "medium": 10.0, "heavy": 20.0}
+# Offered load, in requests per second: light; medium; heavy, about where four engines
+# with the default timing model (about 12k prefill tokens/s each) saturate when they
+# recompute most of each 2,176-token shared-prompt request, as round-robin makes them.
+LOADS: dict[str, float] = {"light": 5.0, "medium": 15.0, "heavy": 30.0}
 SITUATIONS = ("steady", "two-replicas", "engine-restart", "eviction", "bypass")
 EVICTION_WORKLOAD = "shared-64"
 BYPASS_SHARE = 0.25

@@ -16,8 +16,10 @@ single request a conversation of one step. Conversations start open-loop (on a
 schedule, whatever the routers do); steps within one follow their responses.
 
 Workloads (the shapes of `simulations/fleet/workloads.py`, scaled for a small machine):
-- `shared-N`: N system prompts (about 1,000 tokens each) shared by groups of requests,
-  each with its own question; Poisson arrivals.
+- `shared-N`: N system prompts shared by groups of requests, each with its own
+  question; Poisson arrivals. The shape of SGLang's `generated-shared-prefix` benchmark
+  (2,048-token system prompts, 128-token questions), the one its cache-aware router was
+  published with.
 - `multi-turn`: chats sharing one system prompt, growing turn by turn.
 - `multi-tenant`: four tenants with the same system prompts' text; each tenant's
   requests carry its API key and its own `cache_salt` (as a careful client of vLLM
@@ -153,8 +155,8 @@ def shared_prompts(
     duration_s: float,
     *,
     groups: int,
-    system_tokens: int = 1000,
-    question_tokens: int = 48,
+    system_tokens: int = 2048,
+    question_tokens: int = 128,
     max_tokens: int = 16,
     seed: int = 0,
 ) -> Workload:
@@ -182,8 +184,8 @@ def multi_turn(
     duration_s: float,
     *,
     turns: int = 5,
-    system_tokens: int = 500,
-    user_tokens: int = 64,
+    system_tokens: int = 1024,
+    user_tokens: int = 128,
     max_tokens: int = 24,
     think_s: float = 1.0,
     seed: int = 0,
@@ -214,9 +216,9 @@ def multi_tenant(
     duration_s: float,
     *,
     tenants: int = 4,
-    prompts_per_tenant: int = 3,
-    system_tokens: int = 800,
-    question_tokens: int = 48,
+    prompts_per_tenant: int = 2,
+    system_tokens: int = 2048,
+    question_tokens: int = 128,
     max_tokens: int = 16,
     seed: int = 0,
 ) -> Workload:
@@ -249,7 +251,7 @@ def agent_tree(
     rate_per_s: float,
     duration_s: float,
     *,
-    trunk_tokens: int = 1000,
+    trunk_tokens: int = 2048,
     step_tokens: int = 64,
     branches: int = 3,
     depth: int = 2,

@@ -56,6 +56,7 @@ class CellResult:
     imbalance: float = 0.0  # busiest engine's requests over the mean
     preemptions: float = 0.0
     router_cpu_s: float = 0.0  # the router's processes (and kvplane's agents)
+    cpu_s_by_process: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_request: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
 
@@ -104,7 +105,11 @@ def run_cell(
             )
         )
         result.seconds = time.perf_counter() - started
-        result.router_cpu_s = deployment.cpu_seconds() - cpu_before
+        cpu_after = deployment.cpu_seconds()
+        result.cpu_s_by_process = {
+            name: round(cpu_after[name] - cpu_before.get(name, 0.0), 3) for name in cpu_after
+        }
+        result.router_cpu_s = sum(result.cpu_s_by_process.values())
         _figures(result, outcomes, fleet)
         result.evidence = deployment.in_play()
     except (StartFailed, OSError, RuntimeError, ValueError) as error:

@@ -51,8 +51,9 @@ class Deployment:
     charged: list[Child]
     in_play: Callable[[], dict[str, Any]] = lambda: {}
 
-    def cpu_seconds(self) -> float:
-        return sum(child.cpu_seconds() for child in self.charged)
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of each charged process, by name."""
+        return {child.name: child.cpu_seconds() for child in self.charged}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """The simulator's HTTP API: OpenAI-compatible generation, health, metrics, test hooks.
 
 - `POST /v1/completions`, `POST /v1/chat/completions` (stream or not), `GET /v1/models`,
-  `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`: as vLLM serves them.
+  `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`: as vLLM serves them. A
+  streamed chat answer's first chunk (the assistant role) goes out with the first token,
+  after prefill, as vLLM sends it.
 - `GET /sim/blocks`: the engine's true block set, each block tagged with its cache scope
   (`?prefixes=1`: and every token up to its end), and hits on another scope's blocks,
   for tests that compare the router's index with the engines.
@@ -343,10 +345,12 @@ async def _sse(
     cached = 0
     async with contextlib.aclosing(progress):  # closing it aborts the request if unfinished
         try:
-            if chat:
-                role = {"role": "assistant", "content": ""}
-                yield _event(protocol.chat_chunk(request_id, model, role, None))
             async for step in progress:
+                if chat and not sent:
+                    # vLLM sends the role with the engine's first output, that is after
+                    # prefill: a client's time to first chunk is its time to first token.
+                    role = {"role": "assistant", "content": ""}
+                    yield _event(protocol.chat_chunk(request_id, model, role, None))
                 sent += 1
                 cached = step.request.num_cached_tokens or 0
                 text = output_text[step.new_token_id]

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from kvplane.core.tokenizer import load_tokenizer
+from simulations.engine.timing import StepWork, TimingModel, step_seconds
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 
@@ -121,6 +122,37 @@ async def test_streams_are_server_sent_events_ending_in_done(chat: bool) -> None
         text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
         assert text == whole.json()["choices"][0]["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_streamed_chat_sends_its_first_chunk_only_after_prefill() -> None:
+    # A slow modelled prefill (2 ms per uncached token, plus the fixed 10 ms).
+    timing = TimingModel(prefill_ms_per_token=2.0, prefill_overhead_ms=10.0)
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt_tokens = len(load_tokenizer().chat_tokens(messages))
+    prefill_s = step_seconds(timing, StepWork(prefill_tokens=prompt_tokens))
+    body = {"messages": messages, "max_tokens": 2, "stream": True}
+    async with (
+        engine_sim(
+            time_scale=1.0,
+            prefill_ms_per_token=timing.prefill_ms_per_token,
+            prefill_overhead_ms=timing.prefill_overhead_ms,
+        ) as sim,
+        httpx.AsyncClient(base_url=sim.base_url) as client,
+    ):
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            arrivals = [
+                (time.perf_counter() - start, json.loads(line[len("data: ") :]))
+                async for line in response.aiter_lines()
+                if line.startswith("data: {")
+            ]
+    assert prefill_s > 0.2  # long enough that an early chunk could not pass unnoticed
+    first_s, first = arrivals[0]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first_s >= prefill_s
+    # The role comes with the first token, not a step before it.
+    assert "content" in arrivals[1][1]["choices"][0]["delta"]
+    assert arrivals[1][0] - first_s < prefill_s / 10
 
 
 async def test_models_health_and_lora_adapters() -> None:

@@ -61,6 +61,12 @@ class EngineSimConfig(BaseSettings):
         description="LoRA adapters served as extra models: NAME or NAME=PATH (path unused)",
     )
     max_model_len: int = Field(8192, ge=2, description="longest prompt plus output, in tokens")
+    enable_scale_out: bool = Field(
+        False,
+        description="serve the render endpoints (/v1/completions/render, "
+        "/v1/chat/completions/render) that routers such as vllm-router tokenise through; "
+        "off, they answer 403 as vLLM's do",
+    )
     seed: int = Field(0, description="seed of the generated output tokens")
 
     # KV cache (vLLM's flags).

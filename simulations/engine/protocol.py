@@ -3,15 +3,23 @@
 Unknown fields are accepted and ignored (vLLM does the same, so clients that send
 sampling options the simulator does not model still work); known fields of the wrong
 type are a 400. Error messages never repeat the request's content.
+
+The render bodies (`render_body`) are what vLLM 0.32's `/v1/completions/render` and
+`/v1/chat/completions/render` return: its `GenerateRequest`
+(vllm/entrypoints/scale_out/token_in_token_out/protocol.py) with the `SamplingParams`
+the generation endpoint would have built, serialised as vLLM serialises it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+# The vLLM release whose API the simulator follows (GET /version reports it).
+VLLM_VERSION = "0.32.0"
+_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams.max_tokens
 CACHE_SALT_MAX_CHARS = 128
 _CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
 
@@ -22,6 +30,7 @@ class _OpenAIModel(BaseModel):
 
 class StreamOptions(_OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(_OpenAIModel):
@@ -45,6 +54,9 @@ class _GenerationRequest(_OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     user: str | None = None
+    # Echoed by the render endpoints; generation has no priority scheduling to apply it.
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    request_id: str | None = None  # the render endpoints' ids build on it, as vLLM's do
 
     @field_validator("cache_salt")
     @classmethod
@@ -66,25 +78,32 @@ class _GenerationRequest(_OpenAIModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # Optional and unchecked here: vLLM words a missing or empty prompt its own way
+    # (server.py), not as a validation error.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
+    # Not bounded below: vLLM reports max_tokens < 1 as "must be at least 1, got N".
+    max_tokens: int | None = _DEFAULT_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request (a batch of one is unwrapped)."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
-            raise ValueError("The prompt cannot be empty.")
-        first = prompt[0]
-        if isinstance(first, int):
-            return cast(list[int], prompt)
-        if len(prompt) > 1:
-            raise ValueError("The simulator serves one prompt per request, not a batch.")
-        return first
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_means_the_default(cls, max_tokens: int | None) -> int:
+        # vLLM 0.32 generates 16 tokens for `"max_tokens": null`, as when it is absent.
+        return _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+
+    @property
+    def output_limit(self) -> tuple[int | None, str]:
+        """The requested number of output tokens and the parameter that asked for it."""
+        return self.max_tokens, "max_tokens"
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(_OpenAIModel):
@@ -104,27 +123,26 @@ class ChatMessage(_OpenAIModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
 
-    @field_validator("chat_template")
-    @classmethod
-    def _refuse_request_templates(cls, template: str | None) -> None:
-        if template is not None:
-            raise ValueError(
-                "Chat template is passed with request, but --trust-request-chat-template "
-                "is not set. Refused request with untrusted chat template."
-            )
+    @property
+    def output_limit(self) -> tuple[int | None, str]:
+        """The requested number of output tokens and the parameter that asked for it
+        (vLLM prefers max_completion_tokens and names it in its errors)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # -- errors -------------------------------------------------------------------------
@@ -236,3 +254,108 @@ def models_body(
         "data": [card(name, None) for name in names]
         + [card(name, names[0]) for name in lora_names],
     }
+
+
+# -- render bodies (vLLM 0.32, --enable-scale-out) ------------------------------------
+
+# vLLM's SamplingParams constants: a lower temperature means greedy sampling (top_p,
+# top_k and min_p are then reset), and a positive one below the floor is raised to it.
+_GREEDY_BELOW = 1e-5
+_TEMPERATURE_FLOOR = 1e-2
+_OUTPUT_KIND_DELTA, _OUTPUT_KIND_FINAL_ONLY = 1, 2  # vLLM's RequestOutputKind
+
+
+def render_body(
+    request_id: str,
+    token_ids: list[int],
+    request: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """One rendered prompt: vLLM's GenerateRequest, every field present, in its order.
+
+    The fields the simulator has nothing for (multimodal features, reasoning parser,
+    token offsets, KV transfer) are null as they are for a text-only model.
+    """
+    stream_options = request.stream_options
+    return {
+        "request_id": request_id,
+        "token_ids": token_ids,
+        "token_offsets": None,
+        "features": None,
+        "content_parts": None,
+        "sampling_params": sampling_params_body(request, max_tokens),
+        "model": request.model,
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": None,
+        "output_mode": "tokens",
+        "stream": request.stream,
+        # vLLM passes stream options on only for a streamed request.
+        "stream_options": stream_options.model_dump()
+        if request.stream and stream_options is not None
+        else None,
+        "cache_salt": request.cache_salt,
+        "priority": request.priority,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def sampling_params_body(
+    request: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> dict[str, Any]:
+    """The SamplingParams vLLM builds for the request, as its render endpoints write it.
+
+    vLLM serialises a msgspec struct with omit_defaults, which compares by identity: the
+    penalties and the temperature (always set from the request or a dict of defaults,
+    so never the class's own objects) are always written; top_p and min_p too unless
+    greedy sampling reset them; small integers equal to their default are left out.
+    Lists that SamplingParams fills in (stop, stop_token_ids, bad_words) are written.
+    """
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if 0 < temperature < _TEMPERATURE_FLOOR:
+        temperature = _TEMPERATURE_FLOOR
+    stop = _stop_strings(request.stop)
+    body: dict[str, Any] = {
+        "presence_penalty": _or_default(request.presence_penalty, 0.0),
+        "frequency_penalty": _or_default(request.frequency_penalty, 0.0),
+        "repetition_penalty": _or_default(request.repetition_penalty, 1.0),
+        "temperature": temperature,
+    }
+    if temperature >= _GREEDY_BELOW:
+        body["top_p"] = _or_default(request.top_p, 1.0)
+        if request.top_k:
+            body["top_k"] = request.top_k
+        body["min_p"] = _or_default(request.min_p, 0.0)
+    if request.seed is not None and request.seed != -1:  # -1 means no seed
+        body["seed"] = request.seed
+    body["stop"] = stop
+    body["stop_token_ids"] = list(dict.fromkeys(request.stop_token_ids or []))
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    if max_tokens != _DEFAULT_MAX_TOKENS:
+        body["max_tokens"] = max_tokens
+    if request.min_tokens:
+        body["min_tokens"] = request.min_tokens
+    if request.output_logprobs is not None:
+        body["logprobs"] = request.output_logprobs
+    body["output_kind"] = _OUTPUT_KIND_DELTA if request.stream else _OUTPUT_KIND_FINAL_ONLY
+    body["skip_clone"] = True
+    if stop:
+        # Characters held back to evaluate stop strings, when there are any to hold.
+        held_back = max(len(text) for text in stop) - 1
+        if held_back:
+            body["output_text_buffer_length"] = held_back
+    body["bad_words"] = []
+    body["skip_reading_prefix_cache"] = False
+    return body
+
+
+def _or_default(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)

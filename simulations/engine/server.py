@@ -1,7 +1,14 @@
 """The simulator's HTTP API: OpenAI-compatible generation, health, metrics, test hooks.
 
 - `POST /v1/completions`, `POST /v1/chat/completions` (stream or not), `GET /v1/models`,
-  `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`: as vLLM serves them.
+  `GET /health`, `GET /metrics`, `GET /version`, `POST /reset_prefix_cache`: as vLLM
+  serves them. A streamed chat answer's first chunk (the assistant role) goes out with
+  the first token, after prefill, as vLLM sends it.
+- `POST /v1/completions/render`, `POST /v1/chat/completions/render`: the token ids (and
+  sampling parameters) the same request to the generation endpoint would run with, as
+  vLLM 0.32 renders them; routers such as vllm-router tokenise through them. Like vLLM,
+  only with `--enable-scale-out`; without it these and vLLM's other scale-out paths
+  answer 403.
 - `GET /sim/blocks`: the engine's true block set, each block tagged with its cache scope
   (`?prefixes=1`: and every token up to its end), and hits on another scope's blocks,
   for tests that compare the router's index with the engines.
@@ -42,13 +49,53 @@ log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 
 
-class RequestError(Exception):
-    """A request the API refuses, with vLLM's status and error type."""
+# vLLM 0.32 registers these only with --enable-scale-out, and otherwise answers every
+# one of them 403 before reading the body (vllm/entrypoints/scale_out/factories.py).
+# The simulator implements the first two.
+_SCALE_OUT_PATHS = (
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/completions/derender",
+    "/v1/chat/completions/derender",
+    "/inference/v1/generate",
+)
+_SCALE_OUT_DISABLED = (
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+)
+_UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
 
-    def __init__(self, message: str, status: int = 400, error_type: str = "BadRequestError"):
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+class RequestError(Exception):
+    """A request the API refuses, with vLLM's status, error type and parameter."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        error_type: str = "BadRequestError",
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.error_type = error_type
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """One prompt's token ids, and whether they came from text the simulator tokenised
+    (vLLM tokenises text only up to one token past the context, so it reports an
+    over-long text prompt as "at least" that long)."""
+
+    token_ids: list[int]
+    from_text: bool
 
 
 class FaultRequest(BaseModel):
@@ -92,27 +139,24 @@ def create_engine_app(
     }
     requests_seen = 0
 
+    def prompts(parsed: GenerationRequest) -> list[_Prompt]:
+        """The request's prompts as token ids, as vLLM's renderer tokenises them."""
+        if isinstance(parsed, ChatCompletionRequest):
+            return [_chat_prompt(parsed, tokenizer)]
+        return [
+            _Prompt(tokenizer.completion_tokens(prompt), from_text=isinstance(prompt, str))
+            for prompt in _completion_prompts(parsed)
+        ]
+
     def admit(body: Any, chat: bool) -> _Admitted:
-        model_type = ChatCompletionRequest if chat else CompletionRequest
-        try:
-            parsed: ChatCompletionRequest | CompletionRequest = model_type.model_validate(body)
-        except ValidationError as error:
-            raise RequestError(protocol.validation_message(error)) from None
+        parsed = _parse(body, chat)
         model, lora_name = _resolve_model(parsed.model, config)
-        try:
-            if isinstance(parsed, ChatCompletionRequest):
-                tokens = tokenizer.chat_tokens(
-                    [message.as_template_input() for message in parsed.messages],
-                    add_generation_prompt=parsed.add_generation_prompt,
-                    template_kwargs=parsed.chat_template_kwargs,
-                )
-                wanted = parsed.requested_max_tokens
-            else:
-                tokens = tokenizer.completion_tokens(parsed.single_prompt())
-                wanted = parsed.max_tokens
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        max_tokens = _check_lengths(tokens, wanted, tokenizer.vocab_size, config)
+        batch = prompts(parsed)
+        if len(batch) > 1:
+            raise RequestError("The simulator serves one prompt per request, not a batch.")
+        tokens = batch[0].token_ids
+        max_tokens = _output_budget(batch[0], *parsed.output_limit, config.max_model_len)
+        _check_vocabulary(tokens, tokenizer.vocab_size)
         try:
             engine.scheduler.check_fits(len(tokens) + max_tokens)
         except RequestTooLarge as error:
@@ -137,7 +181,7 @@ def create_engine_app(
         try:
             admitted = admit(await _json_body(request), chat)
         except RequestError as error:
-            return _error(str(error), error.status, error.error_type)
+            return _request_error(error)
         requests_seen += 1
         if config.fail_after_requests is not None and requests_seen > config.fail_after_requests:
             log.warning("fault: dying on request %d as configured", requests_seen)
@@ -179,6 +223,37 @@ def create_engine_app(
     async def chat_completions(request: Request) -> Response:
         return await generation(request, chat=True)
 
+    def render(body: Any, chat: bool, header_id: str | None) -> list[dict[str, Any]]:
+        """vLLM's render: the same parsing, model check, tokenisation and output budget
+        as generation, and no engine-side checks (vocabulary, cache size)."""
+        parsed = _parse(body, chat)
+        _resolve_model(parsed.model, config)
+        batch = prompts(parsed)
+        limit, param = parsed.output_limit
+        budgets = [_output_budget(prompt, limit, param, config.max_model_len) for prompt in batch]
+        ids = _render_ids(chat, header_id or parsed.request_id or _random_id(), len(batch))
+        return [
+            protocol.render_body(request_id, prompt.token_ids, parsed, budget)
+            for request_id, prompt, budget in zip(ids, batch, budgets, strict=True)
+        ]
+
+    async def completions_render(request: Request) -> Response:
+        try:
+            rendered = render(await _json_body(request), False, _header_request_id(request))
+        except RequestError as error:
+            return _request_error(error)
+        return _json_response(rendered)  # a list: one entry per prompt of a batch
+
+    async def chat_completions_render(request: Request) -> Response:
+        try:
+            rendered = render(await _json_body(request), True, _header_request_id(request))
+        except RequestError as error:
+            return _request_error(error)
+        return _json_response(rendered[0])
+
+    async def scale_out_disabled(request: Request) -> Response:
+        return _error(_SCALE_OUT_DISABLED, 403, "PermissionDeniedError")
+
     async def models(request: Request) -> Response:
         body = protocol.models_body(
             config.model_names, config.model, config.lora_names, config.max_model_len
@@ -187,6 +262,9 @@ def create_engine_app(
 
     async def health(request: Request) -> Response:
         return Response(status_code=200 if engine.alive else 503)
+
+    async def version(request: Request) -> Response:
+        return _json_response({"version": protocol.VLLM_VERSION})
 
     async def metrics(request: Request) -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -241,12 +319,21 @@ def create_engine_app(
         log.warning("fault injected: %s", fault.model_dump(exclude_defaults=True))
         return _json_response({"ok": True})
 
+    if config.enable_scale_out:
+        scale_out = [
+            Route("/v1/completions/render", completions_render, methods=["POST"]),
+            Route("/v1/chat/completions/render", chat_completions_render, methods=["POST"]),
+        ]
+    else:
+        scale_out = [Route(path, scale_out_disabled, methods=["POST"]) for path in _SCALE_OUT_PATHS]
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            *scale_out,
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/sim/blocks", blocks, methods=["GET"]),
@@ -255,38 +342,122 @@ def create_engine_app(
     )
 
 
+def _parse(body: Any, chat: bool) -> GenerationRequest:
+    model_type = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return model_type.model_validate(body)
+    except ValidationError as error:
+        raise RequestError(protocol.validation_message(error)) from None
+
+
 def _resolve_model(requested: str | None, config: EngineSimConfig) -> tuple[str, str | None]:
     """The model name to report and the LoRA adapter (if any) a request asks for."""
-    if requested is None or requested in config.model_names:
-        return config.model_names[0] if requested is None else requested, None
+    if not requested:  # vLLM serves a request that names no model (or "") the first one
+        return config.model_names[0], None
+    if requested in config.model_names:
+        return requested, None
     if requested in config.lora_names:
         return requested, requested
-    raise RequestError(f"The model `{requested}` does not exist.", 404, "NotFoundError")
+    raise RequestError(
+        f"The model `{requested}` does not exist. Valid aliases: {', '.join(config.model_names)}.",
+        404,
+        "NotFoundError",
+        param="model",
+    )
 
 
-def _check_lengths(
-    tokens: list[int], max_tokens: int | None, vocab_size: int, config: EngineSimConfig
-) -> int:
-    """vLLM's length checks; returns the number of tokens to generate."""
-    count, limit = len(tokens), config.max_model_len
+def _completion_prompts(parsed: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request (a batch is a list of them), with vLLM 0.32's
+    errors for a missing or empty one."""
+    prompt = parsed.prompt
+    if prompt is None or prompt == "":
+        raise RequestError(
+            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+            param="prompt",
+        )
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("You must pass at least one prompt")
+    # The request model admits only homogeneous lists: ids, strings, or lists of ids.
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _chat_prompt(parsed: ChatCompletionRequest, tokenizer: PromptTokenizer) -> _Prompt:
+    if parsed.chat_template is not None:
+        raise RequestError(_UNTRUSTED_TEMPLATE)
+    if not parsed.messages:
+        raise RequestError(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
+    try:
+        tokens = tokenizer.chat_tokens(
+            [message.as_template_input() for message in parsed.messages],
+            add_generation_prompt=parsed.add_generation_prompt,
+            template_kwargs=parsed.chat_template_kwargs,
+        )
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    return _Prompt(tokens, from_text=True)
+
+
+def _output_budget(prompt: _Prompt, requested: int | None, param: str, limit: int) -> int:
+    """vLLM 0.32's length rules; returns the number of tokens to generate.
+
+    An output limit past the context is refused, and so is a prompt longer than the
+    context; otherwise the output is capped to what the context leaves (older vLLM
+    refused a prompt plus output past the context), and must come to at least one token.
+    """
+    if requested is not None and requested > limit:
+        raise RequestError(
+            f"{param}={requested} cannot be greater than max_model_len={limit}. Please "
+            f"request fewer output tokens. (parameter={param}, value={requested})",
+            param=param,
+        )
+    count = len(prompt.token_ids)
+    if prompt.from_text:
+        count = min(count, limit + 1)
+    if count > limit:
+        at_least = "at least " if count == limit + 1 else ""
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {at_least}{count} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={count})",
+            param="input_tokens",
+        )
+    budget = limit - count if requested is None else min(requested, limit - count)
+    if budget < 1:
+        raise RequestError(
+            f"max_tokens must be at least 1, got {budget}. (parameter=max_tokens, value={budget})",
+            param="max_tokens",
+        )
+    return budget
+
+
+def _check_vocabulary(tokens: list[int], vocab_size: int) -> None:
+    # The engine's check, so generation makes it and render does not.
     if not tokens:
         raise RequestError("The prompt cannot be empty.")
-    if any(token < 0 or token >= vocab_size for token in tokens):
+    if any(token >= vocab_size for token in tokens):
         raise RequestError(f"Token id out of vocabulary (vocabulary size {vocab_size}).")
-    if count >= limit:
-        raise RequestError(
-            f"This model's maximum context length is {limit} tokens. However, your request "
-            f"has {count} input tokens. Please reduce the length of the input messages."
-        )
-    if max_tokens is None:
-        max_tokens = limit - count
-    elif count + max_tokens > limit:
-        raise RequestError(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
-            f"model's maximum context length is {limit} tokens and your request has {count} "
-            f"input tokens ({max_tokens} > {limit} - {count})."
-        )
-    return max_tokens
+
+
+def _header_request_id(request: Request) -> str | None:
+    return request.headers.get("x-request-id")
+
+
+def _random_id() -> str:
+    # vLLM's random_uuid(): 64 random bits as 16 hex digits.
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
+def _render_ids(chat: bool, base: str, count: int) -> list[str]:
+    """Request ids of a rendered batch: vLLM numbers them only when there are several."""
+    prefix = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+    return [prefix] if count == 1 else [f"{prefix}-{index}" for index in range(count)]
 
 
 def _sampling_seed(admitted: _Admitted, engine_seed: int) -> int:
@@ -343,10 +514,12 @@ async def _sse(
     cached = 0
     async with contextlib.aclosing(progress):  # closing it aborts the request if unfinished
         try:
-            if chat:
-                role = {"role": "assistant", "content": ""}
-                yield _event(protocol.chat_chunk(request_id, model, role, None))
             async for step in progress:
+                if chat and not sent:
+                    # vLLM sends the role with the engine's first output, that is after
+                    # prefill: a client's time to first chunk is its time to first token.
+                    role = {"role": "assistant", "content": ""}
+                    yield _event(protocol.chat_chunk(request_id, model, role, None))
                 sent += 1
                 cached = step.request.num_cached_tokens or 0
                 text = output_text[step.new_token_id]
@@ -379,3 +552,8 @@ def _json_response(body: Any, status: int = 200) -> Response:
 
 def _error(message: str, status: int = 400, error_type: str = "BadRequestError") -> Response:
     return _json_response(protocol.error_body(message, status, error_type), status)
+
+
+def _request_error(error: RequestError) -> Response:
+    body = protocol.error_body(str(error), error.status, error.error_type, error.param)
+    return _json_response(body, error.status)

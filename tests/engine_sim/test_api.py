@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from kvplane.core.tokenizer import load_tokenizer
+from simulations.engine.timing import StepWork, TimingModel, step_seconds
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 
@@ -123,6 +124,37 @@ async def test_streams_are_server_sent_events_ending_in_done(chat: bool) -> None
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_streamed_chat_sends_its_first_chunk_only_after_prefill() -> None:
+    # A slow modelled prefill (2 ms per uncached token, plus the fixed 10 ms).
+    timing = TimingModel(prefill_ms_per_token=2.0, prefill_overhead_ms=10.0)
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt_tokens = len(load_tokenizer().chat_tokens(messages))
+    prefill_s = step_seconds(timing, StepWork(prefill_tokens=prompt_tokens))
+    body = {"messages": messages, "max_tokens": 2, "stream": True}
+    async with (
+        engine_sim(
+            time_scale=1.0,
+            prefill_ms_per_token=timing.prefill_ms_per_token,
+            prefill_overhead_ms=timing.prefill_overhead_ms,
+        ) as sim,
+        httpx.AsyncClient(base_url=sim.base_url) as client,
+    ):
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            arrivals = [
+                (time.perf_counter() - start, json.loads(line[len("data: ") :]))
+                async for line in response.aiter_lines()
+                if line.startswith("data: {")
+            ]
+    assert prefill_s > 0.2  # long enough that an early chunk could not pass unnoticed
+    first_s, first = arrivals[0]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first_s >= prefill_s
+    # The role comes with the first token, not a step before it.
+    assert "content" in arrivals[1][1]["choices"][0]["delta"]
+    assert arrivals[1][0] - first_s < prefill_s / 10
+
+
 async def test_models_health_and_lora_adapters() -> None:
     async with (
         engine_sim(served_model_name=["tiny", "tiny-alias"], lora_modules=["sql=/x"]) as sim,
@@ -172,9 +204,15 @@ BAD_REQUESTS = [
     pytest.param({"prompt": "x", "cache_salt": "a/b"}, "cache_salt", id="salt-with-slash"),
     pytest.param({"prompt": "x", "cache_salt": "s" * 129}, "cache_salt", id="salt-too-long"),
     pytest.param({"prompt": "word " * 300}, "maximum context length", id="prompt-too-long"),
-    pytest.param({"prompt": "x", "max_tokens": 300}, "'max_tokens'", id="output-too-long"),
+    pytest.param(
+        {"prompt": "x", "max_tokens": 300},
+        "max_tokens=300 cannot be greater than max_model_len=256",
+        id="output-past-the-context",
+    ),
     pytest.param({"prompt": [1, 2, 99999]}, "vocabulary", id="token-out-of-range"),
-    pytest.param({"prompt": []}, "empty", id="empty-prompt"),
+    pytest.param({"prompt": []}, "at least one prompt", id="no-prompts"),
+    pytest.param({"prompt": ""}, "non-empty", id="empty-prompt"),
+    pytest.param({"prompt": [5] * 256}, "at least 1, got 0", id="prompt-fills-the-context"),
     pytest.param({"prompt": "x", "temperature": "hot"}, "temperature", id="bad-sampling"),
     pytest.param({"prompt": "x", "top_p": 0}, "top_p", id="top-p-zero"),
     pytest.param(b'{"prompt": "x\\ud800"}', "JSON decode error", id="lone-surrogate"),

@@ -84,7 +84,7 @@ PROFILES: dict[str, Profile] = {
         "full",
         20.0,
         2,
-        ("shared-4", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
+        ("shared-8", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
         ("light", "medium", "heavy"),
         ("two-replicas", "engine-restart", "eviction", "bypass"),
         "shared-8",
@@ -99,23 +99,26 @@ def _cache_aware(router: RouterSpec) -> bool:
 
 
 def cells(profile: Profile, routers: Sequence[RouterSpec] = ROUTERS) -> list[Cell]:
-    """Every cell of the profile, runs interleaved (all routers' first run, then the
-    second), so that a slow spell of the machine does not hit one router's runs only."""
+    """Every cell of the profile, point by point (so a run cut short leaves whole
+    points); within a point every router's first run, then every router's second, so
+    that a slow spell of the machine does not fall on one router's runs only."""
+    points = [
+        (workload, load, "steady")
+        for workload in profile.steady_workloads
+        for load in profile.steady_loads
+    ]
+    for situation in profile.situations:
+        workload = EVICTION_WORKLOAD if situation == "eviction" else profile.situation_workload
+        points.append((workload, profile.situation_load, situation))
     result = []
-    for run in range(1, profile.runs + 1):
-        for workload in profile.steady_workloads:
-            for load in profile.steady_loads:
-                result += [Cell(router, workload, load, "steady", run) for router in routers]
-        for situation in profile.situations:
-            workload = EVICTION_WORKLOAD if situation == "eviction" else profile.situation_workload
-            chosen = [
-                router
-                for router in routers
-                if profile.situation_routers == "all" or _cache_aware(router)
-            ]
-            result += [
-                Cell(router, workload, profile.situation_load, situation, run) for router in chosen
-            ]
+    for workload, load, situation in points:
+        chosen = [
+            router
+            for router in routers
+            if situation == "steady" or profile.situation_routers == "all" or _cache_aware(router)
+        ]
+        for run in range(1, profile.runs + 1):
+            result += [Cell(router, workload, load, situation, run) for router in chosen]
     return result
 
 

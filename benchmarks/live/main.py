@@ -57,6 +57,7 @@ def run_live_benchmark(
         flush=True,
     )
     results: list[CellResult] = []
+    meta = {"profile": profile.name, "duration_s": profile.duration_s, "runs": profile.runs}
     started = time.monotonic()
     for number, cell in enumerate(chosen, 1):
         result = run_cell(
@@ -70,12 +71,11 @@ def run_live_benchmark(
             f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req"
         )
         print(f"[{number}/{len(chosen)}] {cell.key}: {figures}", flush=True)
+        if json_path is not None:  # after every cell: a run cut short keeps what it measured
+            write_json(json_path, results, {**meta, "complete": number == len(chosen)})
     print()
     print(render_tables(results))
     print(f"\n{len(results)} cells in {time.monotonic() - started:.0f} s")
-    meta = {"profile": profile.name, "duration_s": profile.duration_s, "runs": profile.runs}
-    if json_path is not None:
-        write_json(json_path, results, meta)
     if plot_path is not None:
         write_plot(plot_path, results)
     failed = [

@@ -49,8 +49,8 @@ class Child:
 
 
 class Children:
-    """Every process a bake-off cell started; `stop_all` ends them (their process groups
-    too, for routers that spawn helpers)."""
+    """Every process a bake-off cell started; `stop_all` kills them, each with its
+    process group (for a router that spawns helpers)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -86,12 +86,8 @@ class Children:
 
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
-    # Whatever is left of the group (a router's helper that ignored SIGTERM) goes too.
+    # SIGKILL at once: a cell has read its figures before it stops anything, and a
+    # graceful stop costs seconds a cell (smg holds its listener for 5 s on SIGTERM).
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()

@@ -11,11 +11,19 @@ def test_quick_runs_every_router_once() -> None:
     assert sorted(cell.router.name for cell in quick) == sorted(r.name for r in ROUTERS)
 
 
-def test_runs_are_interleaved_so_a_slow_spell_hits_every_router() -> None:
+def test_points_run_whole_and_runs_interleave_within_a_point() -> None:
     default = cells(PROFILES["default"])
-    first_run_two = next(n for n, cell in enumerate(default) if cell.run == 2)
-    assert all(cell.run == 1 for cell in default[:first_run_two])
-    assert {cell.router.name for cell in default[:first_run_two]} == {r.name for r in ROUTERS}
+    first = default[0].point
+    of_first = [cell for cell in default if cell.point == first]
+    assert default[: len(of_first)] == of_first  # a point's cells come together
+    runs = [cell.run for cell in of_first]
+    assert runs == sorted(runs)
+    assert {cell.router.name for cell in of_first if cell.run == 1} == {r.name for r in ROUTERS}
+
+
+def test_the_default_grid_is_part_of_the_full_grid() -> None:
+    full = {cell.key for cell in cells(PROFILES["full"])}
+    assert {cell.key for cell in cells(PROFILES["default"])} <= full
 
 
 def test_situations_in_the_default_grid_are_for_cache_aware_routers() -> None:

@@ -106,6 +106,9 @@ def start_engines(children: Children, shape: FleetShape) -> EngineFleet:
             "--num-gpu-blocks-override", str(shape.kv_blocks),
             "--max-num-seqs", str(shape.max_num_seqs),
             "--kv-events-config", json.dumps(kv_events),
+            # vLLM's render endpoints (off by default in vLLM too): vllm-router's prefix
+            # policies take their token ids from them, and route on load alone without.
+            "--enable-scale-out",
             "--log-level", "WARNING",
         ]  # fmt: skip
         name = f"engine-{number}"

@@ -14,6 +14,7 @@ import shlex
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ def run_cell(
     return result
 
 
-def _restarter(fleet: EngineFleet) -> Any:
+def _restarter(fleet: EngineFleet) -> Callable[[], Awaitable[None]]:
     async def restart() -> None:
         await asyncio.to_thread(fleet.restart, 0)
 

@@ -17,18 +17,21 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx2
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
 from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
+from router.tenants import api_key_digest
 
 # Where `make peers-env` builds the peers' environment; KVPLANE_PEERS_VENV points
 # elsewhere.
@@ -162,8 +165,7 @@ def _start_kvplane(
 
 
 def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> None:
-    import time
-
+    """Until every replica lists every engine's worker live (the agents registered)."""
     deadline = time.monotonic() + 60
     while True:
         for child in watched:
@@ -190,8 +192,6 @@ def _admin_get(url: str, path: str) -> Any:
 
 
 def _tenants_file(tenants: tuple[str, ...], directory: Path) -> Path:
-    from router.tenants import api_key_digest
-
     lines = []
     for tenant in tenants:
         lines += [
@@ -206,8 +206,6 @@ def _tenants_file(tenants: tuple[str, ...], directory: Path) -> Path:
 
 
 def _flush_redis() -> None:
-    import redis
-
     client = redis.Redis.from_url(REDIS_URL)
     try:
         client.flushdb()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +66,14 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
     timing = TimingModel()
     if args.model_config is not None:
         timing = read_roofline_timing(args.model_config, args.gpu, args.tensor_parallel)
+    if args.time_scale != 1.0:
+        timing = dataclasses.replace(
+            timing,
+            **{
+                f.name: getattr(timing, f.name) * args.time_scale
+                for f in dataclasses.fields(timing)
+            },
+        )
     config = FleetConfig(
         workers=fleet["workers"],
         capacity_tokens=fleet["capacity_tokens"],
@@ -91,6 +100,9 @@ def _run_sim(args: argparse.Namespace) -> int:
     policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
     unknown = [name for name in policies if name not in POLICIES]
     unknown += [name for name, _ in args.router_overhead_ms if name not in POLICIES]
+    if not args.time_scale > 0:
+        print("kvplane sim: --time-scale must be positive", file=sys.stderr)
+        return 2
     if unknown:
         print(f"kvplane sim: unknown policies {unknown} ({', '.join(POLICIES)})", file=sys.stderr)
         return 2
@@ -279,6 +291,9 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", type=Path,
                         help="time steps by a roofline of this model (a config.json or its "
                         "directory) on --gpu instead of the default timing model")  # fmt: skip
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply every modelled step duration (as the engine "
+                        "simulator's --time-scale does): a slower fleet (default 1)")  # fmt: skip
     parser.add_argument("--gpu", default="h100", help="with --model-config: a100, h100, h200")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="with --model-config: GPUs per worker (default 1)")  # fmt: skip

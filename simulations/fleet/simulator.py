@@ -67,6 +67,11 @@ class RunRecord:
     load_samples: list[tuple[float, int, int]] = field(default_factory=list)
     preemptions: int = 0
     end_s: float = 0.0
+    # The engines' prefix-cache counters summed over the workers (vLLM's
+    # prefix_cache_queries and _hits, in tokens): every lookup counts, including a
+    # waiting request's retries while its blocks do not fit and a preempted one's.
+    cache_queries: int = 0
+    cache_hits: int = 0
 
 
 _ARRIVAL, _STEP_DONE, _EVENTS, _LOAD_TAKEN, _LOAD_DELIVERED = range(5)
@@ -210,4 +215,6 @@ def simulate(
         record.end_s = now
     record.worker_work = [worker.computed_tokens for worker in workers]
     record.preemptions = sum(worker.scheduler.num_preemptions for worker in workers)
+    record.cache_queries = sum(worker.kv_cache.stats.queries for worker in workers)
+    record.cache_hits = sum(worker.kv_cache.stats.hits for worker in workers)
     return record

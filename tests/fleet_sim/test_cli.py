@@ -17,7 +17,7 @@ FIELDS = {
     "hit_rate", "pooled_fraction", "ceiling_fraction", "prefill_tokens_saved", "ttft_mean_s",
     "ttft_p50_s",
     "ttft_p90_s", "ttft_p99_s", "e2e_p99_s", "output_tokens_per_s", "load_imbalance",
-    "preemptions",
+    "preemptions", "engine_hit_rate",
 }  # fmt: skip
 
 
@@ -91,6 +91,7 @@ def test_a_model_and_gpu_time_the_steps(tmp_path: Path, capsys: pytest.CaptureFi
         (["sim"], "give --trace FILE, --workload NAME or --live NAME"),
         (["sim", "--workload", "nope"], "unknown workload"),
         (["sim", "--live", "agent-tree"], "unknown live workload"),
+        (["sim", "--live", "shared-2", "--time-scale", "0"], "--time-scale must be positive"),
         (
             ["sim", "--live", "shared-2", "--router-overhead-ms", "magic=3"],
             "unknown policies",
@@ -186,3 +187,20 @@ def test_a_malformed_router_overhead_is_refused(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         main(["sim", "--live", "shared-2", "--router-overhead-ms", "kvplane=-3"])
     assert "POLICY=MILLISECONDS" in capsys.readouterr().err
+
+
+def test_a_time_scale_slows_every_step(tmp_path: Path) -> None:
+    runs = {}
+    for scale in ("1", "2"):
+        out = tmp_path / f"x{scale}.json"
+        code = main(
+            ["sim", "--live", "shared-2", "--workload-arg", "rate_per_s=2", "--workload-arg",
+             "duration_s=3", "--policies", "round-robin", "--time-scale", scale,
+             "--json", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        runs[scale] = json.loads(out.read_text())
+    one, two = runs["1"]["run"]["timing"], runs["2"]["run"]["timing"]
+    assert two == {key: 2 * value for key, value in one.items()}
+    fast, slow = (runs[s]["policies"]["round-robin"] for s in ("1", "2"))
+    assert slow["ttft_p90_s"] == pytest.approx(2 * fast["ttft_p90_s"], rel=0.05)

@@ -201,3 +201,19 @@ def test_router_overhead_counts_in_a_closed_loops_next_turn_too() -> None:
         outcome = by_id[request.request_id]
         assert outcome.first_token_s is not None
         assert outcome.first_token_s - outcome.arrival_s >= 0.1
+
+
+def test_the_engines_counters_count_every_lookup() -> None:
+    # Room for everything: one lookup per request, so the engines' hit rate is the
+    # requests' cached share.
+    workload = groups_workload(groups=4, per_group=6, rate=4.0)
+    roomy = dataclasses.replace(SMALL, capacity_tokens=1 << 20)
+    record = run(workload, "round-robin", roomy)
+    assert record.cache_queries == sum(r.prompt_tokens for r in workload.requests)
+    result = figures(record, 1.0, 1.0)
+    assert result.engine_hit_rate == pytest.approx(result.hit_rate, abs=1e-4)
+    # Caches too small for the traffic: a waiting request looks its prefix up again at
+    # every step until its blocks fit, and each lookup counts, as in vLLM.
+    crowded = run(groups_workload(rate=200.0), "round-robin", SMALL)
+    assert crowded.cache_queries > sum(o.prompt_tokens for o in crowded.outcomes)
+    assert 0 <= crowded.cache_hits <= crowded.cache_queries

@@ -66,6 +66,8 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
     timing = TimingModel()
     if args.model_config is not None:
         timing = read_roofline_timing(args.model_config, args.gpu, args.tensor_parallel)
+    overheads_ms = dict(live_shapes.LIVE_ROUTER_OVERHEAD_MS) if args.live_router_overheads else {}
+    overheads_ms.update(args.router_overhead_ms)
     if args.time_scale != 1.0:
         timing = dataclasses.replace(
             timing,
@@ -82,7 +84,7 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
         event_delay_s=args.event_delay_s,
         load_interval_s=args.load_interval_s,
         load_delay_s=args.load_delay_s,
-        router_overhead_s={name: ms / 1000 for name, ms in args.router_overhead_ms},
+        router_overhead_s={name: ms / 1000 for name, ms in overheads_ms.items()},
     )
     return workload, config
 
@@ -269,6 +271,12 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
         metavar="POLICY=MS",
         help="time the router costs each request of this policy before its worker has it, "
         "counted in its TTFT (repeatable; default 0 for every policy)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--live-router-overheads", action="store_true",
+        help="the overheads measured in `kvplane bench live`: kvplane and round-robin "
+        "(kvplane's proxy) 25 ms, sglang-cache-aware and vllm-router-cache-aware 5 ms "
+        "(--router-overhead-ms overrides one)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")

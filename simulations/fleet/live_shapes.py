@@ -22,7 +22,10 @@ which requests share a prefix. The values are kept equal to the live ones by a t
 benchmark.
 
 `LIVE_LOADS` are the bake-off's loads by name; `--sweep rate_per_s=5,15,30` runs them
-all.
+all. `LIVE_ROUTER_OVERHEAD_MS` (`--live-router-overheads`) is what each router cost a
+request in the bake-off on its 2-core machine (its "CPU ms/req" column: kvplane's
+Python proxy and agents 20-30 ms, the Rust peers 3-7 ms), taken as latency before the
+engine has the request; kvplane's round-robin runs in kvplane's proxy.
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ LIVE_BLOCK_TOKENS = 16
 LIVE_MAX_NUM_SEQS = 16
 LIVE_LOADS: dict[str, float] = {"light": 5.0, "medium": 15.0, "heavy": 30.0}
 LIVE_DURATION_S = 15.0  # the bake-off's default profile
+
+LIVE_ROUTER_OVERHEAD_MS: dict[str, float] = {
+    "kvplane": 25.0,
+    "round-robin": 25.0,
+    "sglang-cache-aware": 5.0,
+    "vllm-router-cache-aware": 5.0,
+}
 
 SHARED_DEFAULTS: dict[str, Any] = {
     "system_tokens": 2048,

@@ -204,3 +204,18 @@ def test_a_time_scale_slows_every_step(tmp_path: Path) -> None:
     assert two == {key: 2 * value for key, value in one.items()}
     fast, slow = (runs[s]["policies"]["round-robin"] for s in ("1", "2"))
     assert slow["ttft_p90_s"] == pytest.approx(2 * fast["ttft_p90_s"], rel=0.05)
+
+
+def test_the_live_router_overheads_are_a_preset_flags_override(tmp_path: Path) -> None:
+    out = tmp_path / "live.json"
+    code = main(
+        ["sim", "--live", "shared-2", "--workload-arg", "rate_per_s=2", "--workload-arg",
+         "duration_s=2", "--policies", "kvplane", "--live-router-overheads",
+         "--router-overhead-ms", "kvplane=40", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    overheads = json.loads(out.read_text())["run"]["router_overhead_s"]
+    assert overheads == {
+        "kvplane": 0.04, "round-robin": 0.025, "sglang-cache-aware": 0.005,
+        "vllm-router-cache-aware": 0.005,
+    }  # fmt: skip

@@ -16,6 +16,7 @@ from benchmarks.live.grid import LOADS, PROFILES
 from simulations.engine.scheduler import SchedulerLimits
 from simulations.fleet import live_shapes
 from simulations.fleet.live_shapes import live_workload
+from simulations.fleet.policies import POLICIES
 
 
 def defaults(function: Any) -> dict[str, Any]:
@@ -93,3 +94,10 @@ def test_overrides_and_unknown_names() -> None:
             live_workload(name)
     with pytest.raises(ValueError, match="positive"):
         live_workload("shared-2", rate_per_s=0.0)
+
+
+def test_the_live_router_overheads_name_simulated_policies() -> None:
+    assert set(live_shapes.LIVE_ROUTER_OVERHEAD_MS) <= set(POLICIES)
+    # kvplane's Python proxy costs more than the Rust peers (bench live's CPU ms/req).
+    overheads = live_shapes.LIVE_ROUTER_OVERHEAD_MS
+    assert overheads["kvplane"] == overheads["round-robin"] > overheads["sglang-cache-aware"]

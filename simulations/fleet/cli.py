@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,11 +18,16 @@ def _workload(
     speedup: float = 1.0,
     limit: int | None = None,
 ) -> Any:
-    """The trace (`--trace`) or generated workload (`--workload`, its arguments)."""
+    """The trace (`--trace`), generated workload (`--workload`, its arguments) or live
+    bake-off's workload (`--live`, its arguments)."""
+    from simulations.fleet.live_shapes import live_workload
     from simulations.fleet.workloads import WORKLOADS, load_trace
 
     if args.trace is not None:
         return load_trace(args.trace, speedup=speedup, limit=limit)
+    if getattr(args, "live", None) is not None:
+        live_args: dict[str, Any] = dict(workload_args)
+        return live_workload(args.live, seed=getattr(args, "seed", 0), **live_args)
     if args.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {args.workload!r} ({', '.join(sorted(WORKLOADS))})")
     return WORKLOADS[args.workload](seed=getattr(args, "seed", 0), **workload_args)
@@ -31,11 +37,21 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
     """The workload and fleet of a `kvplane sim` run, with one setting changed (a
     sweep's point): `workers`, `capacity_tokens`, `speedup` (a trace) or any parameter
     of a generated workload."""
+    from simulations.engine.scheduler import SchedulerLimits
     from simulations.engine.timing import TimingModel
+    from simulations.fleet import live_shapes
     from simulations.fleet.roofline import read_roofline_timing
     from simulations.fleet.simulator import FleetConfig
 
-    fleet = {"workers": args.workers, "capacity_tokens": args.capacity_tokens}
+    live = args.live is not None
+    fleet = {
+        "workers": args.workers or (live_shapes.LIVE_ENGINES if live else 10),
+        "capacity_tokens": args.capacity_tokens
+        or (live_shapes.live_capacity_tokens() if live else 3_000_000),
+    }
+    max_num_seqs = args.max_num_seqs or (
+        live_shapes.LIVE_MAX_NUM_SEQS if live else SchedulerLimits().max_num_seqs
+    )
     speedup = args.speedup
     workload_args = dict(args.workload_arg)
     if setting is not None:
@@ -50,13 +66,25 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
     timing = TimingModel()
     if args.model_config is not None:
         timing = read_roofline_timing(args.model_config, args.gpu, args.tensor_parallel)
+    overheads_ms = dict(live_shapes.LIVE_ROUTER_OVERHEAD_MS) if args.live_router_overheads else {}
+    overheads_ms.update(args.router_overhead_ms)
+    if args.time_scale != 1.0:
+        timing = dataclasses.replace(
+            timing,
+            **{
+                f.name: getattr(timing, f.name) * args.time_scale
+                for f in dataclasses.fields(timing)
+            },
+        )
     config = FleetConfig(
         workers=fleet["workers"],
         capacity_tokens=fleet["capacity_tokens"],
         timing=timing,
+        limits=SchedulerLimits(max_num_seqs=max_num_seqs),
         event_delay_s=args.event_delay_s,
         load_interval_s=args.load_interval_s,
         load_delay_s=args.load_delay_s,
+        router_overhead_s={name: ms / 1000 for name, ms in overheads_ms.items()},
     )
     return workload, config
 
@@ -68,11 +96,15 @@ def _run_sim(args: argparse.Namespace) -> int:
     from simulations.fleet.report import as_json, render_sweep, render_table
     from simulations.fleet.run import compare, run_description
 
-    if (args.trace is None) == (args.workload is None):
-        print("kvplane sim: give --trace FILE or --workload NAME", file=sys.stderr)
+    if (args.trace, args.workload, args.live).count(None) != 2:
+        print("kvplane sim: give --trace FILE, --workload NAME or --live NAME", file=sys.stderr)
         return 2
     policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
     unknown = [name for name in policies if name not in POLICIES]
+    unknown += [name for name, _ in args.router_overhead_ms if name not in POLICIES]
+    if not args.time_scale > 0:
+        print("kvplane sim: --time-scale must be positive", file=sys.stderr)
+        return 2
     if unknown:
         print(f"kvplane sim: unknown policies {unknown} ({', '.join(POLICIES)})", file=sys.stderr)
         return 2
@@ -130,6 +162,17 @@ def _sweep_arg(text: str) -> tuple[str, list[float]]:
     if not separator or not key or not values:
         raise argparse.ArgumentTypeError(f"expected KEY=V1,V2,..., got {text!r}")
     return key.replace("-", "_"), values
+
+
+def _overhead_arg(text: str) -> tuple[str, float]:
+    name, separator, raw = text.partition("=")
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not separator or not name or not ms >= 0:
+        raise argparse.ArgumentTypeError(f"expected POLICY=MILLISECONDS, got {text!r}")
+    return name, ms
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -202,19 +245,38 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--trace", type=Path, help="a Mooncake .jsonl or Azure .csv trace")
     source.add_argument("--workload", help="a generated workload: shared-prefix, llmd-prefix, "
                         "multi-turn, agent-tree, multi-tenant")  # fmt: skip
+    source.add_argument("--live", metavar="NAME",
+                        help="a workload of `kvplane bench live` (shared-N, multi-turn) on its "
+                        "fleet: 4 workers of 512 blocks of 16 tokens, max_num_seqs 16; "
+                        "--workload-arg rate_per_s=15 duration_s=15 by default")  # fmt: skip
     parser.add_argument(
         "--workload-arg", type=workload_arg, action="append", default=[], metavar="KEY=VALUE",
         help="a parameter of the generated workload (repeatable), e.g. groups=32",
     )  # fmt: skip
     parser.add_argument("--limit", type=int, help="replay only the first N requests of a trace")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay a trace N times faster")
-    parser.add_argument("--workers", type=int, default=10, help="engine replicas (default 10)")
-    parser.add_argument(
-        "--capacity-tokens", type=int, default=3_000_000, help="KV cache per worker, in tokens"
-    )
+    parser.add_argument("--workers", type=int, help="engine replicas (default 10; --live: 4)")
+    parser.add_argument("--capacity-tokens", type=int,
+                        help="KV cache per worker, in tokens (default 3,000,000; --live: "
+                        "8,192)")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int,
+                        help="most requests running at once on a worker (default 256; "
+                        "--live: 16)")  # fmt: skip
     parser.add_argument(
         "--policies", default="all", help="comma-separated, or all (default): "
         "random, round-robin, least-loaded, kvplane",
+    )  # fmt: skip
+    parser.add_argument(
+        "--router-overhead-ms", type=_overhead_arg, action="append", default=[],
+        metavar="POLICY=MS",
+        help="time the router costs each request of this policy before its worker has it, "
+        "counted in its TTFT (repeatable; default 0 for every policy)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--live-router-overheads", action="store_true",
+        help="the overheads measured in `kvplane bench live`: kvplane and round-robin "
+        "(kvplane's proxy) 25 ms, sglang-cache-aware and vllm-router-cache-aware 5 ms "
+        "(--router-overhead-ms overrides one)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -237,6 +299,9 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", type=Path,
                         help="time steps by a roofline of this model (a config.json or its "
                         "directory) on --gpu instead of the default timing model")  # fmt: skip
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply every modelled step duration (as the engine "
+                        "simulator's --time-scale does): a slower fleet (default 1)")  # fmt: skip
     parser.add_argument("--gpu", default="h100", help="with --model-config: a100, h100, h200")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="with --model-config: GPUs per worker (default 1)")  # fmt: skip

@@ -22,7 +22,13 @@ from router.routing.predicted import PredictedPrefixes
 from simulations.fleet.requests import TraceRequest
 from simulations.fleet.router_view import RouterView, leading_matches
 
-__all__ = ["DynamoPolicy", "LlmdPolicy", "PrefixSource", "SglangCacheAwarePolicy"]
+__all__ = [
+    "DynamoPolicy",
+    "LlmdPolicy",
+    "PrefixSource",
+    "SglangCacheAwarePolicy",
+    "VllmRouterCacheAwarePolicy",
+]
 
 PrefixSource = Literal["events", "decisions", "none"]
 
@@ -40,29 +46,41 @@ def _block_token_counts(request: TraceRequest, block_tokens: int) -> list[int]:
 
 class SglangCacheAwarePolicy:
     """SGLang model gateway, policy `cache_aware` (sgl-router / sgl-model-gateway,
-    `policies/cache_aware.rs` and `policies/tree.rs`).
+    `policies/cache_aware.rs` and `policies/tree.rs`), checked against sglang-router
+    0.3.2, the release `kvplane bench live` runs (its crate, sgl-model-gateway 0.3.2, is
+    commit c7f9bf9f5 "[smg] release 0.3.2" of github.com/smg-project/smg, whose history
+    carries the gateway's; the defaults are the Python launcher's,
+    `sglang_router/router_args.py` lines 33-37 of the wheel: cache_threshold 0.3,
+    balance_abs_threshold 64, balance_rel_threshold 1.5, eviction_interval_secs 60,
+    max_tree_size 2**26; the Rust `CacheAwareConfig::default()` differs but the
+    launcher always passes these).
 
     What it follows:
     - An approximate tree per worker fed only by this router's own decisions, never by
       engine events (`events` is ignored): every routed request is inserted into the
       chosen worker's tree, in the imbalanced branch too.
     - Load is the router's in-flight request count per worker (`worker.load()`, here
-      `view.traffic[w].in_flight`). Imbalanced when `max - min > balance_abs_threshold`
-      AND `max > balance_rel_threshold * min`; then the least-loaded worker.
+      `view.traffic[w].in_flight`): raised when the request is routed and lowered when
+      its response body is done (`WorkerLoadGuard`, taken for `cache_aware` and
+      `manual` only, `src/routers/http/router.rs` lines 294-296 at 0.3.2). Imbalanced
+      when `max - min > balance_abs_threshold` AND `max > balance_rel_threshold * min`
+      (`src/policies/cache_aware.rs` lines 371-372); then the least-loaded worker.
     - Otherwise match rate = the longest match over all workers' trees / prompt length;
       strictly above `cache_threshold` the best-matching worker, else the least-loaded
       worker (newer versions; older ones took the worker with the smallest tree).
     - Least loaded is Rust's `min_by_key` over the workers in order: the lowest index
-      among equally loaded workers, not a random one.
+      among equally loaded workers, not a random one (the real order is the worker
+      registry's DashMap's: fixed but arbitrary, the same up to a relabelling).
     - Among workers that hold the longest match equally, SGLang returns the tenant cached
       on the tree node where the match ends (`last_tenant`: the worker whose insert
       created that node, inherited on splits), else the first in the node's hash map.
       Here: the first worker to have inserted the deepest matched block, if it still
       holds it; otherwise one of the holders at random (the hash-map order), which then
       becomes the cached one.
-    - Every `eviction_interval_s` (of simulated time, checked when a request arrives)
-      each worker's tree over `max_tree_size` is cut by evicting its least recently
-      used leaves until it fits (`evict_tenant_by_size`; the limit is per worker).
+    - Every `eviction_interval_s` (60 s; of simulated time, checked when a request
+      arrives) each worker's tree over `max_tree_size` is cut by evicting its least
+      recently used leaves until it fits (`evict_tenant_by_size`, `src/policies/tree.rs`
+      lines 718-821 at 0.3.2; the limit is per worker: `tenant_char_count` per tenant).
 
     Simplifications:
     - The tree is over block ids, not characters: a worker's tree is the set of block
@@ -88,7 +106,7 @@ class SglangCacheAwarePolicy:
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         max_tree_size: int = 67_108_864,
-        eviction_interval_s: float = 120.0,
+        eviction_interval_s: float = 60.0,
         chars_per_token: float = 4.0,
     ) -> None:
         self.rng = rng
@@ -251,6 +269,47 @@ class SglangCacheAwarePolicy:
                         del children[parent]
                         heapq.heappush(heap, (access[parent], order, parent))
                         order += 1
+
+
+class VllmRouterCacheAwarePolicy(SglangCacheAwarePolicy):
+    """vllm-router, policy `cache_aware` (github.com/vllm-project/router,
+    `src/policies/cache_aware.rs`, `src/tree.rs`): a fork of SGLang's, with the same
+    decision (imbalance by in-flight counts, 64 and 1.5; else the approximate tree's
+    best match above 0.3, else the least loaded; every routed request inserted into
+    the chosen worker's tree) and the same tree. The in-flight count is raised for
+    `cache_aware` requests and lowered at the stream's `data: [DONE]` or the body's end
+    (`src/routers/http/router.rs`). Its defaults differ: the installed 0.1.17's launcher
+    (`vllm_router/router_args.py` lines 40-44) evicts every 120 s and caps each tree at
+    2**25 characters.
+
+    Newer versions also key chat requests by a session id from the request headers
+    (`x-session-id` and the like) in an exact-match map; `kvplane bench live` sends no
+    such header, so the text path above is the one it exercises, and the one followed.
+    """
+
+    name = "vllm-router-cache-aware"
+
+    def __init__(
+        self,
+        rng: random.Random,
+        block_tokens: int,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_size: int = 33_554_432,
+        eviction_interval_s: float = 120.0,
+        chars_per_token: float = 4.0,
+    ) -> None:
+        super().__init__(
+            rng,
+            block_tokens,
+            cache_threshold=cache_threshold,
+            balance_abs_threshold=balance_abs_threshold,
+            balance_rel_threshold=balance_rel_threshold,
+            max_tree_size=max_tree_size,
+            eviction_interval_s=eviction_interval_s,
+            chars_per_token=chars_per_token,
+        )
 
 
 # -- llm-d -------------------------------------------------------------------------------

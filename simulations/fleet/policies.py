@@ -25,6 +25,7 @@ from simulations.fleet.peer_policies import (
     LlmdPolicy,
     PrefixSource,
     SglangCacheAwarePolicy,
+    VllmRouterCacheAwarePolicy,
 )
 from simulations.fleet.requests import TraceRequest
 from simulations.fleet.router_view import RouterView
@@ -183,6 +184,8 @@ def make_policy(
     # The peers' policies live apart, each following its published description.
     if name == "sglang-cache-aware":
         return SglangCacheAwarePolicy(rng, block_tokens)
+    if name == "vllm-router-cache-aware":
+        return VllmRouterCacheAwarePolicy(rng, block_tokens)
     if name == "dynamo":
         return DynamoPolicy(rng, block_tokens)
     llm_d_sources: dict[str, PrefixSource] = {
@@ -204,6 +207,7 @@ POLICIES = (
     "least-loaded",
     "longest-prefix",
     "sglang-cache-aware",
+    "vllm-router-cache-aware",
     "llm-d-load",
     "llm-d-approximate",
     "llm-d-precise",

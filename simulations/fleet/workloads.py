@@ -19,7 +19,9 @@ prefixes and distinct prefixes get distinct ids):
 - `shared_prefix`: SGLang's `generated-shared-prefix` benchmark (defaults as published
   for SGLang v0.4's cache-aware router, ../shared/reference/peer-routers.md): 64 groups
   x 16 prompts, a 2,048-token system prompt per group followed by a 128-token question,
-  256 output tokens, all sent at t=0 in shuffled order (or Poisson at `rate_per_s`).
+  256 output tokens, all sent at t=0 in shuffled order (or Poisson at `rate_per_s`;
+  with `duration_s` too, Poisson over that many seconds, each request from a group
+  drawn at random, as `kvplane bench live` sends them).
 - `llmd_prefix`: llm-d's precise-prefix-cache benchmark (its Sep 2025 blog, same
   reference): 150 groups x 5 users, a 6,000-token group prefix, a 1,200-token question,
   1,000 output tokens, Poisson arrivals whose rate ramps linearly from 3 to 60 req/s.
@@ -32,9 +34,10 @@ prefixes and distinct prefixes get distinct ids):
 - `multi_turn`: chat sessions. Turn k's prompt is turn k-1's prompt, its output and the
   new user turn, so prefixes grow turn by turn; all sessions share one system prompt.
   Sessions start as Poisson arrivals; the turns of a session are separated by
-  exponential think times measured from the previous turn's arrival (open loop: the
-  workload cannot know when a response ends, so choose a think time longer than the
-  latency you expect). Defaults are illustrative, not from a published benchmark.
+  exponential think times measured from the previous turn's arrival (open loop: choose
+  a think time longer than the latency you expect), or with `closed_loop` from the end
+  of the previous turn's response (the simulator sends the turn then, as a chat client
+  does). Defaults are illustrative, not from a published benchmark.
 - `agent_tree`: agent runs branching from a common trunk: each tree's root request is
   its trunk (task, tools, documents); every request at depth < `depth` has `branches`
   children, each one its parent's prompt + the parent's output + a new step (a tool
@@ -177,18 +180,22 @@ def ramp_arrivals(
 # Assembling workloads ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Draft:
-    arrival_s: float
+    arrival_s: float  # a follower's: its parent's + after_s, the earliest it can arrive
     blocks: tuple[int, ...]
     prompt_tokens: int
     output_tokens: int
     tenant: str = ""
+    parent: _Draft | None = None  # closed loop: sent after_s after the parent's response
+    after_s: float = 0.0
 
 
 def _workload(name: str, block_tokens: int, drafts: Iterable[_Draft]) -> Workload:
-    """Requests sorted by arrival (stable), numbered in that order."""
+    """Requests sorted by arrival (stable), numbered in that order; a follower names
+    its parent by the parent's number (a parent always sorts before its followers)."""
     ordered = sorted(drafts, key=lambda d: d.arrival_s)
+    number = {id(d): i for i, d in enumerate(ordered)}
     return Workload(
         name=name,
         block_tokens=block_tokens,
@@ -200,6 +207,8 @@ def _workload(name: str, block_tokens: int, drafts: Iterable[_Draft]) -> Workloa
                 prompt_tokens=d.prompt_tokens,
                 output_tokens=d.output_tokens,
                 tenant=d.tenant,
+                follows=None if d.parent is None else number[id(d.parent)],
+                after_s=d.after_s,
             )
             for i, d in enumerate(ordered)
         ),
@@ -370,24 +379,40 @@ def shared_prefix(
     block_tokens: int = 64,
     rate_per_s: float | None = None,
     seed: int = 0,
+    duration_s: float | None = None,
 ) -> Workload:
     """SGLang's generated-shared-prefix: each prompt is its group's system prompt + a question.
 
     All requests arrive at t=0 (as SGLang sends them) unless `rate_per_s` is given, then
-    as a Poisson process; the order of prompts is shuffled with `seed`.
+    as a Poisson process; the order of prompts is shuffled with `seed`. With
+    `duration_s` too, requests arrive as a Poisson process at `rate_per_s` over
+    `duration_s` seconds, however many that makes, each from a group drawn at random
+    with its own question (as `kvplane bench live` sends them; `prompts_per_group` is
+    then unused).
     """
     _positive(groups=groups, prompts_per_group=prompts_per_group, system_tokens=system_tokens)
     _positive(question_tokens=question_tokens, output_tokens=output_tokens)
     rng = random.Random(seed)
     ns = f"shared-prefix/{seed}"
+    systems = [
+        PrefixChain.start(block_tokens).extend(f"{ns}/g{g}/system", system_tokens)
+        for g in range(groups)
+    ]
     prompts: list[PrefixChain] = []
-    for g in range(groups):
-        system = PrefixChain.start(block_tokens).extend(f"{ns}/g{g}/system", system_tokens)
-        prompts.extend(
-            system.extend(f"{ns}/g{g}/q{p}", question_tokens) for p in range(prompts_per_group)
-        )
-    rng.shuffle(prompts)
-    arrivals = _arrivals(rng, rate_per_s, len(prompts))
+    if duration_s is None:
+        for g, system in enumerate(systems):
+            prompts.extend(
+                system.extend(f"{ns}/g{g}/q{p}", question_tokens) for p in range(prompts_per_group)
+            )
+        rng.shuffle(prompts)
+        arrivals = _arrivals(rng, rate_per_s, len(prompts))
+    else:
+        if rate_per_s is None:
+            raise ValueError("duration_s needs rate_per_s")
+        arrivals = ramp_arrivals(rng, rate_per_s, rate_per_s, duration_s)
+        for i in range(len(arrivals)):
+            g = rng.randrange(groups)
+            prompts.append(systems[g].extend(f"{ns}/g{g}/r{i}", question_tokens))
     return _workload(
         "shared-prefix",
         block_tokens,
@@ -448,27 +473,48 @@ def multi_turn(
     rate_per_s: float = 1.0,
     block_tokens: int = 64,
     seed: int = 0,
+    duration_s: float | None = None,
+    closed_loop: bool = False,
 ) -> Workload:
     """Chat sessions whose prompts grow: turn k = turn k-1's prompt + its output + a turn.
 
-    Sessions start at `rate_per_s` (Poisson); each next turn arrives an exponential think
-    time (mean `think_time_s`) after the previous one. One system prompt for all.
+    Sessions start at `rate_per_s` (Poisson): `sessions` of them, or with `duration_s`
+    as many as start in that many seconds. Each next turn comes an exponential think
+    time (mean `think_time_s`) after the previous turn's arrival (open loop), or with
+    `closed_loop` after the previous turn's response ends, as a chat client (and
+    `kvplane bench live`) sends it. One system prompt for all.
     """
     _positive(sessions=sessions, turns=turns, system_tokens=system_tokens)
     _positive(turn_tokens=turn_tokens, output_tokens=output_tokens, think_time_s=think_time_s)
     rng = random.Random(seed)
     ns = f"multi-turn/{seed}"
     system = PrefixChain.start(block_tokens).extend(f"{ns}/system", system_tokens)
+    if duration_s is None:
+        starts = poisson_arrivals(rng, rate_per_s, sessions)
+    else:
+        starts = ramp_arrivals(rng, rate_per_s, rate_per_s, duration_s)
     drafts: list[_Draft] = []
-    for s, start_s in enumerate(poisson_arrivals(rng, rate_per_s, sessions)):
+    for s, start_s in enumerate(starts):
         context = system
         t = start_s
+        previous: _Draft | None = None
         for k in range(turns):
+            think = 0.0
             if k:
                 context = context.extend(f"{ns}/s{s}/o{k - 1}", output_tokens)
-                t += rng.expovariate(1 / think_time_s)
+                think = rng.expovariate(1 / think_time_s)
+                t += think
             context = context.extend(f"{ns}/s{s}/u{k}", turn_tokens)
-            drafts.append(_Draft(t, context.blocks(), context.tokens, output_tokens))
+            draft = _Draft(
+                t,
+                context.blocks(),
+                context.tokens,
+                output_tokens,
+                parent=previous if closed_loop else None,
+                after_s=think if closed_loop else 0.0,
+            )
+            drafts.append(draft)
+            previous = draft
     return _workload("multi-turn", block_tokens, drafts)
 
 

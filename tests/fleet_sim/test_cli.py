@@ -17,7 +17,7 @@ FIELDS = {
     "hit_rate", "pooled_fraction", "ceiling_fraction", "prefill_tokens_saved", "ttft_mean_s",
     "ttft_p50_s",
     "ttft_p90_s", "ttft_p99_s", "e2e_p99_s", "output_tokens_per_s", "load_imbalance",
-    "preemptions",
+    "preemptions", "engine_hit_rate",
 }  # fmt: skip
 
 
@@ -88,8 +88,14 @@ def test_a_model_and_gpu_time_the_steps(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["sim"], "give --trace FILE or --workload NAME"),
+        (["sim"], "give --trace FILE, --workload NAME or --live NAME"),
         (["sim", "--workload", "nope"], "unknown workload"),
+        (["sim", "--live", "agent-tree"], "unknown live workload"),
+        (["sim", "--live", "shared-2", "--time-scale", "0"], "--time-scale must be positive"),
+        (
+            ["sim", "--live", "shared-2", "--router-overhead-ms", "magic=3"],
+            "unknown policies",
+        ),
         (["sim", "--workload", "shared-prefix", "--policies", "magic"], "unknown policies"),
         (["sim", "--workload", "shared-prefix", "--workload-arg", "colours=3"], "colours"),
         (
@@ -141,3 +147,75 @@ def test_a_sweep_says_which_fleet_sizes_meet_the_slo(
     assert [point["value"] for point in sweep["points"]] == [1, 4]
     one, four = (point["policies"]["kvplane"]["ttft_p90_s"] for point in sweep["points"])
     assert four < one  # more workers, less queueing
+
+
+def test_a_live_shape_runs_on_the_live_fleet_with_router_overheads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = {}
+    for name, overhead in (("free", []), ("charged", ["--router-overhead-ms", "round-robin=30"])):
+        out = tmp_path / f"{name}.json"
+        code = main(
+            ["sim", "--live", "shared-4", "--workload-arg", "rate_per_s=5",
+             "--workload-arg", "duration_s=4", "--policies", "kvplane,round-robin",
+             *overhead, "--json", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        runs[name] = json.loads(out.read_text())
+    assert "live/shared-4" in capsys.readouterr().out
+    run = runs["charged"]["run"]
+    assert (run["workers"], run["capacity_tokens"], run["block_tokens"]) == (4, 8192, 16)
+    assert run["limits"]["max_num_seqs"] == 16
+    assert run["router_overhead_s"] == {"round-robin": 0.03}
+    free, charged = runs["free"]["policies"], runs["charged"]["policies"]
+    assert charged["kvplane"] == free["kvplane"]
+    assert charged["round-robin"]["ttft_p50_s"] == pytest.approx(
+        free["round-robin"]["ttft_p50_s"] + 0.03, abs=0.005
+    )
+    # Explicit fleet flags still win over the live fleet's.
+    code = main(
+        ["sim", "--live", "shared-4", "--workload-arg", "rate_per_s=5", "--workload-arg",
+         "duration_s=2", "--policies", "round-robin", "--workers", "2", "--max-num-seqs", "4",
+         "--json", str(tmp_path / "two.json")]
+    )  # fmt: skip
+    assert code == 0
+    run = json.loads((tmp_path / "two.json").read_text())["run"]
+    assert (run["workers"], run["limits"]["max_num_seqs"]) == (2, 4)
+
+
+def test_a_malformed_router_overhead_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--live", "shared-2", "--router-overhead-ms", "kvplane=-3"])
+    assert "POLICY=MILLISECONDS" in capsys.readouterr().err
+
+
+def test_a_time_scale_slows_every_step(tmp_path: Path) -> None:
+    runs = {}
+    for scale in ("1", "2"):
+        out = tmp_path / f"x{scale}.json"
+        code = main(
+            ["sim", "--live", "shared-2", "--workload-arg", "rate_per_s=2", "--workload-arg",
+             "duration_s=3", "--policies", "round-robin", "--time-scale", scale,
+             "--json", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        runs[scale] = json.loads(out.read_text())
+    one, two = runs["1"]["run"]["timing"], runs["2"]["run"]["timing"]
+    assert two == {key: 2 * value for key, value in one.items()}
+    fast, slow = (runs[s]["policies"]["round-robin"] for s in ("1", "2"))
+    assert slow["ttft_p90_s"] == pytest.approx(2 * fast["ttft_p90_s"], rel=0.05)
+
+
+def test_the_live_router_overheads_are_a_preset_flags_override(tmp_path: Path) -> None:
+    out = tmp_path / "live.json"
+    code = main(
+        ["sim", "--live", "shared-2", "--workload-arg", "rate_per_s=2", "--workload-arg",
+         "duration_s=2", "--policies", "kvplane", "--live-router-overheads",
+         "--router-overhead-ms", "kvplane=40", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    overheads = json.loads(out.read_text())["run"]["router_overhead_s"]
+    assert overheads == {
+        "kvplane": 0.04, "round-robin": 0.025, "sglang-cache-aware": 0.005,
+        "vllm-router-cache-aware": 0.005,
+    }  # fmt: skip

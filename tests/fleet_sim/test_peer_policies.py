@@ -13,6 +13,7 @@ from simulations.fleet.peer_policies import (
     DynamoPolicy,
     LlmdPolicy,
     SglangCacheAwarePolicy,
+    VllmRouterCacheAwarePolicy,
 )
 from simulations.fleet.policies import POLICIES, Policy, make_policy
 from simulations.fleet.requests import TraceRequest
@@ -148,6 +149,46 @@ def test_sglang_evicts_least_recently_used_leaves_to_the_size_limit() -> None:
     assert policy.matched_tokens(0, request(6, chain(900, 1))) == BT
     assert policy.tree_tokens(0) == 11 * BT  # 10 blocks kept + the new request's block
     assert policy.evicted_blocks == 7
+
+
+def test_sglang_defaults_are_sglang_router_0_3_2s() -> None:
+    # sglang_router/router_args.py of the 0.3.2 wheel, lines 33-37.
+    policy = SglangCacheAwarePolicy(random.Random(0), BT)
+    assert policy.cache_threshold == 0.3
+    assert (policy.balance_abs_threshold, policy.balance_rel_threshold) == (64, 1.5)
+    assert policy.eviction_interval_s == 60.0
+    assert policy.max_tree_tokens == 2**26 // 4
+
+
+def test_sglang_evicts_every_60_seconds_by_default() -> None:
+    policy, view = SglangCacheAwarePolicy(random.Random(0), BT, max_tree_size=4 * BT), RouterView(1)
+    policy.choose(request(1, chain(100, 4)), view, 0.0)
+    policy.choose(request(2, chain(200, 1)), view, 59.0)
+    assert policy.evicted_blocks == 0
+    policy.choose(request(3, chain(300, 1)), view, 60.0)
+    assert policy.evicted_blocks > 0
+
+
+def test_vllm_router_cache_aware_is_sglangs_decision_with_its_own_defaults() -> None:
+    # vllm_router/router_args.py of the 0.1.17 wheel, lines 40-44.
+    vllm = make_policy("vllm-router-cache-aware", seed=0, block_tokens=BT)
+    assert isinstance(vllm, VllmRouterCacheAwarePolicy)
+    assert isinstance(vllm, SglangCacheAwarePolicy)
+    assert vllm.cache_threshold == 0.3
+    assert (vllm.balance_abs_threshold, vllm.balance_rel_threshold) == (64, 1.5)
+    assert vllm.eviction_interval_s == 120.0
+    assert vllm.max_tree_tokens == 2**25 // 4
+    # Before any eviction is due, both route a workload the same way.
+    workload = shared_prefix(
+        groups=6, prompts_per_group=8, system_tokens=512, question_tokens=64,
+        output_tokens=16, block_tokens=BT, rate_per_s=20.0, seed=1,
+    )  # fmt: skip
+    config = FleetConfig(workers=4, capacity_tokens=4096)
+    sglang_run = simulate(
+        workload, make_policy("sglang-cache-aware", seed=0, block_tokens=BT), config
+    )
+    vllm_run = simulate(workload, vllm, config)
+    assert [o.worker for o in vllm_run.outcomes] == [o.worker for o in sglang_run.outcomes]
 
 
 # -- llm-d -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from simulations.fleet.policies import RouterPolicy, make_policy
 from simulations.fleet.report import figures
 from simulations.fleet.requests import TraceRequest, Workload
 from simulations.fleet.simulator import FleetConfig, RunRecord, simulate
-from simulations.fleet.workloads import shared_prefix
+from simulations.fleet.workloads import multi_turn, shared_prefix
 
 # 64 blocks of 64 tokens per worker: room for about three of the eight prefix groups.
 SMALL = FleetConfig(workers=4, capacity_tokens=4096)
@@ -129,3 +129,91 @@ def test_a_request_larger_than_a_worker_is_rejected_not_lost() -> None:
     record = run(Workload("t", 64, (huge, fits)), "round-robin")
     assert [o.rejected for o in record.outcomes] == [True, False]
     assert record.outcomes[1].finished_s is not None
+
+
+# Closed loop and router overhead ---------------------------------------------------------
+
+
+def chats(sessions: int = 6, turns: int = 3) -> Workload:
+    return multi_turn(
+        sessions=sessions, turns=turns, system_tokens=256, turn_tokens=64, output_tokens=16,
+        think_time_s=0.5, rate_per_s=4.0, block_tokens=64, seed=2, closed_loop=True,
+    )  # fmt: skip
+
+
+def test_a_following_turn_is_sent_after_its_parents_response_ends() -> None:
+    workload = chats()
+    record = run(workload, "kvplane")
+    assert len(record.outcomes) == len(workload.requests)
+    by_id = {o.request_id: o for o in record.outcomes}
+    assert set(by_id) == {r.request_id for r in workload.requests}
+    for request in workload.requests:
+        outcome = by_id[request.request_id]
+        assert outcome.finished_s is not None
+        if request.follows is None:
+            assert outcome.arrival_s == request.arrival_s
+        else:
+            parent = by_id[request.follows]
+            assert parent.finished_s is not None
+            assert outcome.arrival_s == pytest.approx(parent.finished_s + request.after_s)
+            # Later than the open-loop estimate: the parent's response took time.
+            assert outcome.arrival_s > request.arrival_s
+
+
+def test_followers_of_a_refused_request_are_never_sent() -> None:
+    huge = TraceRequest(0, 0.0, tuple(range(1, 400)), 400 * 64 - 10, 4)
+    child = TraceRequest(1, 0.5, tuple(range(1, 401)), 400 * 64 + 20, 4, follows=0, after_s=0.5)
+    grandchild = TraceRequest(
+        2, 1.0, tuple(range(1, 402)), 401 * 64 + 20, 4, follows=1, after_s=0.5
+    )
+    fits = TraceRequest(3, 0.2, (1000, 1001), 128, 4)
+    record = run(Workload("t", 64, (huge, fits, child, grandchild)), "round-robin")
+    assert [(o.request_id, o.rejected) for o in record.outcomes] == [(0, True), (3, False)]
+    assert record.outcomes[1].finished_s is not None
+
+
+def test_router_overhead_delays_each_request_of_that_policy_only() -> None:
+    workload = groups_workload(groups=4, per_group=6, rate=4.0)
+    slow = dataclasses.replace(SMALL, router_overhead_s={"round-robin": 0.025})
+    base, delayed = run(workload, "round-robin"), run(workload, "round-robin", slow)
+    assert [o.worker for o in base.outcomes] == [o.worker for o in delayed.outcomes]
+    for a, b in zip(base.outcomes, delayed.outcomes, strict=True):
+        assert b.arrival_s == a.arrival_s  # sent at the same time
+        assert a.first_token_s is not None
+        assert b.first_token_s is not None
+        # At this light load nothing queues: the whole timeline moves by the overhead.
+        assert b.first_token_s - a.first_token_s == pytest.approx(0.025, abs=1e-6)
+    assert timeline(run(workload, "kvplane", slow)) == timeline(run(workload, "kvplane"))
+    with pytest.raises(ValueError, match="negative"):
+        run(
+            workload,
+            "round-robin",
+            dataclasses.replace(SMALL, router_overhead_s={"round-robin": -1}),
+        )
+
+
+def test_router_overhead_counts_in_a_closed_loops_next_turn_too() -> None:
+    workload = chats(sessions=2, turns=2)
+    slow = dataclasses.replace(SMALL, router_overhead_s={"round-robin": 0.1})
+    record = run(workload, "round-robin", slow)
+    by_id = {o.request_id: o for o in record.outcomes}
+    for request in workload.requests:
+        outcome = by_id[request.request_id]
+        assert outcome.first_token_s is not None
+        assert outcome.first_token_s - outcome.arrival_s >= 0.1
+
+
+def test_the_engines_counters_count_every_lookup() -> None:
+    # Room for everything: one lookup per request, so the engines' hit rate is the
+    # requests' cached share.
+    workload = groups_workload(groups=4, per_group=6, rate=4.0)
+    roomy = dataclasses.replace(SMALL, capacity_tokens=1 << 20)
+    record = run(workload, "round-robin", roomy)
+    assert record.cache_queries == sum(r.prompt_tokens for r in workload.requests)
+    result = figures(record, 1.0, 1.0)
+    assert result.engine_hit_rate == pytest.approx(result.hit_rate, abs=1e-4)
+    # Caches too small for the traffic: a waiting request looks its prefix up again at
+    # every step until its blocks fit, and each lookup counts, as in vLLM.
+    crowded = run(groups_workload(rate=200.0), "round-robin", SMALL)
+    assert crowded.cache_queries > sum(o.prompt_tokens for o in crowded.outcomes)
+    assert 0 <= crowded.cache_hits <= crowded.cache_queries

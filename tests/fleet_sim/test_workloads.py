@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -393,3 +394,67 @@ def test_multi_tenant_same_text_same_shape_different_ids() -> None:
         assert zero
         assert one
         assert not zero & one
+
+
+def test_shared_prefix_over_a_duration_draws_a_group_per_request() -> None:
+    workload = shared_prefix(
+        groups=8, system_tokens=2048, question_tokens=128, output_tokens=16, block_tokens=16,
+        rate_per_s=20.0, duration_s=30.0, seed=5,
+    )  # fmt: skip
+    check_invariants(workload)
+    requests = workload.requests
+    assert len(requests) == pytest.approx(600, rel=0.15)
+    assert all(r.arrival_s < 30.0 for r in requests)
+    assert {r.prompt_tokens for r in requests} == {2048 + 128}
+    # The system prompt's 128 blocks name the group; every request has its own question.
+    groups = Counter(r.blocks[:128] for r in requests)
+    assert len(groups) == 8
+    assert min(groups.values()) > 600 / 8 / 2  # drawn at random, none starved
+    assert len({r.blocks[128:] for r in requests}) == len(requests)
+    assert all(r.follows is None for r in requests)
+    with pytest.raises(ValueError, match="rate_per_s"):
+        shared_prefix(groups=2, duration_s=10.0)
+
+
+def test_shared_prefix_without_a_duration_is_unchanged() -> None:
+    # The same prompts in the same order as before duration_s existed: a fixed
+    # number per group, shuffled.
+    workload = shared_prefix(groups=3, prompts_per_group=4, rate_per_s=2.0, seed=1)
+    assert len(workload.requests) == 12
+    assert Counter(r.blocks[0] for r in workload.requests).most_common()[0][1] == 4
+
+
+def test_multi_turn_closed_loop_turns_follow_the_previous_response() -> None:
+    open_loop = multi_turn(sessions=6, turns=4, system_tokens=256, turn_tokens=64, seed=2)
+    closed = multi_turn(
+        sessions=6, turns=4, system_tokens=256, turn_tokens=64, seed=2, closed_loop=True
+    )
+    check_invariants(closed)
+    # The same prompts and earliest arrivals; only the dependencies differ.
+    assert [(r.arrival_s, r.blocks) for r in closed.requests] == [
+        (r.arrival_s, r.blocks) for r in open_loop.requests
+    ]
+    assert not open_loop.closed_loop
+    assert closed.closed_loop
+    by_id = {r.request_id: r for r in closed.requests}
+    firsts = [r for r in closed.requests if r.follows is None]
+    assert len(firsts) == 6
+    for r in closed.requests:
+        if r.follows is None:
+            assert r.after_s == 0.0
+            continue
+        parent = by_id[r.follows]
+        assert parent.request_id < r.request_id
+        assert r.after_s > 0
+        assert r.arrival_s == pytest.approx(parent.arrival_s + r.after_s)
+        # The next turn extends its parent's prompt (its full blocks).
+        full = parent.prompt_tokens // 64
+        assert r.blocks[:full] == parent.blocks[:full]
+
+
+def test_multi_turn_over_a_duration_starts_sessions_at_the_rate() -> None:
+    workload = multi_turn(turns=5, rate_per_s=3.0, duration_s=40.0, seed=4, closed_loop=True)
+    firsts = [r for r in workload.requests if r.follows is None]
+    assert len(firsts) == pytest.approx(120, rel=0.2)
+    assert all(r.arrival_s < 40.0 for r in firsts)
+    assert len(workload.requests) == 5 * len(firsts)

@@ -1,0 +1,103 @@
+"""The live bake-off's shapes in the fleet simulator: the same numbers as
+`benchmarks/live` (read from it here, since the simulator does not import it), and the
+workloads they make."""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from benchmarks.live import workloads as live
+from benchmarks.live.fleet import BLOCK_SIZE, FleetShape
+from benchmarks.live.grid import LOADS, PROFILES
+from simulations.engine.scheduler import SchedulerLimits
+from simulations.fleet import live_shapes
+from simulations.fleet.live_shapes import live_workload
+from simulations.fleet.policies import POLICIES
+
+
+def defaults(function: Any) -> dict[str, Any]:
+    return {
+        name: parameter.default
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+
+
+def test_the_fleet_is_the_live_one() -> None:
+    shape = FleetShape()
+    assert shape.engines == live_shapes.LIVE_ENGINES
+    assert shape.kv_blocks == live_shapes.LIVE_KV_BLOCKS
+    assert shape.max_num_seqs == live_shapes.LIVE_MAX_NUM_SEQS
+    assert live_shapes.LIVE_BLOCK_TOKENS == BLOCK_SIZE
+    assert live_shapes.live_capacity_tokens() == shape.kv_blocks * BLOCK_SIZE
+    # The engines' other scheduling limit is the engine simulator's default in both.
+    assert live_shapes.live_limits() == SchedulerLimits(max_num_seqs=shape.max_num_seqs)
+    assert live_shapes.LIVE_LOADS == LOADS
+    assert PROFILES["default"].duration_s == live_shapes.LIVE_DURATION_S
+
+
+def test_the_workloads_parameters_are_the_live_ones() -> None:
+    shared = defaults(live.shared_prompts)
+    assert {
+        "system_tokens": shared["system_tokens"],
+        "question_tokens": shared["question_tokens"],
+        "output_tokens": shared["max_tokens"],
+    } == live_shapes.SHARED_DEFAULTS
+    chat = defaults(live.multi_turn)
+    assert {
+        "turns": chat["turns"],
+        "system_tokens": chat["system_tokens"],
+        "turn_tokens": chat["user_tokens"],
+        "output_tokens": chat["max_tokens"],
+        "think_time_s": chat["think_s"],
+    } == live_shapes.MULTI_TURN_DEFAULTS
+
+
+def test_shared_n_draws_one_of_n_system_prompts_per_request() -> None:
+    workload = live_workload("shared-8", rate_per_s=15.0, duration_s=15.0, seed=1)
+    assert workload.name == "live/shared-8"
+    assert workload.block_tokens == 16
+    requests = workload.requests
+    # As many requests as the live run's Poisson schedule would send (same rate, span).
+    live_count = live.shared_prompts(15.0, 15.0, groups=8, seed=1).requests
+    assert len(requests) == pytest.approx(live_count, rel=0.2)
+    assert {r.prompt_tokens for r in requests} == {2048 + 128}
+    assert {r.output_tokens for r in requests} == {16}
+    assert len(Counter(r.blocks[:128] for r in requests)) == 8
+    assert not workload.closed_loop
+
+
+def test_multi_turn_is_closed_loop_and_its_rate_counts_requests() -> None:
+    workload = live_workload("multi-turn", rate_per_s=15.0, duration_s=40.0)
+    requests = workload.requests
+    assert workload.closed_loop
+    firsts = [r for r in requests if r.follows is None]
+    # Chats start at 15 / 5 = 3 per second; each has 5 turns.
+    assert len(firsts) == pytest.approx(3.0 * 40.0, rel=0.2)
+    assert len(requests) == 5 * len(firsts)
+    assert {r.output_tokens for r in requests} == {24}
+    assert min(r.prompt_tokens for r in requests) == 1024 + 128
+    assert max(r.prompt_tokens for r in requests) == 1024 + 5 * 128 + 4 * 24
+    follower = next(r for r in requests if r.follows is not None)
+    assert follower.after_s > 0
+
+
+def test_overrides_and_unknown_names() -> None:
+    workload = live_workload("shared-2", rate_per_s=5.0, duration_s=4.0, output_tokens=4)
+    assert {r.output_tokens for r in workload.requests} == {4}
+    for name in ("shared-x", "agent-tree"):
+        with pytest.raises(ValueError, match="unknown live workload"):
+            live_workload(name)
+    with pytest.raises(ValueError, match="positive"):
+        live_workload("shared-2", rate_per_s=0.0)
+
+
+def test_the_live_router_overheads_name_simulated_policies() -> None:
+    assert set(live_shapes.LIVE_ROUTER_OVERHEAD_MS) <= set(POLICIES)
+    # kvplane's Python proxy costs more than the Rust peers (bench live's CPU ms/req).
+    overheads = live_shapes.LIVE_ROUTER_OVERHEAD_MS
+    assert overheads["kvplane"] == overheads["round-robin"] > overheads["sglang-cache-aware"]

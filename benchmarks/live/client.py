@@ -13,7 +13,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import openai
@@ -37,25 +37,27 @@ class Outcome:
     error: str | None = None
 
 
-@dataclass(slots=True)
 class Traffic:
     """Where the client sends requests: the router's replicas in turn, and a share of
     conversations straight to the engines."""
 
-    router_urls: Sequence[str]
-    engine_urls: Sequence[str] = ()
-    direct_share: float = 0.0
-    seed: int = 0
-    _sent: int = 0
-    _rng: random.Random = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
+    def __init__(
+        self,
+        router_urls: Sequence[str],
+        engine_urls: Sequence[str] = (),
+        direct_share: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        self.router_urls = list(router_urls)
+        self.engine_urls = list(engine_urls)
+        self.direct_share = direct_share
+        self._sent = 0
+        self._rng = random.Random(seed)
 
     def route_conversation(self) -> str | None:
         """An engine URL if this conversation goes around the router, else None."""
         if self.engine_urls and self._rng.random() < self.direct_share:
-            return self._rng.choice(list(self.engine_urls)) + "/v1"
+            return self._rng.choice(self.engine_urls) + "/v1"
         return None
 
     def next_router_url(self) -> str:

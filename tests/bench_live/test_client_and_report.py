@@ -1,0 +1,43 @@
+"""Where the bake-off's client sends requests, and how its tables show runs and errors."""
+
+from __future__ import annotations
+
+from benchmarks.live.bakeoff import CellResult
+from benchmarks.live.client import Traffic
+from benchmarks.live.report import render_tables
+
+
+def test_requests_alternate_between_replicas() -> None:
+    traffic = Traffic(["http://a/v1", "http://b/v1"])
+    assert [traffic.next_router_url() for _ in range(4)] == ["http://a/v1", "http://b/v1"] * 2
+    assert traffic.route_conversation() is None  # nothing goes around the router
+
+
+def test_a_share_of_conversations_goes_straight_to_the_engines() -> None:
+    traffic = Traffic(["http://router/v1"], ["http://e1", "http://e2"], direct_share=0.25, seed=3)
+    picks = [traffic.route_conversation() for _ in range(2000)]
+    direct = [pick for pick in picks if pick is not None]
+    assert 400 < len(direct) < 600
+    assert set(direct) == {"http://e1/v1", "http://e2/v1"}
+
+
+def _cell(router: str, run: int, **figures: float | str | None) -> CellResult:
+    result = CellResult(router, "x", "p", "shared-8", "medium", 15.0, "steady", run)
+    for name, value in figures.items():
+        setattr(result, name, value)
+    return result
+
+
+def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
+    table = render_tables(
+        [
+            _cell("kvplane kvplane", 1, engine_hit_rate=0.9, ttft_p90_ms=84.0),
+            _cell("kvplane kvplane", 2, engine_hit_rate=0.8, ttft_p90_ms=134.0),
+            _cell("smg cache_aware", 1, error="the peers' environment is missing"),
+        ]
+    )
+    assert "shared-8, steady, medium (15 req/s offered)" in table
+    row = next(line for line in table.splitlines() if line.startswith("kvplane kvplane"))
+    assert "90.0 / 80.0" in row
+    assert "84 / 134" in row
+    assert "smg cache_aware: no figures: the peers' environment is missing" in table

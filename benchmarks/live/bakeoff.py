@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.live.client import Outcome, Traffic, run_workload
-from benchmarks.live.fleet import MODEL, EngineFleet, FleetShape, hit_rate, start_engines
+from benchmarks.live.fleet import (
+    MODEL,
+    UNSALTED_SCOPE,
+    EngineFleet,
+    FleetShape,
+    hit_rate,
+    start_engines,
+)
 from benchmarks.live.grid import BYPASS_SHARE, Cell
 from benchmarks.live.processes import Children, StartFailed
 from benchmarks.live.routers import api_key
@@ -60,6 +67,9 @@ class CellResult:
     cpu_s_by_process: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_request: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
+    # Tenant workloads: cached blocks in the engines' unsalted scope at the end. Any at
+    # all means a router dropped the tenants' `cache_salt` and tenants shared cache.
+    unsalted_blocks: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +122,8 @@ def run_cell(
         }
         result.router_cpu_s = sum(result.cpu_s_by_process.values())
         _figures(result, outcomes, fleet)
+        if workload.tenants:
+            result.unsalted_blocks = fleet.cache_scopes().get(UNSALTED_SCOPE, 0)
         result.evidence = deployment.in_play()
     except (StartFailed, OSError, RuntimeError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from kvplane.core.serving import free_port
 
 MODEL = "kvplane-tiny"
 BLOCK_SIZE = 16
+UNSALTED_SCOPE = "/"  # the simulator's cache scope of requests without a cache_salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,15 @@ class EngineFleet:
             totals.add(self.banked.get(engine.name, EngineTotals()))
             result[engine.name] = totals
         return result
+
+    def cache_scopes(self) -> Counter[str]:
+        """Cached blocks per cache scope (`/` is the unsalted one), over every engine: a
+        multi-tenant workload whose blocks land in `/` lost its tenants' salts on the way."""
+        scopes: Counter[str] = Counter()
+        for engine in self.engines:
+            body = httpx2.get(f"{engine.base_url}/sim/blocks", timeout=5).json()
+            scopes.update(block["scope"] for block in body["blocks"])
+        return scopes
 
 
 def start_engines(children: Children, shape: FleetShape) -> EngineFleet:

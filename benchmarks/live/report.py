@@ -70,6 +70,11 @@ def render_tables(results: Sequence[CellResult]) -> str:
                 )
             )
             notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]
+            if any(run.unsalted_blocks for run in ok):
+                notes.append(
+                    f"{router}: tenants SHARED cache (it dropped their cache_salt; "
+                    f"{max(run.unsalted_blocks or 0 for run in ok)} unsalted blocks cached)"
+                )
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
     return "\n\n".join(sections)

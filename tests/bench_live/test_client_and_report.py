@@ -34,6 +34,8 @@ def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
             _cell("kvplane kvplane", 1, engine_hit_rate=0.9, ttft_p90_ms=84.0),
             _cell("kvplane kvplane", 2, engine_hit_rate=0.8, ttft_p90_ms=134.0),
             _cell("smg cache_aware", 1, error="the peers' environment is missing"),
+            _cell("sglang-router round_robin", 1, unsalted_blocks=12),
+            _cell("smg round_robin", 1, unsalted_blocks=0),
         ]
     )
     assert "shared-8, steady, medium (15 req/s offered)" in table
@@ -41,3 +43,5 @@ def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
     assert "90.0 / 80.0" in row
     assert "84 / 134" in row
     assert "smg cache_aware: no figures: the peers' environment is missing" in table
+    assert "sglang-router round_robin: tenants SHARED cache" in table
+    assert "smg round_robin: tenants" not in table

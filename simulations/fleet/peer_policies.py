@@ -97,6 +97,9 @@ class SglangCacheAwarePolicy:
     """
 
     name = "sglang-cache-aware"
+    # sglang-router 0.3.2's launcher defaults (`sglang_router/router_args.py`).
+    default_max_tree_size: ClassVar[int] = 67_108_864
+    default_eviction_interval_s: ClassVar[float] = 60.0
 
     def __init__(
         self,
@@ -105,10 +108,14 @@ class SglangCacheAwarePolicy:
         cache_threshold: float = 0.3,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
-        max_tree_size: int = 67_108_864,
-        eviction_interval_s: float = 60.0,
+        max_tree_size: int | None = None,
+        eviction_interval_s: float | None = None,
         chars_per_token: float = 4.0,
     ) -> None:
+        if max_tree_size is None:
+            max_tree_size = self.default_max_tree_size
+        if eviction_interval_s is None:
+            eviction_interval_s = self.default_eviction_interval_s
         self.rng = rng
         self.block_tokens = block_tokens
         self.cache_threshold = cache_threshold
@@ -288,28 +295,8 @@ class VllmRouterCacheAwarePolicy(SglangCacheAwarePolicy):
     """
 
     name = "vllm-router-cache-aware"
-
-    def __init__(
-        self,
-        rng: random.Random,
-        block_tokens: int,
-        cache_threshold: float = 0.3,
-        balance_abs_threshold: int = 64,
-        balance_rel_threshold: float = 1.5,
-        max_tree_size: int = 33_554_432,
-        eviction_interval_s: float = 120.0,
-        chars_per_token: float = 4.0,
-    ) -> None:
-        super().__init__(
-            rng,
-            block_tokens,
-            cache_threshold=cache_threshold,
-            balance_abs_threshold=balance_abs_threshold,
-            balance_rel_threshold=balance_rel_threshold,
-            max_tree_size=max_tree_size,
-            eviction_interval_s=eviction_interval_s,
-            chars_per_token=chars_per_token,
-        )
+    default_max_tree_size = 33_554_432
+    default_eviction_interval_s = 120.0
 
 
 # -- llm-d -------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,22 +71,31 @@ def test_tenants_use_the_same_texts_under_different_names() -> None:
     assert len(set.union(*by_tenant.values())) == 2
 
 
-def test_the_mooncake_replay_shares_text_exactly_where_the_trace_shares_blocks(
-    tmp_path: Path,
-) -> None:
+def test_the_mooncake_replay_samples_whole_families_across_the_trace(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    rows = [
-        {"timestamp": 0, "input_length": 1024, "output_length": 160, "hash_ids": [1, 2]},
-        {"timestamp": 1000, "input_length": 1536, "output_length": 32, "hash_ids": [1, 2, 3]},
-        {"timestamp": 4000, "input_length": 512, "output_length": 900, "hash_ids": [4]},
+    families = [1, 2, 3, 4, 5, 6] * 20
+    rows: list[dict[str, Any]] = [
+        {"timestamp": 100 * n, "input_length": 1536, "output_length": 160, "hash_ids": [0, f, n]}
+        for n, f in enumerate(families)
     ]
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    workload = mooncake(1.5, 2.0, trace=trace, tokens_per_block=20, max_tokens=16)
-    first, second, third = (conversation.root for conversation in workload.conversations)
-    assert second.text.startswith(first.text + " ")
-    assert not third.text.startswith(first.text[:20])
-    assert [c.start_s for c in workload.conversations] == [0.0, 0.5, 2.0]  # 2x faster
-    assert [first.max_tokens, second.max_tokens, third.max_tokens] == [10, 2, 16]
+    workload = mooncake(2.0, 20.0, trace=trace, tokens_per_block=20, max_tokens=16)
+    assert workload == mooncake(2.0, 20.0, trace=trace, tokens_per_block=20, max_tokens=16)
+
+    def text(row: dict[str, Any]) -> str:
+        return " ".join(words(f"mooncake-block-{block}", 20) for block in row["hash_ids"])
+
+    sampled = {conversation.root.text for conversation in workload.conversations}
+    kept = {
+        f for f in set(families) if any(text(r) in sampled for r in rows if r["hash_ids"][1] == f)
+    }
+    assert 0 < len(kept) < 6  # a sample (2 req/s for 20 s of 120 requests: one in three)
+    assert sampled == {text(r) for r in rows if r["hash_ids"][1] in kept}  # whole families
+    starts = [conversation.start_s for conversation in workload.conversations]
+    assert starts == sorted(starts)
+    assert starts[0] == 0.0
+    assert starts[-1] == pytest.approx(20.0)  # the trace's time compressed into 20 s
+    assert {c.root.max_tokens for c in workload.conversations} == {10}  # 160 // 16
 
 
 def test_unknown_workloads_and_rates_are_refused() -> None:

@@ -30,8 +30,8 @@ from benchmarks.live.fleet import (
 )
 from benchmarks.live.grid import BYPASS_SHARE, Cell
 from benchmarks.live.processes import Children, StartFailed
-from benchmarks.live.routers import api_key
-from benchmarks.live.workloads import build_workload
+from benchmarks.live.routers import Deployment, api_key
+from benchmarks.live.workloads import Workload, build_workload
 from simulations.reporting import percentile
 
 DRAIN_S = 30.0  # the longest a cell waits for its last responses after the schedule ends
@@ -91,8 +91,7 @@ def run_cell(
     workload = build_workload(cell.workload, cell.rate_per_s, duration_s, trace=trace)
     children = Children(log_root / _slug(cell.key))
     try:
-        fleet = start_engines(children, shape)
-        deployment = spec.start(spec, fleet, children, cell.replicas, workload)
+        fleet, deployment = _start(cell, workload, children, shape)
         result.commands = [shlex.join(child.command) for child in deployment.charged]
         cpu_before = deployment.cpu_seconds()
         traffic = Traffic(
@@ -130,6 +129,25 @@ def run_cell(
     finally:
         children.stop_all()
     return result
+
+
+def _start(
+    cell: Cell, workload: Workload, children: Children, shape: FleetShape
+) -> tuple[EngineFleet, Deployment]:
+    """The cell's engines and router. Ports are picked free but bound a moment later by
+    another process, so a start that lost a port to someone else is tried once more."""
+
+    def start() -> tuple[EngineFleet, Deployment]:
+        fleet = start_engines(children, shape)
+        return fleet, cell.router.start(cell.router, fleet, children, cell.replicas, workload)
+
+    try:
+        return start()
+    except StartFailed as error:
+        if "Address already in use" not in str(error):
+            raise
+        children.stop_all()
+        return start()
 
 
 def _restarter(fleet: EngineFleet) -> Callable[[], Awaitable[None]]:

@@ -49,6 +49,7 @@ class CellResult:
     run: int
     version: str = ""
     commands: list[str] = field(default_factory=list)
+    workload_description: str = ""
     error: str | None = None  # why the cell has no figures
     requests: int = 0
     failed: int = 0
@@ -89,6 +90,7 @@ def run_cell(
         return result
     result.version = spec.version()
     workload = build_workload(cell.workload, cell.rate_per_s, duration_s, trace=trace)
+    result.workload_description = workload.description
     children = Children(log_root / _slug(cell.key))
     try:
         fleet, deployment = _start(cell, workload, children, shape)

@@ -142,8 +142,14 @@ async def run_workload(
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        unfinished = workload.requests - len(outcomes)
-        outcomes += [Outcome(ok=False, error="not finished by the deadline")] * max(0, unfinished)
+        # A turn after a failed one is never sent; a turn still open at the deadline is
+        # cancelled: both count as failed.
+        unsent = workload.requests - len(outcomes)
+        outcomes += [Outcome(ok=False, error="not sent or not finished")] * max(0, unsent)
+        if side.done() and not side.cancelled() and side.exception() is not None:
+            # A situation that did not happen (an engine that did not restart) would
+            # leave figures labelled with it: the cell fails instead.
+            raise RuntimeError(f"the cell's fault action failed: {side.exception()}")
     finally:
         side.cancel()
         await asyncio.gather(side, return_exceptions=True)

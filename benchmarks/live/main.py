@@ -14,7 +14,6 @@ from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
 from benchmarks.live.fleet import FleetShape
 from benchmarks.live.grid import PROFILES, cells, select
 from benchmarks.live.report import render_tables, write_json, write_plot
-from benchmarks.live.routers import PEERS_BUILD_COMMAND, peers_python, peers_venv
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
@@ -41,12 +40,11 @@ def run_live_benchmark(
     if not chosen:
         print("kvplane bench live: --only picks no cell", file=sys.stderr)
         return 2
-    if any(cell.router.family != "kvplane" for cell in chosen) and not peers_python().exists():
-        print(
-            f"kvplane bench live: the peer routers' environment {peers_venv()}/ is missing; "
-            f"build it with `{PEERS_BUILD_COMMAND}` (or pick kvplane's cells with --only kvplane)",
-            file=sys.stderr,
-        )
+    missing = sorted({reason for cell in chosen if (reason := cell.router.unavailable())})
+    if missing:
+        hint = "(or pick kvplane's cells with --only kvplane)"
+        for reason in missing:
+            print(f"kvplane bench live: {reason} {hint}", file=sys.stderr)
         return 2
     logs = log_dir or default_log_root()
     shape = FleetShape()
@@ -78,9 +76,7 @@ def run_live_benchmark(
     print(f"\n{len(results)} cells in {time.monotonic() - started:.0f} s")
     if plot_path is not None:
         write_plot(plot_path, results)
-    failed = [
-        result for result in results if result.error and not result.error.startswith("the peers")
-    ]
+    failed = [result for result in results if result.error]
     if log_dir is None and not failed:
         shutil.rmtree(logs, ignore_errors=True)
     return 1 if failed else 0

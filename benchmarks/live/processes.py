@@ -75,10 +75,6 @@ class Children:
         self.children.append(child)
         return child
 
-    def stop(self, child: Child) -> None:
-        _stop_group(child.process)
-        self.children.remove(child)
-
     def stop_all(self) -> None:
         for child in self.children:
             _stop_group(child.process)

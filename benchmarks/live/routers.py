@@ -13,6 +13,7 @@ reads engine events, what its metrics say it received.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import subprocess
@@ -64,7 +65,6 @@ class RouterSpec:
     name: str  # as the table shows it: "family policy"
     family: str  # kvplane, smg, sglang-router, vllm-router
     policy: str
-    reads_engine_events: bool
     start: Callable[[RouterSpec, EngineFleet, Children, int, Workload], Deployment] = field(
         compare=False, repr=False
     )
@@ -91,6 +91,7 @@ def peers_python() -> Path:
     return peers_venv() / "bin" / "python"
 
 
+@functools.cache  # a subprocess; the same answer for every cell of a run
 def peer_version(distribution: str) -> str:
     completed = subprocess.run(
         [
@@ -339,11 +340,11 @@ def _vllm_router(policy: str) -> PeerCommand:
 
 
 def _kvplane(policy: str) -> RouterSpec:
-    return RouterSpec(f"kvplane {policy}", "kvplane", policy, policy == "kvplane", _start_kvplane)
+    return RouterSpec(f"kvplane {policy}", "kvplane", policy, _start_kvplane)
 
 
-def _peer(family: str, policy: str, command: PeerCommand, reads_events: bool = False) -> RouterSpec:
-    return RouterSpec(f"{family} {policy}", family, policy, reads_events, _peer_starter(command))
+def _peer(family: str, policy: str, command: PeerCommand) -> RouterSpec:
+    return RouterSpec(f"{family} {policy}", family, policy, _peer_starter(command))
 
 
 ROUTERS: tuple[RouterSpec, ...] = (
@@ -354,6 +355,6 @@ ROUTERS: tuple[RouterSpec, ...] = (
     _peer("sglang-router", "cache_aware", PeerCommand(_sglang_argv("cache_aware"))),
     _peer("sglang-router", "round_robin", PeerCommand(_sglang_argv("round_robin"))),
     _peer("vllm-router", "cache_aware", _vllm_router("cache_aware")),
-    _peer("vllm-router", "kv_aware", _vllm_router("kv_aware"), reads_events=True),
+    _peer("vllm-router", "kv_aware", _vllm_router("kv_aware")),
     _peer("vllm-router", "round_robin", _vllm_router("round_robin")),
 )

@@ -38,7 +38,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKENS_PER_WORD = 2.5
@@ -123,8 +123,7 @@ class Workload:
     name: str
     conversations: tuple[Conversation, ...]
     tenants: tuple[str, ...] = ()  # empty: no tenants, every request anonymous
-    description: str = ""
-    notes: dict[str, float] = field(default_factory=dict)
+    description: str = ""  # the shape in words, for the report's JSON
 
     @property
     def requests(self) -> int:
@@ -329,7 +328,6 @@ def mooncake(
         description=f"Mooncake conversation trace: {len(sample)} of {len(rows)} requests "
         f"(whole conversation families, 1 in {share}) at {speedup:.0f}x, "
         f"{tokens_per_block} tokens per 512-token block",
-        notes={"speedup": speedup, "sampled_one_in": share},
     )
 
 

@@ -85,6 +85,7 @@ def _run_bench_live(args: argparse.Namespace) -> int:
         runs=args.runs,
         duration_s=args.duration,
         json_path=args.json,
+        resume=args.resume,
         plot_path=args.plot,
         log_dir=args.logs,
     )
@@ -192,6 +193,11 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     live.add_argument("--runs", type=int, help="runs of each point (default: the profile's)")
     live.add_argument("--duration", type=float, help="seconds of traffic per cell")
     live.add_argument("--json", type=Path, help="also write the figures here")
+    live.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the whole points that the --json file already holds; run the rest",
+    )
     live.add_argument("--plot", type=Path, help="also draw them in this PNG")
     live.add_argument("--logs", type=Path, help="keep every process's log under this folder")
     live.set_defaults(handler=_run_bench_live)

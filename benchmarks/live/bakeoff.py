@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from benchmarks.live.fleet import (
     hit_rate,
     start_engines,
 )
-from benchmarks.live.grid import BYPASS_SHARE, Cell
+from benchmarks.live.grid import BYPASS_SHARE, Cell, cell_key
 from benchmarks.live.processes import Children, StartFailed
 from benchmarks.live.routers import Deployment, api_key
 from benchmarks.live.workloads import Workload, build_workload
@@ -72,8 +72,18 @@ class CellResult:
     # all means a router dropped the tenants' `cache_salt` and tenants shared cache.
     unsalted_blocks: int | None = None
 
+    @property
+    def key(self) -> str:
+        return cell_key(self.router, self.workload, self.load, self.situation, self.run)
+
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, document: dict[str, Any]) -> CellResult:
+        """A result as `as_json` wrote it (fields added since then take their defaults)."""
+        known = {spec.name for spec in fields(cls)}
+        return cls(**{name: value for name, value in document.items() if name in known})
 
 
 def run_cell(

@@ -27,6 +27,11 @@ EVICTION_WORKLOAD = "shared-64"
 BYPASS_SHARE = 0.25
 
 
+def cell_key(router: str, workload: str, load: str, situation: str, run: int) -> str:
+    """A cell's name: what `--only` matches and what a resumed run recognises."""
+    return " | ".join((router, workload, load, situation, f"run {run}"))
+
+
 @dataclass(frozen=True, slots=True)
 class Cell:
     router: RouterSpec
@@ -45,8 +50,7 @@ class Cell:
 
     @property
     def key(self) -> str:
-        parts = (self.router.name, self.workload, self.load, self.situation, f"run {self.run}")
-        return " | ".join(parts)
+        return cell_key(self.router.name, self.workload, self.load, self.situation, self.run)
 
     @property
     def point(self) -> tuple[str, str, str]:
@@ -82,7 +86,7 @@ PROFILES: dict[str, Profile] = {
     ),
     "full": Profile(
         "full",
-        20.0,
+        15.0,
         2,
         ("shared-8", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
         ("light", "medium", "heavy"),

@@ -12,12 +12,35 @@ from pathlib import Path
 
 from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
 from benchmarks.live.fleet import FleetShape
-from benchmarks.live.grid import PROFILES, cells, select
-from benchmarks.live.report import render_tables, write_json, write_plot
+from benchmarks.live.grid import PROFILES, Cell, cells, select
+from benchmarks.live.report import read_json, render_tables, write_json, write_plot
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
 )
+
+
+def resume_points(
+    chosen: Sequence[Cell], previous: Sequence[CellResult]
+) -> tuple[dict[str, CellResult], list[Cell]]:
+    """What an earlier, cut-short run already measured, and the cells still to run.
+
+    A point is kept only whole, every cell with figures: its routers' runs were
+    interleaved in one sitting, and a point pieced together from two sittings would
+    compare one router's quiet spell with another's busy one. Any other point runs
+    again, whole."""
+    measured = {result.key: result for result in previous if result.error is None}
+    points: dict[tuple[str, str, str], list[Cell]] = {}
+    for cell in chosen:
+        points.setdefault(cell.point, []).append(cell)
+    kept: dict[str, CellResult] = {}
+    to_run: list[Cell] = []
+    for point_cells in points.values():
+        if all(cell.key in measured for cell in point_cells):
+            kept.update((cell.key, measured[cell.key]) for cell in point_cells)
+        else:
+            to_run += point_cells
+    return kept, to_run
 
 
 def run_live_benchmark(
@@ -27,6 +50,7 @@ def run_live_benchmark(
     runs: int | None = None,
     duration_s: float | None = None,
     json_path: Path | None = None,
+    resume: bool = False,
     plot_path: Path | None = None,
     log_dir: Path | None = None,
     trace: Path = DEFAULT_TRACE,
@@ -46,34 +70,55 @@ def run_live_benchmark(
         for reason in missing:
             print(f"kvplane bench live: {reason} {hint}", file=sys.stderr)
         return 2
+    previous: list[CellResult] = []
+    if resume:
+        if json_path is None:
+            print("kvplane bench live: --resume needs --json FILE", file=sys.stderr)
+            return 2
+        if json_path.exists():
+            earlier, previous = read_json(json_path)
+            if earlier.get("duration_s") != profile.duration_s:
+                print(
+                    f"kvplane bench live: {json_path} holds cells of {earlier.get('duration_s')} "
+                    f"s of traffic, this run's are {profile.duration_s:g} s: pass the same "
+                    "--duration or another --json file",
+                    file=sys.stderr,
+                )
+                return 2
+    done, to_run = resume_points(chosen, previous)
+    chosen_keys = {cell.key for cell in chosen}
+    elsewhere = [result for result in previous if result.key not in chosen_keys]
     logs = log_dir or default_log_root()
     shape = FleetShape()
     print(
-        f"kvplane bench live ({profile.name}): {len(chosen)} cells, {profile.duration_s:g} s of "
-        f"traffic each, {shape.engines} engine simulators ({shape.kv_blocks} KV blocks each); "
-        f"logs in {logs}",
+        f"kvplane bench live ({profile.name}): {len(to_run)} cells to run"
+        + (f" ({len(done)} kept from {json_path})" if done else "")
+        + f", {profile.duration_s:g} s of traffic each, {shape.engines} engine simulators "
+        f"({shape.kv_blocks} KV blocks each); logs in {logs}",
         flush=True,
     )
-    results: list[CellResult] = []
     meta = {"profile": profile.name, "duration_s": profile.duration_s, "runs": profile.runs}
     started = time.monotonic()
-    for number, cell in enumerate(chosen, 1):
+    for number, cell in enumerate(to_run, 1):
         result = run_cell(
             cell, duration_s=profile.duration_s, trace=trace, log_root=logs, shape=shape
         )
-        results.append(result)
+        done[cell.key] = result
         figures = (
             f"error: {result.error.splitlines()[0]}"
             if result.error
             else f"hit {result.engine_hit_rate:.1%}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
             f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req"
         )
-        print(f"[{number}/{len(chosen)}] {cell.key}: {figures}", flush=True)
+        print(f"[{number}/{len(to_run)}] {cell.key}: {figures}", flush=True)
         if json_path is not None:  # after every cell: a run cut short keeps what it measured
-            write_json(json_path, results, {**meta, "complete": number == len(chosen)})
+            measured = [done[picked.key] for picked in chosen if picked.key in done]
+            complete = number == len(to_run)
+            write_json(json_path, measured + elsewhere, {**meta, "complete": complete})
+    results = [done[cell.key] for cell in chosen]
     print()
     print(render_tables(results))
-    print(f"\n{len(results)} cells in {time.monotonic() - started:.0f} s")
+    print(f"\n{len(to_run)} cells run in {time.monotonic() - started:.0f} s")
     if plot_path is not None:
         write_plot(plot_path, results)
     failed = [result for result in results if result.error]

@@ -85,6 +85,13 @@ def write_json(path: Path, results: Sequence[CellResult], meta: dict[str, Any]) 
     path.write_text(json.dumps(document, indent=2, allow_nan=True) + "\n")
 
 
+def read_json(path: Path) -> tuple[dict[str, Any], list[CellResult]]:
+    """What `write_json` wrote: the run's description and its cells."""
+    document = json.loads(path.read_text())
+    cells = [CellResult.from_json(cell) for cell in document.pop("cells")]
+    return document, cells
+
+
 def write_plot(path: Path, results: Sequence[CellResult]) -> None:
     """One panel per point: each router's TTFT p90 (bar: mean of the runs; whiskers: the
     runs' range) labelled with its engine-reported hit rate."""

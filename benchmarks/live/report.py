@@ -80,6 +80,42 @@ def render_tables(results: Sequence[CellResult]) -> str:
     return "\n\n".join(sections)
 
 
+def _hit_and_p90(runs: Sequence[CellResult]) -> str:
+    ok = [run for run in runs if run.error is None]
+    if not ok:
+        return "no figures" if runs else ""
+    hits = _runs([run.engine_hit_rate * 100 for run in ok], ".1f")
+    return f"{hits} % · {_runs([run.ttft_p90_ms for run in ok], '.0f')} ms"
+
+
+def render_summary_markdown(results: Sequence[CellResult]) -> str:
+    """Every router's engine hit rate and TTFT p90, every run, in Markdown: one table
+    per workload with a column per load, and one with a column per situation."""
+    columns: dict[str, list[tuple[str, str, str]]] = {}  # table -> its points
+    for workload, situation, load in _points(results):
+        table = workload if situation == "steady" else "situations"
+        columns.setdefault(table, []).append((workload, situation, load))
+    cells = {point: _by_router(point_results) for point, point_results in _points(results).items()}
+    routers = list(dict.fromkeys(result.router for result in results))
+    sections = []
+    for table, points in columns.items():
+        titles = [load if table != "situations" else f"{situation} ({workload}, {load})"
+                  for workload, situation, load in points]  # fmt: skip
+        lines = [
+            f"**{table}**" + (" (steady)" if table != "situations" else ""),
+            "",
+            "| router | " + " | ".join(titles) + " |",
+            "|---" * (len(points) + 1) + "|",
+        ]
+        for router in routers:
+            figures = [_hit_and_p90(cells[point].get(router, [])) for point in points]
+            if any(figures):
+                lines.append(f"| {router} | " + " | ".join(figures) + " |")
+        sections.append("\n".join(lines))
+    legend = "Each cell: engine hit rate, then TTFT p90, of every run (run 1 / run 2)."
+    return "\n\n".join([legend, *sections]) + "\n"
+
+
 def write_json(path: Path, results: Sequence[CellResult], meta: dict[str, Any]) -> None:
     document = {**meta, "cpus": os.cpu_count(), "cells": [result.as_json() for result in results]}
     path.write_text(json.dumps(document, indent=2, allow_nan=True) + "\n")

@@ -85,7 +85,8 @@ def _hit_and_p90(runs: Sequence[CellResult]) -> str:
     if not ok:
         return "no figures" if runs else ""
     hits = _runs([run.engine_hit_rate * 100 for run in ok], ".1f")
-    return f"{hits} % · {_runs([run.ttft_p90_ms for run in ok], '.0f')} ms"
+    shared = " (tenants shared cache)" if any(run.unsalted_blocks for run in ok) else ""
+    return f"{hits} % · {_runs([run.ttft_p90_ms for run in ok], '.0f')} ms{shared}"
 
 
 def render_summary_markdown(results: Sequence[CellResult]) -> str:

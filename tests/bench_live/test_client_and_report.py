@@ -60,6 +60,13 @@ def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
             at("kvplane kvplane", 1, "heavy"),
             at("kvplane kvplane", 1, "medium", "bypass"),
             _cell("smg cache_aware", 1, error="did not start"),
+            _cell(
+                "sglang-router cache_aware",
+                1,
+                engine_hit_rate=0.9,
+                ttft_p90_ms=80.0,
+                unsalted_blocks=5,
+            ),
         ]
     )
     lines = summary.splitlines()
@@ -67,3 +74,4 @@ def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
     assert "| kvplane kvplane | 60.0 / 70.0 % · 100 / 200 ms | 60.0 % · 100 ms |  |" in lines
     assert "| router | bypass (shared-8, medium) |" in lines
     assert "| smg cache_aware |  |  | no figures |" in lines
+    assert any("90.0 % · 80 ms (tenants shared cache)" in line for line in lines)

@@ -50,6 +50,7 @@ def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
 def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
     def at(router: str, run: int, load: str, situation: str = "steady") -> CellResult:
         result = _cell(router, run, engine_hit_rate=0.5 + run / 10, ttft_p90_ms=100.0 * run)
+        result.cpu_ms_per_request = 10.0 * run
         result.load, result.situation = load, situation
         return result
 
@@ -75,3 +76,5 @@ def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
     assert "| router | bypass (shared-8, medium) |" in lines
     assert "| smg cache_aware |  |  | no figures |" in lines
     assert any("90.0 % · 80 ms (tenants shared cache)" in line for line in lines)
+    cpu = lines[lines.index(next(line for line in lines if line.startswith("CPU ms"))) :]
+    assert "| kvplane kvplane | 10.0 / 20.0 | 10.0 |  |" in cpu

@@ -87,6 +87,7 @@ def _run_bench_live(args: argparse.Namespace) -> int:
         json_path=args.json,
         resume=args.resume,
         plot_path=args.plot,
+        markdown_path=args.markdown,
         log_dir=args.logs,
     )
 
@@ -199,6 +200,9 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         help="keep the whole points that the --json file already holds; run the rest",
     )
     live.add_argument("--plot", type=Path, help="also draw them in this PNG")
+    live.add_argument(
+        "--markdown", type=Path, help="also write a summary in Markdown (hit rate, TTFT p90)"
+    )
     live.add_argument("--logs", type=Path, help="keep every process's log under this folder")
     live.set_defaults(handler=_run_bench_live)
     return parser

@@ -13,8 +13,10 @@ tenant, shared scope, default weights, no-op tracer), and each winner is recorde
 a predicted location, as the proxy does after sending. The figures are the wall time
 of `decide()` (block keys, index lookup, predictions, scoring) after a warm-up, with
 the keys and the lookup also timed alone. The prompts are token ids: tokenisation is
-a figure of its own, the default tokenizer encoding an English text prompt of the
-same length as the proxy does for `/v1/completions`.
+a figure of its own, the proxy's tokenisation with the default tokenizer of English
+text of the same length: a `/v1/completions` prompt not seen before, the same prompt
+again, and a chat whose system message (15/16 of the text) was seen before and whose
+user message was not.
 
 Proxy. Three child processes: an engine simulator (time scale 0, KV events on), a
 `kvplane router` (in-memory index) and a `kvplane agent` registering the simulator
@@ -59,7 +61,7 @@ from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
 from router.metrics import RouterMetrics
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
-from router.proxy.tokens import PromptTokens
+from router.proxy.tokens import CHECKED_FIRST_USES, PromptTokens
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.fleet import Fleet
@@ -102,6 +104,7 @@ class DecisionFigures:
     lookup_p50_us: float
     tokenize_p50_us: float
     tokenize_repeat_p50_us: float  # the same prompt again: the proxy's token cache
+    tokenize_shared_p50_us: float  # a chat whose messages but the last were seen before
 
 
 @dataclass(frozen=True)
@@ -206,8 +209,7 @@ class DecisionCase:
     prompt_tokens: int
     workers: int
     decisions: int
-    tokenize_us: float  # measured once per prompt length, reported in each row
-    tokenize_repeat_us: float
+    tokenize: TokenizeFigures  # measured once per prompt length, reported in each row
     host_tier: bool = False
     seed: int = 1
 
@@ -257,8 +259,9 @@ async def measure_decisions(
         decision_p99_us=round(percentile(decide_us, 0.99), 1),
         keys_p50_us=round(statistics.median(keys_us), 1),
         lookup_p50_us=round(statistics.median(lookup_us), 1),
-        tokenize_p50_us=round(case.tokenize_us, 1),
-        tokenize_repeat_p50_us=round(case.tokenize_repeat_us, 1),
+        tokenize_p50_us=round(case.tokenize.fresh_us, 1),
+        tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
+        tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
     )
 
 
@@ -271,19 +274,35 @@ def text_prompt(prompt_tokens: int) -> str:
     return tokenizer.decode(tokens[1:prompt_tokens])
 
 
-def measure_tokenize_us(prompt_tokens: int) -> tuple[float, float]:
-    """p50s of tokenising a `prompt_tokens` text prompt as the proxy does: a prompt
-    not seen before, and the same prompt again (a hit in the proxy's token cache)."""
+@dataclass(frozen=True)
+class TokenizeFigures:
+    """p50s of tokenising a prompt as the proxy does, in µs."""
+
+    fresh_us: float  # a completions prompt not seen before
+    repeated_us: float  # the same prompt again: the cache of identical prompts
+    shared_prefix_us: float  # a chat whose messages but the last (1/16) were seen before
+
+
+def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
     return asyncio.run(_measure_tokenize_us(text_prompt(prompt_tokens), prompt_tokens))
 
 
-async def _measure_tokenize_us(text: str, prompt_tokens: int) -> tuple[float, float]:
+async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures:
     prompt_tokens_of = PromptTokens(ProxySettings())
     repeats = max(10, 200_000 // prompt_tokens)
+    history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 
     def request(suffix: str) -> tuple[ParsedRequest, int]:
         raw = msgspec.json.encode({"model": MODEL, "prompt": text + suffix})
         return parse_body(raw, Endpoint.COMPLETIONS), len(raw)
+
+    def chat(suffix: str) -> tuple[ParsedRequest, int]:
+        messages = [
+            {"role": "system", "content": history},
+            {"role": "user", "content": question + suffix},
+        ]
+        raw = msgspec.json.encode({"model": MODEL, "messages": messages})
+        return parse_body(raw, Endpoint.CHAT), len(raw)
 
     async def fresh() -> None:
         await prompt_tokens_of.of(*request(f" {time.perf_counter_ns()}"), "")
@@ -293,11 +312,17 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> tuple[float, fl
     async def repeated() -> None:
         await prompt_tokens_of.of(*repeated_request, "")
 
-    await _timed_us(fresh, 3)
+    async def shared_prefix() -> None:
+        await prompt_tokens_of.of(*chat(f" {time.perf_counter_ns()}"), "")
+
+    await _timed_us(fresh, 3)  # warm-up
     await _timed_us(repeated, 3)
-    return (
+    # Past the first uses, which are compared with whole tokenisation: the steady state.
+    await _timed_us(shared_prefix, CHECKED_FIRST_USES)
+    return TokenizeFigures(
         statistics.median(await _timed_us(fresh, repeats)),
         statistics.median(await _timed_us(repeated, repeats)),
+        statistics.median(await _timed_us(shared_prefix, repeats)),
     )
 
 
@@ -346,12 +371,10 @@ def measure_all_decisions(
 ) -> list[DecisionFigures]:
     rows = []
     for prompt_tokens in prompt_lengths:
-        tokenize_us, tokenize_repeat_us = measure_tokenize_us(prompt_tokens)
+        tokenize = measure_tokenize_us(prompt_tokens)
         for workers in fleet_sizes:
             count = _decisions_for(prompt_tokens, workers, decisions)
-            case = DecisionCase(
-                prompt_tokens, workers, count, tokenize_us, tokenize_repeat_us, host_tier, seed
-            )
+            case = DecisionCase(prompt_tokens, workers, count, tokenize, host_tier, seed)
             for backend in backends:
                 if backend == "memory":
                     rows.append(asyncio.run(_measure_memory(case)))
@@ -486,14 +509,15 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
         print(
             f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
             f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'tokenize p50':>13} "
-            f"{'repeated':>9}"
+            f"{'repeated':>9} {'shared':>9}"
         )
         for row in decisions:
             print(
                 f"{row.prompt_tokens:>7,} {row.workers:>7} {row.index:<6} {row.entries:>9,} "
                 f"{row.decision_p50_us:>9.0f}µs {row.decision_p99_us:>9.0f}µs "
                 f"{row.keys_p50_us:>8.0f}µs {row.lookup_p50_us:>9.0f}µs "
-                f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs"
+                f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs "
+                f"{row.tokenize_shared_p50_us:>7.0f}µs"
             )
     if proxy is not None:
         print(

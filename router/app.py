@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -151,7 +152,6 @@ async def running_router(
         )
 
         serving = asyncio.Event()  # set while the gRPC server accepts streams
-        token_cache = proxy.prompt_tokens.cache
 
         def before_scrape() -> None:
             metrics.set_routing_view(
@@ -164,7 +164,7 @@ async def running_router(
                     for c in fleet.candidates()
                 ),
             )
-            metrics.set_token_cache(token_cache.hits, token_cache.misses, token_cache.tokens)
+            metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
         def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> FastAPI:

@@ -226,7 +226,23 @@ class RouterMetrics:
             registry=r,
         )
         self.token_cache_tokens = Gauge(
-            "kvplane_token_cache_tokens", "Token ids held by that cache", registry=r
+            "kvplane_token_cache_tokens",
+            "Token ids held by the caches of prompts and of prompt pieces",
+            registry=r,
+        )
+        self.prompt_piece_tokens = Gauge(
+            "kvplane_prompt_piece_tokens",
+            "Token ids of prompt pieces since start, by source: reused from the piece cache "
+            "or tokenised",
+            ["source"],
+            registry=r,
+        )
+        self.piecewise_checks = Gauge(
+            "kvplane_piecewise_tokenisation_checks",
+            "Piecewise tokenisations compared with whole tokenisation since start, by result "
+            "(any 'different' turns pieces off for that tokenizer)",
+            ["result"],
+            registry=r,
         )
         for state in WorkerState:
             self.workers.labels(state=state.value)
@@ -234,11 +250,19 @@ class RouterMetrics:
     def batch_applied(self, events: Sequence[KvEvent], seconds: float) -> None:
         self.batches_applied.inc()
         self.apply_seconds.observe(seconds)
+        # Summed first: a batch carries up to hundreds of events, and each child counter
+        # costs a label lookup and a lock.
+        events_by_kind: dict[str, int] = {}
+        blocks_by_kind: dict[str, int] = {}
         for event in events:
             kind = _event_kind(event)
-            self.events_applied.labels(kind=kind).inc()
+            events_by_kind[kind] = events_by_kind.get(kind, 0) + 1
             if not isinstance(event, AllBlocksCleared):
-                self.blocks_applied.labels(kind=kind).inc(len(event.keys))
+                blocks_by_kind[kind] = blocks_by_kind.get(kind, 0) + len(event.keys)
+        for kind, count in events_by_kind.items():
+            self.events_applied.labels(kind=kind).inc(count)
+        for kind, count in blocks_by_kind.items():
+            self.blocks_applied.labels(kind=kind).inc(count)
 
     def set_worker_counts(self, counts: dict[WorkerState, int]) -> None:
         for state, count in counts.items():
@@ -268,10 +292,24 @@ class RouterMetrics:
                 self.worker_load.labels(worker=worker, kind="waiting").set(load.waiting)
                 self.worker_load.labels(worker=worker, kind="kv_usage").set(load.kv_usage)
 
-    def set_token_cache(self, hits: int, misses: int, tokens: int) -> None:
-        self.token_cache_lookups.labels(result="hit").set(hits)
-        self.token_cache_lookups.labels(result="miss").set(misses)
-        self.token_cache_tokens.set(tokens)
+    def set_tokenisation(
+        self,
+        *,
+        prompt_hits: int,
+        prompt_misses: int,
+        piece_tokens_reused: int,
+        piece_tokens_tokenised: int,
+        cached_tokens: int,
+        piecewise_checks: int,
+        piecewise_differences: int,
+    ) -> None:
+        self.token_cache_lookups.labels(result="hit").set(prompt_hits)
+        self.token_cache_lookups.labels(result="miss").set(prompt_misses)
+        self.token_cache_tokens.set(cached_tokens)
+        self.prompt_piece_tokens.labels(source="reused").set(piece_tokens_reused)
+        self.prompt_piece_tokens.labels(source="tokenised").set(piece_tokens_tokenised)
+        self.piecewise_checks.labels(result="equal").set(piecewise_checks - piecewise_differences)
+        self.piecewise_checks.labels(result="different").set(piecewise_differences)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

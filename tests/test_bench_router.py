@@ -17,6 +17,7 @@ DECISION_FIELDS = {
     "decision_p50_us",
     "decision_p99_us",
     "tokenize_p50_us",
+    "tokenize_shared_p50_us",
 }
 PROXY_FIELDS = {
     "added_latency_p50_ms",

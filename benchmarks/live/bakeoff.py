@@ -146,8 +146,10 @@ def run_cell(
 def _start(
     cell: Cell, workload: Workload, children: Children, shape: FleetShape
 ) -> tuple[EngineFleet, Deployment]:
-    """The cell's engines and router. Ports are picked free but bound a moment later by
-    another process, so a start that lost a port to someone else is tried once more."""
+    """The cell's engines and router, started once more if the first start fails: a
+    start is not a measurement, and starts have failed for reasons of the machine's, not
+    the router's (a port picked free and bound by another process a moment later; a
+    peer's first start on a fresh machine taking over a minute to report ready)."""
 
     def start() -> tuple[EngineFleet, Deployment]:
         fleet = start_engines(children, shape)
@@ -155,9 +157,7 @@ def _start(
 
     try:
         return start()
-    except StartFailed as error:
-        if "Address already in use" not in str(error):
-            raise
+    except StartFailed:
         children.stop_all()
         return start()
 

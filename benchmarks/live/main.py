@@ -13,7 +13,13 @@ from pathlib import Path
 from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
 from benchmarks.live.fleet import FleetShape
 from benchmarks.live.grid import PROFILES, Cell, cells, select
-from benchmarks.live.report import read_json, render_tables, write_json, write_plot
+from benchmarks.live.report import (
+    read_json,
+    render_summary_markdown,
+    render_tables,
+    write_json,
+    write_plot,
+)
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
@@ -52,6 +58,7 @@ def run_live_benchmark(
     json_path: Path | None = None,
     resume: bool = False,
     plot_path: Path | None = None,
+    markdown_path: Path | None = None,
     log_dir: Path | None = None,
     trace: Path = DEFAULT_TRACE,
 ) -> int:
@@ -121,6 +128,8 @@ def run_live_benchmark(
     print(f"\n{len(to_run)} cells run in {time.monotonic() - started:.0f} s")
     if plot_path is not None:
         write_plot(plot_path, results)
+    if markdown_path is not None:
+        markdown_path.write_text(render_summary_markdown(results))
     failed = [result for result in results if result.error]
     if log_dir is None and not failed:
         shutil.rmtree(logs, ignore_errors=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,66 @@ def render_tables(results: Sequence[CellResult]) -> str:
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
     return "\n\n".join(sections)
+
+
+def _hit_and_p90(runs: Sequence[CellResult]) -> str:
+    ok = [run for run in runs if run.error is None]
+    hits = _runs([run.engine_hit_rate * 100 for run in ok], ".1f")
+    shared = " (tenants shared cache)" if any(run.unsalted_blocks for run in ok) else ""
+    return f"{hits} % · {_runs([run.ttft_p90_ms for run in ok], '.0f')} ms{shared}"
+
+
+def _cpu(runs: Sequence[CellResult]) -> str:
+    return _runs([run.cpu_ms_per_request for run in runs if run.error is None], ".1f")
+
+
+def render_summary_markdown(results: Sequence[CellResult]) -> str:
+    """Every router's engine hit rate and TTFT p90, then its CPU per request, every run,
+    in Markdown: one table per workload with a column per load, and one with a column
+    per situation."""
+    tables: dict[str, list[tuple[str, str, str]]] = {}  # table -> its points
+    for workload, situation, load in _points(results):
+        tables.setdefault(workload if situation == "steady" else "situations", []).append(
+            (workload, situation, load)
+        )
+    cells = {point: _by_router(point_results) for point, point_results in _points(results).items()}
+    routers = list(dict.fromkeys(result.router for result in results))
+
+    def table(
+        name: str, points: list[tuple[str, str, str]], figure: Callable[[Sequence[CellResult]], str]
+    ) -> str:
+        titles = [load if name != "situations" else f"{situation} ({workload}, {load})"
+                  for workload, situation, load in points]  # fmt: skip
+        lines = [
+            f"**{name}**" + (" (steady)" if name != "situations" else ""),
+            "",
+            "| router | " + " | ".join(titles) + " |",
+            "|---" * (len(points) + 1) + "|",
+        ]
+        for router in routers:
+            runs = [cells[point].get(router, []) for point in points]
+            figures = [
+                (figure(point_runs) if any(r.error is None for r in point_runs) else "no figures")
+                if point_runs
+                else ""
+                for point_runs in runs
+            ]
+            if any(figures):
+                lines.append(f"| {router} | " + " | ".join(figures) + " |")
+        return "\n".join(lines)
+
+    return (
+        "\n\n".join(
+            [
+                "Engine hit rate, then TTFT p90, of every run (run 1 / run 2):",
+                *(table(name, points, _hit_and_p90) for name, points in tables.items()),
+                "CPU ms per request (the router's processes, kvplane's agents included), "
+                "every run:",
+                *(table(name, points, _cpu) for name, points in tables.items()),
+            ]
+        )
+        + "\n"
+    )
 
 
 def write_json(path: Path, results: Sequence[CellResult], meta: dict[str, Any]) -> None:

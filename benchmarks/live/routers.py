@@ -157,12 +157,23 @@ def _start_kvplane(
                 "index_entries": index["entries"],
                 "live_workers": sum(row["state"] == "live" for row in workers),
                 "suspect_workers": sum(bool(row["suspect"]) for row in workers),
+                # How much tokenising its caches spared (identical prompts, pieces).
+                "tokenisation": _metric_totals(url, _TOKENISATION_SERIES.__contains__),
             }
         return evidence
 
     return Deployment(
         [url + "/v1" for url in urls], [child for child, _, _ in routers] + agents, in_play
     )
+
+
+_TOKENISATION_SERIES = frozenset(
+    {
+        "kvplane_token_cache_lookups",
+        "kvplane_prompt_piece_tokens",
+        "kvplane_piecewise_tokenisation_checks",
+    }
+)
 
 
 def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> None:
@@ -271,6 +282,17 @@ _EVIDENCE_WORDS = ("kv", "cache", "event", "token", "tree", "policy")
 
 
 def _peer_metrics(metrics_url: str) -> dict[str, Any]:
+    return _metric_totals(
+        metrics_url,
+        lambda name: (
+            any(word in name for word in _EVIDENCE_WORDS)
+            and not name.endswith(("_bucket", "_created"))
+        ),
+    )
+
+
+def _metric_totals(metrics_url: str, keep: Callable[[str], bool]) -> dict[str, Any]:
+    """The samples whose names `keep` picks, summed over every label but their own."""
     try:
         text = httpx2.get(metrics_url + "/metrics", timeout=5).text
     except httpx2.HTTPError as error:
@@ -278,9 +300,7 @@ def _peer_metrics(metrics_url: str) -> dict[str, Any]:
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if any(word in sample.name for word in _EVIDENCE_WORDS) and not sample.name.endswith(
-                ("_bucket", "_created")
-            ):
+            if keep(sample.name):
                 label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
                 name = f"{sample.name}{{{label}}}" if label else sample.name
                 totals[name] = totals.get(name, 0.0) + sample.value

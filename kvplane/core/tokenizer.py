@@ -23,6 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kvplane.core.tokenizer_pieces import PieceTokenizer
+
 DEFAULT_TOKENIZER_DIR = Path(__file__).parent / "tokenizer_data"
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -73,15 +75,23 @@ class PromptTokenizer:
             raise FileNotFoundError(f"no tokenizer directory at {path}")
         self.path = path
         self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        # Piecewise tokenisation where it is exact for this tokenizer; else the reason.
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        pieces = PieceTokenizer.of(backend) if backend is not None else "it is not a fast one"
+        self.pieces: PieceTokenizer | None = pieces if isinstance(pieces, PieceTokenizer) else None
+        self.no_pieces_reason = pieces if isinstance(pieces, str) else None
 
     @property
     def vocab_size(self) -> int:
         return len(self._tokenizer)
 
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def completion_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a `/v1/completions` prompt."""
         if isinstance(prompt, str):
-            return list(self._tokenizer.encode(prompt, add_special_tokens=True))
+            return self.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
     def chat_tokens(
@@ -92,6 +102,23 @@ class PromptTokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a `/v1/chat/completions` request's messages.
+
+        Raises ValueError when the tokenizer has no chat template or the template fails.
+        """
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The text the chat template makes of the messages; it is encoded without adding
+        special tokens (the template writes them).
 
         Raises ValueError when the tokenizer has no chat template or the template fails.
         """
@@ -110,7 +137,7 @@ class PromptTokenizer:
             )
         except Exception as error:  # jinja2 errors, raise_exception() in templates
             raise ValueError(f"the chat template failed: {type(error).__name__}") from error
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return str(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))

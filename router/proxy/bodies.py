@@ -122,27 +122,52 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
     return ParsedRequest(endpoint, model, bool(stream), body)
 
 
-def prompt_token_ids(request: ParsedRequest, tokenizer: PromptTokenizer) -> list[int] | None:
-    """The prompt's token ids as the engine will see them; None when the router cannot
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """A prompt as the text the tokenizer encodes, and whether the tokenizer adds its
+    special tokens (a completions prompt: yes; rendered messages: no, the chat template
+    wrote them)."""
+
+    text: str
+    add_special_tokens: bool
+
+
+def prompt_input(
+    request: ParsedRequest, tokenizer: PromptTokenizer
+) -> PromptText | list[int] | None:
+    """What the engine tokenises: the prompt's text (the messages rendered by the chat
+    template), or the token ids a completions prompt gives; None when the router cannot
     tell (a shape it does not tokenise, a template that fails): the request is then
     routed on load alone and the engine judges it."""
     body = request.body
     try:
         if request.endpoint is Endpoint.COMPLETIONS:
             prompt = _first_prompt(body["prompt"])
-            return None if prompt is None else tokenizer.completion_tokens(prompt)
+            if isinstance(prompt, str):
+                return PromptText(prompt, add_special_tokens=True)
+            return None if prompt is None else list(prompt)
         template_kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(template_kwargs, Mapping):
             return None
         if body.get("tools"):
             template_kwargs = {**template_kwargs, "tools": body["tools"]}
-        return tokenizer.chat_tokens(
+        text = tokenizer.render_chat(
             [_flatten_text_parts(message) for message in body["messages"]],
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
             template_kwargs=template_kwargs,
         )
+        return PromptText(text, add_special_tokens=False)
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def prompt_token_ids(request: ParsedRequest, tokenizer: PromptTokenizer) -> list[int] | None:
+    """The prompt's token ids as the engine will see them, tokenised whole; None as for
+    `prompt_input`."""
+    prompt = prompt_input(request, tokenizer)
+    if isinstance(prompt, PromptText):
+        return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+    return prompt
 
 
 def _flatten_text_parts(message: Any) -> Any:

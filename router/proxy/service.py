@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx2
 import msgspec
 from fastapi import Security
 from fastapi.routing import APIRoute
@@ -52,7 +51,13 @@ from router.proxy.schema import (
     StreamEvent,
 )
 from router.proxy.tokens import PromptTokens
-from router.proxy.upstream import AttemptFailed, NoFreeConnection, Upstream, UpstreamAnswer
+from router.proxy.upstream import (
+    AttemptFailed,
+    NoFreeConnection,
+    Upstream,
+    UpstreamAnswer,
+    UpstreamBroken,
+)
 from router.routes import HotRoute
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
@@ -333,8 +338,8 @@ class ProxyService:
             chunks = [answer.first_chunk]
             async for chunk in answer.rest():
                 chunks.append(chunk)
-        except httpx2.HTTPError as error:
-            raise AttemptFailed(f"broken mid-answer ({type(error).__name__})") from None
+        except UpstreamBroken as error:
+            raise AttemptFailed(f"broken mid-answer ({error})") from None
         finally:
             await answer.close()
         return answer, b"".join(chunks)
@@ -361,11 +366,11 @@ class ProxyService:
             async for chunk in answer.rest():
                 usage.feed(chunk)
                 yield chunk
-        except httpx2.HTTPError as error:
+        except UpstreamBroken as error:
             # Bytes went out already: no retry. Say so in the stream's own error form,
             # so that the client sees a failure, not a short answer.
             outcome = "broken_stream"
-            log.warning("worker %s broke a stream (%s)", exchange.worker_id, type(error).__name__)
+            log.warning("worker %s broke a stream (%s)", exchange.worker_id, error)
             message = {"error": {"message": "the engine broke the stream", "code": 502}}
             yield b"data: " + msgspec.json.encode(message) + b"\n\n"
         except BaseException:

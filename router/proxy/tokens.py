@@ -1,23 +1,31 @@
 """A request's prompt as token ids, as the engine will see them: each served model's
-tokenizer, and a cache of recent tokenisations.
+tokenizer, and caches that spare work the router has already done.
 
 Tokenising is the most expensive step of routing a long prompt (about 0.5 µs a token
 with kvplane's tiny tokenizer: 4 ms for 8k tokens, where the decision takes well under
-1 ms). The cache keys a request by a 128-bit hash of exactly what tokenisation reads
-(the model, the prompt or the messages and the template's arguments) and by the
-request's cache scope, so an identical prompt of the same scope (a retry, a repeated
-evaluation prompt, a client's fan-out) skips the work for the cost of the hash. (The
-scope is in the key because a hit is faster: across scopes that would tell one tenant
-that another sent the same prompt.) Prompts that only share a prefix are tokenised again: a
-tokenizer's output for a prefix is not a prefix of its output for the whole.
+1 ms). Two caches, each keyed with the request's cache scope (a hit is faster: across
+scopes that would tell one tenant that another sent the same text):
+- whole prompts, by a 128-bit hash of exactly what tokenisation reads (the model, the
+  prompt or the messages and the template's arguments): a retry, a repeated evaluation
+  prompt or a client's fan-out costs the hash;
+- pieces of prompts: the text between two added tokens (a system prompt, a tool schema,
+  an earlier turn of the conversation) is tokenised once and its ids reused wherever it
+  comes again, so that a prompt that shares most of its text with earlier ones costs the
+  new text only. `kvplane.core.tokenizer_pieces` says why this equals tokenising the
+  whole text and which tokenizers it refuses; the first uses of each tokenizer and a
+  sample after them are compared with whole tokenisation all the same, and a difference
+  turns pieces off for that tokenizer.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -25,11 +33,22 @@ import xxhash
 
 from kvplane.core.config import ProxySettings
 from kvplane.core.tokenizer import PromptTokenizer, load_tokenizer
-from router.proxy.bodies import Endpoint, ParsedRequest, prompt_token_ids
+from kvplane.core.tokenizer_pieces import Piece, PieceTokenizer
+from router.proxy.bodies import Endpoint, ParsedRequest, PromptText, prompt_input
+
+logger = logging.getLogger(__name__)
 
 OFF_LOOP_BODY_BYTES = 8 * 1024
 """Bodies longer than this are tokenised in a worker thread, so that one long prompt
 (milliseconds of work) does not hold up every other request's bytes."""
+
+MIN_CACHED_PIECE_CHARS = 64
+"""Shorter pieces (a newline between two role tokens) are tokenised every time: cheaper
+than a cache entry."""
+CHECKED_FIRST_USES = 32
+CHECK_ONE_IN = 1024
+"""Piecewise results compared with whole tokenisation: every one of a tokenizer's first
+uses, then one in this many."""
 
 _encoder = msgspec.json.Encoder()
 
@@ -52,7 +71,8 @@ class Tokenizers:
 
 
 class TokenCache:
-    """Least recently used token ids, bounded by their total count."""
+    """Least recently used token ids, bounded by their total count; safe to share
+    between the event loop and the threads that tokenise long prompts."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
@@ -60,33 +80,49 @@ class TokenCache:
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[bytes, array.array[int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: bytes) -> array.array[int] | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return entry
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
 
     def put(self, key: bytes, token_ids: Sequence[int]) -> array.array[int]:
         entry = array.array("I", token_ids)
         if len(entry) > self.max_tokens:
             return entry
-        previous = self._entries.pop(key, None)
-        if previous is not None:
-            self.tokens -= len(previous)
-        self._entries[key] = entry
-        self.tokens += len(entry)
-        while self.tokens > self.max_tokens:
-            _, evicted = self._entries.popitem(last=False)
-            self.tokens -= len(evicted)
+        with self._lock:
+            previous = self._entries.pop(key, None)
+            if previous is not None:
+                self.tokens -= len(previous)
+            self._entries[key] = entry
+            self.tokens += len(entry)
+            while self.tokens > self.max_tokens:
+                _, evicted = self._entries.popitem(last=False)
+                self.tokens -= len(evicted)
         return entry
 
 
+@dataclass(frozen=True, slots=True)
+class TokenisationStats:
+    """What the caches saved since start, for the metrics."""
+
+    prompt_hits: int
+    prompt_misses: int
+    piece_tokens_reused: int  # token ids taken from the piece cache
+    piece_tokens_tokenised: int  # token ids of pieces tokenised anew
+    cached_tokens: int  # held by both caches
+    piecewise_checks: int
+    piecewise_differences: int
+
+
 def tokenisation_key(request: ParsedRequest, scope: str) -> bytes:
-    """A hash of the cache scope and everything prompt_token_ids reads."""
+    """A hash of the cache scope and everything `prompt_input` reads."""
     body = request.body
     if request.endpoint is Endpoint.COMPLETIONS:
         read: list[object] = ["completions", scope, request.model, body.get("prompt")]
@@ -103,12 +139,37 @@ def tokenisation_key(request: ParsedRequest, scope: str) -> bytes:
     return xxhash.xxh3_128_digest(_encoder.encode(read))
 
 
+def piece_key(scope: str, piece: Piece) -> bytes:
+    """A piece's cache key: its scope, its text and whether it starts the prompt (which
+    some tokenizers encode differently)."""
+    marker = b"\x01" if piece.starts_text else b"\x00"
+    return xxhash.xxh3_128_digest(scope.encode() + b"\x00" + marker + piece.text.encode())
+
+
 class PromptTokens:
-    """prompt_token_ids with the model's tokenizer, cached, off the loop when long."""
+    """prompt token ids with the model's tokenizer, cached, off the loop when long."""
 
     def __init__(self, settings: ProxySettings) -> None:
         self.tokenizers = Tokenizers(settings)
         self.cache = TokenCache(settings.token_cache_tokens)
+        self.pieces = TokenCache(settings.token_cache_tokens)
+        self._reused = 0
+        self._tokenised = 0
+        self._uses: dict[Path, int] = {}
+        self._differences = 0
+        self._checks = 0
+        self._piecewise_off: set[Path] = set()
+
+    def stats(self) -> TokenisationStats:
+        return TokenisationStats(
+            prompt_hits=self.cache.hits,
+            prompt_misses=self.cache.misses,
+            piece_tokens_reused=self._reused,
+            piece_tokens_tokenised=self._tokenised,
+            cached_tokens=self.cache.tokens + self.pieces.tokens,
+            piecewise_checks=self._checks,
+            piecewise_differences=self._differences,
+        )
 
     async def of(self, request: ParsedRequest, body_bytes: int, scope: str) -> Sequence[int] | None:
         """The request's token ids; `scope` is the cache scope it is keyed in."""
@@ -122,9 +183,66 @@ class PromptTokens:
                 return cached
         tokenizer = self.tokenizers.for_model(request.model)
         if body_bytes > OFF_LOOP_BODY_BYTES:
-            token_ids = await asyncio.to_thread(prompt_token_ids, request, tokenizer)
+            token_ids = await asyncio.to_thread(self._tokenise, request, tokenizer, scope)
         else:
-            token_ids = prompt_token_ids(request, tokenizer)
+            token_ids = self._tokenise(request, tokenizer, scope)
         if token_ids is None or key is None:
             return token_ids
         return self.cache.put(key, token_ids)
+
+    def _tokenise(
+        self, request: ParsedRequest, tokenizer: PromptTokenizer, scope: str
+    ) -> list[int] | None:
+        prompt = prompt_input(request, tokenizer)
+        if not isinstance(prompt, PromptText):
+            return prompt
+        pieces = tokenizer.pieces
+        if (
+            pieces is None
+            or tokenizer.path in self._piecewise_off
+            or (prompt.add_special_tokens and pieces.wrap is None)
+        ):
+            return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        token_ids = self._piecewise(pieces, prompt, scope)
+        uses = self._uses[tokenizer.path] = self._uses.get(tokenizer.path, 0) + 1
+        if uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0:
+            self._checks += 1
+            whole = tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            if whole != token_ids:
+                self._differences += 1
+                self._piecewise_off.add(tokenizer.path)
+                logger.warning(
+                    "piecewise tokenisation differed from whole tokenisation for the "
+                    "tokenizer in %s (model %s); prompts are tokenised whole from now on",
+                    tokenizer.path,
+                    request.model,
+                )
+                return whole
+        return token_ids
+
+    def _piecewise(self, pieces: PieceTokenizer, prompt: PromptText, scope: str) -> list[int]:
+        parts = pieces.split(prompt.text)
+        found: list[Sequence[int] | None] = []
+        keys: dict[int, bytes] = {}
+        for at, piece in enumerate(parts):
+            if piece.token_id is not None:
+                found.append((piece.token_id,))
+                continue
+            if len(piece.text) >= MIN_CACHED_PIECE_CHARS:
+                keys[at] = piece_key(scope, piece)
+                cached = self.pieces.get(keys[at])
+                if cached is not None:
+                    self._reused += len(cached)
+                    found.append(cached)
+                    continue
+            found.append(None)
+        missing = [at for at, piece_ids in enumerate(found) if piece_ids is None]
+        for at, new in zip(missing, pieces.encode([parts[at] for at in missing]), strict=True):
+            self._tokenised += len(new)
+            found[at] = self.pieces.put(keys[at], new) if at in keys else new
+        before, after = pieces.wrap if prompt.add_special_tokens and pieces.wrap else ([], [])
+        token_ids = list(before)
+        for piece_ids in found:
+            token_ids.extend(piece_ids or ())
+        token_ids.extend(after)
+        return token_ids

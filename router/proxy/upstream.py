@@ -39,6 +39,11 @@ class AttemptFailed(Exception):
         self.refused = refused
 
 
+class UpstreamBroken(Exception):
+    """The engine broke its answer after the first byte, or went silent past the idle
+    timeout: bytes may have reached the client already, so there is no retry."""
+
+
 class NoFreeConnection(Exception):
     """The router's own connection pool is full: no worker is to blame, and no other
     worker would fare better."""
@@ -54,8 +59,8 @@ class UpstreamAnswer:
     _chunks: AsyncIterator[bytes]
 
     async def rest(self) -> AsyncIterator[bytes]:
-        """The chunks after the first, as they arrive. Raises httpx2.ReadTimeout when
-        the engine is silent for longer than the idle timeout."""
+        """The chunks after the first, as they arrive. Raises UpstreamBroken when the
+        connection breaks or the engine is silent for longer than the idle timeout."""
         while True:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
@@ -63,7 +68,9 @@ class UpstreamAnswer:
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                raise httpx2.ReadTimeout("the engine was silent past the idle timeout") from None
+                raise UpstreamBroken("silent past the idle timeout") from None
+            except httpx2.HTTPError as error:
+                raise UpstreamBroken(type(error).__name__) from None
             yield chunk
 
     async def close(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from benchmarks.live.bakeoff import CellResult
 from benchmarks.live.client import Traffic
-from benchmarks.live.report import render_tables
+from benchmarks.live.report import render_summary_markdown, render_tables
 
 
 def test_requests_alternate_between_replicas() -> None:
@@ -45,3 +45,36 @@ def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
     assert "smg cache_aware: no figures: the peers' environment is missing" in table
     assert "sglang-router round_robin: tenants SHARED cache" in table
     assert "smg round_robin: tenants" not in table
+
+
+def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
+    def at(router: str, run: int, load: str, situation: str = "steady") -> CellResult:
+        result = _cell(router, run, engine_hit_rate=0.5 + run / 10, ttft_p90_ms=100.0 * run)
+        result.cpu_ms_per_request = 10.0 * run
+        result.load, result.situation = load, situation
+        return result
+
+    summary = render_summary_markdown(
+        [
+            at("kvplane kvplane", 1, "light"),
+            at("kvplane kvplane", 2, "light"),
+            at("kvplane kvplane", 1, "heavy"),
+            at("kvplane kvplane", 1, "medium", "bypass"),
+            _cell("smg cache_aware", 1, error="did not start"),
+            _cell(
+                "sglang-router cache_aware",
+                1,
+                engine_hit_rate=0.9,
+                ttft_p90_ms=80.0,
+                unsalted_blocks=5,
+            ),
+        ]
+    )
+    lines = summary.splitlines()
+    assert "| router | light | heavy | medium |" in lines
+    assert "| kvplane kvplane | 60.0 / 70.0 % · 100 / 200 ms | 60.0 % · 100 ms |  |" in lines
+    assert "| router | bypass (shared-8, medium) |" in lines
+    assert "| smg cache_aware |  |  | no figures |" in lines
+    assert any("90.0 % · 80 ms (tenants shared cache)" in line for line in lines)
+    cpu = lines[lines.index(next(line for line in lines if line.startswith("CPU ms"))) :]
+    assert "| kvplane kvplane | 10.0 / 20.0 | 10.0 |  |" in cpu

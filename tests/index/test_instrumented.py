@@ -61,7 +61,12 @@ async def test_applies_lookups_and_refusals_are_recorded() -> None:
     await index.apply(
         "a",
         1,
-        [stored(prompt[:3]), BlocksRemoved([prompt[2]], Tier.DEVICE), AllBlocksCleared()],
+        [
+            stored(prompt[:3]),
+            stored(chain(2, 2)),
+            BlocksRemoved([prompt[2]], Tier.DEVICE),
+            AllBlocksCleared(),
+        ],
     )
     await index.apply("a", 1, [stored(prompt)])
     assert (await index.lookup(prompt))["a"].blocks == 4
@@ -72,10 +77,10 @@ async def test_applies_lookups_and_refusals_are_recorded() -> None:
 
     value = metrics.registry.get_sample_value
     assert value("kvplane_batches_applied_total") == 2
-    assert value("kvplane_events_applied_total", {"kind": "stored"}) == 2
+    assert value("kvplane_events_applied_total", {"kind": "stored"}) == 3
     assert value("kvplane_events_applied_total", {"kind": "removed"}) == 1
     assert value("kvplane_events_applied_total", {"kind": "cleared"}) == 1
-    assert value("kvplane_blocks_applied_total", {"kind": "stored"}) == 3 + 4
+    assert value("kvplane_blocks_applied_total", {"kind": "stored"}) == 3 + 2 + 4
     assert value("kvplane_blocks_applied_total", {"kind": "removed"}) == 1
     assert value("kvplane_apply_seconds_count") == 2  # the refused batch is an error only
     assert value("kvplane_lookup_seconds_count") == 1

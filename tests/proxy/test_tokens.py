@@ -1,4 +1,5 @@
-"""The proxy's tokenisation: the model's tokenizer, and the cache of identical prompts."""
+"""The proxy's tokenisation: the model's tokenizer, the cache of identical prompts and
+the cache of prompt pieces."""
 
 from __future__ import annotations
 
@@ -9,9 +10,23 @@ import msgspec
 from kvplane.core.config import ProxySettings
 from kvplane.core.tokenizer import load_tokenizer
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
-from router.proxy.tokens import OFF_LOOP_BODY_BYTES, PromptTokens, TokenCache, tokenisation_key
+from router.proxy.tokens import (
+    MIN_CACHED_PIECE_CHARS,
+    OFF_LOOP_BODY_BYTES,
+    PromptTokens,
+    TokenCache,
+    piece_key,
+    tokenisation_key,
+)
 
 MESSAGES = [{"role": "user", "content": "What does the cache remember?"}]
+SYSTEM = "You are a helpful assistant. Answer the question below in one short paragraph. " * 8
+FIRST_TURN = [{"role": "system", "content": SYSTEM}, *MESSAGES]
+SECOND_TURN = [
+    *FIRST_TURN,
+    {"role": "assistant", "content": "What the model has already read, block by block. " * 4},
+    {"role": "user", "content": "And what does it forget?"},
+]
 
 
 def request(endpoint: Endpoint = Endpoint.CHAT, **body: Any) -> ParsedRequest:
@@ -67,3 +82,64 @@ async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result() ->
     assert long is not None
     assert list(long) == load_tokenizer().completion_tokens(text)
     assert tokens.cache.tokens == 0  # a budget of 0 keeps nothing
+
+
+async def test_a_growing_conversation_tokenises_only_its_new_text() -> None:
+    tokenizer = load_tokenizer()
+    tokens = PromptTokens(ProxySettings())
+    await tokens.of(request(messages=FIRST_TURN), 100, "")
+    before = tokens.stats()
+    second = await tokens.of(request(messages=SECOND_TURN), 100, "")
+    after = tokens.stats()
+
+    assert second is not None
+    assert list(second) == tokenizer.chat_tokens(SECOND_TURN)
+    system_piece = tokenizer.encode("<|system|>\n" + SYSTEM, add_special_tokens=False)[1:]
+    assert after.piece_tokens_reused - before.piece_tokens_reused == len(system_piece)
+    tokenised = after.piece_tokens_tokenised - before.piece_tokens_tokenised
+    assert 0 < tokenised < len(second) - len(system_piece)
+    assert after.piecewise_checks == 2
+    assert after.piecewise_differences == 0
+
+
+async def test_pieces_are_reused_within_their_scope_only() -> None:
+    tokens = PromptTokens(ProxySettings())
+    await tokens.of(request(messages=FIRST_TURN), 100, "a-tenants-salt")
+    await tokens.of(request(messages=SECOND_TURN), 100, "another-tenants-salt")
+    assert tokens.stats().piece_tokens_reused == 0
+
+
+async def test_a_piecewise_result_that_differs_turns_pieces_off_for_that_tokenizer() -> None:
+    tokenizer = load_tokenizer()
+    assert tokenizer.pieces is not None
+    tokens = PromptTokens(ProxySettings())
+    text = tokenizer.render_chat(FIRST_TURN)
+    system = next(
+        piece for piece in tokenizer.pieces.split(text) if len(piece.text) >= MIN_CACHED_PIECE_CHARS
+    )
+    tokens.pieces.put(piece_key("", system), [7, 7, 7])  # a corrupted entry
+
+    first = await tokens.of(request(messages=FIRST_TURN), 100, "")
+    second = await tokens.of(request(messages=SECOND_TURN), 100, "")
+
+    assert first is not None
+    assert list(first) == tokenizer.chat_tokens(FIRST_TURN)  # the whole result wins
+    assert second is not None
+    assert list(second) == tokenizer.chat_tokens(SECOND_TURN)
+    stats = tokens.stats()
+    assert stats.piecewise_differences == 1
+    assert stats.piece_tokens_reused == 3  # the corrupted entry's, and nothing after it
+    assert stats.piecewise_checks == 1
+
+
+async def test_completions_prompts_get_the_tokenizers_special_tokens_piecewise() -> None:
+    tokenizer = load_tokenizer()
+    tokens = PromptTokens(ProxySettings())
+    for question in ("What does the cache remember?", "And what does it forget?"):
+        prompt = f"<|system|>\n{SYSTEM}</s>\n{question}"
+        ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), 100, "")
+        assert ids is not None
+        assert list(ids) == tokenizer.completion_tokens(prompt)
+    stats = tokens.stats()
+    assert stats.piece_tokens_reused > 0
+    assert stats.piecewise_differences == 0

@@ -108,12 +108,21 @@ GARBAGE = {
 
 @pytest.mark.parametrize("text", GARBAGE.values(), ids=GARBAGE)
 def test_garbage_metrics_raise(text: str) -> None:
-    with pytest.raises(ValueError, match="unreadable metrics"):
+    with pytest.raises(ValueError, match=r"unreadable metrics|lack"):
         VLLM.parse_load(text)
-    with pytest.raises(ValueError, match="unreadable metrics"):
-        VLLM.parse_cache_config(text)
-    with pytest.raises(ValueError, match="unreadable metrics"):
+    with pytest.raises(ValueError, match=r"unreadable metrics|lack"):
         SGLANG.parse_load(text)
+    assert VLLM.parse_cache_config(text) is None  # none of them has the line
+
+
+@pytest.mark.parametrize(
+    "line", [GARBAGE["non-numeric value"], GARBAGE["unterminated labels"]], ids=str
+)
+def test_a_malformed_line_of_a_metric_read_is_unreadable(line: str) -> None:
+    with pytest.raises(ValueError, match="unreadable metrics"):
+        VLLM.parse_load(line)
+    with pytest.raises(ValueError, match="unreadable metrics"):
+        VLLM.parse_cache_config(line.replace("vllm:num_requests_running", "vllm:cache_config_info"))
 
 
 def test_empty_metrics_raise() -> None:

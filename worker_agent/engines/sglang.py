@@ -21,6 +21,11 @@ SGLANG_DIALECT = WireDialect(
 )  # fmt: skip
 
 
+_LOAD_METRICS = frozenset(
+    {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"}
+)
+
+
 class SglangAdapter:
     kind = "sglang"
 
@@ -28,7 +33,7 @@ class SglangAdapter:
         return decode_batch(payload, SGLANG_DIALECT)
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
-        samples = metric_samples(metrics_text)
+        samples = metric_samples(metrics_text, _LOAD_METRICS)
         running = total(samples, "sglang:num_running_reqs")
         waiting = total(samples, "sglang:num_queue_reqs")
         usage = mean(samples, "sglang:token_usage")

@@ -19,6 +19,16 @@ VLLM_DIALECT = WireDialect(
 )  # fmt: skip
 
 
+_LOAD_METRICS = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+    }
+)
+
+
 class VllmAdapter:
     kind = "vllm"
 
@@ -26,7 +36,7 @@ class VllmAdapter:
         return decode_batch(payload, VLLM_DIALECT)
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
-        samples = metric_samples(metrics_text)
+        samples = metric_samples(metrics_text, _LOAD_METRICS)
         running = total(samples, "vllm:num_requests_running")
         waiting = total(samples, "vllm:num_requests_waiting")
         usage = mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -35,7 +45,7 @@ class VllmAdapter:
         return EngineLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0))
 
     def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
-        for sample in metric_samples(metrics_text):
+        for sample in metric_samples(metrics_text, ("vllm:cache_config_info",)):
             if sample.name == "vllm:cache_config_info":
                 return EngineCacheConfig(
                     block_size=_int_label(sample.labels.get("block_size")),

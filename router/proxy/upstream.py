@@ -9,11 +9,10 @@ client: the rest of the stream is passed on as it arrives and never retried.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx2
+import aiohttp
 
 from kvplane.core.config import ProxySettings
 
@@ -55,8 +54,9 @@ class UpstreamAnswer:
     headers: list[tuple[str, str]]
     first_chunk: bytes
     idle_timeout_s: float
-    _response: httpx2.Response
-    _chunks: AsyncIterator[bytes]
+    _response: aiohttp.ClientResponse
+    _slot: asyncio.Semaphore
+    _closed: bool = False
 
     async def rest(self) -> AsyncIterator[bytes]:
         """The chunks after the first, as they arrive. Raises UpstreamBroken when the
@@ -64,78 +64,83 @@ class UpstreamAnswer:
         while True:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
-                    chunk = await anext(self._chunks)
-            except StopAsyncIteration:
-                return
+                    chunk = await self._response.content.readany()
             except TimeoutError:
                 raise UpstreamBroken("silent past the idle timeout") from None
-            except httpx2.HTTPError as error:
+            except aiohttp.ClientError as error:
                 raise UpstreamBroken(type(error).__name__) from None
+            if not chunk:
+                return
             yield chunk
 
     async def close(self) -> None:
-        """Closing early drops the connection, which cancels the request in the engine."""
-        await self._response.aclose()
+        """A connection whose answer was read to the end goes back to the pool; closing
+        earlier drops it, which cancels the request in the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+        self._slot.release()
 
 
 class Upstream:
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
-        self.client = httpx2.AsyncClient(
-            # Reads are timed here, not by httpx: the first byte may take as long as
+        # The pool's size is kept here, not by aiohttp, which would wait for a free
+        # connection as it waits for a slow connect: a full pool is the router's own
+        # limit (no other worker would fare better), a slow connect is the worker's.
+        self._slots = asyncio.Semaphore(settings.max_connections)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0),
+            # Reads are timed here, not by aiohttp: the first byte may take as long as
             # first_byte_timeout_s (queueing, prefill, a whole non-streamed answer),
             # each later chunk idle_timeout_s.
-            timeout=httpx2.Timeout(
-                connect=settings.connect_timeout_s,
-                read=None,
-                write=settings.idle_timeout_s,
-                pool=settings.connect_timeout_s,
-            ),
-            limits=httpx2.Limits(
-                max_connections=settings.max_connections,
-                max_keepalive_connections=settings.max_connections,
-            ),
-            follow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
+            auto_decompress=False,  # the engine's bytes go to the client as they are
+            skip_auto_headers=("User-Agent",),
         )
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.session.close()
 
     async def send(
         self, url: str, body: bytes, headers: dict[str, str], first_byte_timeout_s: float
     ) -> UpstreamAnswer:
         """POST `body` and return once the first byte of the answer is in."""
-        request = self.client.build_request("POST", url, content=body, headers=headers)
-        response: httpx2.Response | None = None
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise NoFreeConnection from None
+        response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(first_byte_timeout_s):
-                response = await self.client.send(request, stream=True)
-                if response.status_code >= 500:
-                    raise AttemptFailed(f"the engine answered {response.status_code}")
-                chunks = response.aiter_raw()
-                first = b""
-                with contextlib.suppress(StopAsyncIteration):
-                    first = await anext(chunks)
+                response = await self.session.post(
+                    url, data=body, headers=headers, allow_redirects=False
+                )
+                if response.status >= 500:
+                    raise AttemptFailed(f"the engine answered {response.status}")
+                first = await response.content.readany()
         except AttemptFailed:
-            await _close(response)
+            _drop(response, self._slots)
             raise
-        except TimeoutError:
-            await _close(response)
-            raise AttemptFailed("no first byte within the timeout") from None
-        except httpx2.PoolTimeout:
-            await _close(response)
-            raise NoFreeConnection from None
-        except (httpx2.ConnectError, httpx2.ConnectTimeout) as error:
-            await _close(response)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+            _drop(response, self._slots)
             raise AttemptFailed(f"cannot connect ({type(error).__name__})", refused=True) from None
-        except httpx2.HTTPError as error:
-            await _close(response)
+        except TimeoutError:
+            _drop(response, self._slots)
+            raise AttemptFailed("no first byte within the timeout") from None
+        except aiohttp.ClientError as error:
+            _drop(response, self._slots)
             raise AttemptFailed(f"broken before the first byte ({type(error).__name__})") from None
         except BaseException:  # the client went away: drop the engine's request too
-            await _close(response)
+            _drop(response, self._slots)
             raise
         return UpstreamAnswer(
-            status=response.status_code,
+            status=response.status,
             headers=[
                 (name, value)
                 for name, value in response.headers.items()
@@ -144,10 +149,11 @@ class Upstream:
             first_chunk=first,
             idle_timeout_s=self.settings.idle_timeout_s,
             _response=response,
-            _chunks=chunks,
+            _slot=self._slots,
         )
 
 
-async def _close(response: httpx2.Response | None) -> None:
+def _drop(response: aiohttp.ClientResponse | None, slots: asyncio.Semaphore) -> None:
     if response is not None:
-        await response.aclose()
+        response.close()
+    slots.release()

@@ -283,9 +283,9 @@ class ChaosFleet:
 
     async def engine_running(self, worker: Worker) -> float:
         """vLLM's running plus waiting requests, from the engine's /metrics."""
-        samples = metric_samples((await self.http.get(worker.engine_url + "/metrics")).text)
-        running = total(samples, "vllm:num_requests_running") or 0.0
-        return running + (total(samples, "vllm:num_requests_waiting") or 0.0)
+        names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        samples = metric_samples((await self.http.get(worker.engine_url + "/metrics")).text, names)
+        return sum(total(samples, name) or 0.0 for name in names)
 
     async def fault(self, worker: Worker, **fault: Any) -> None:
         answer = await self.http.post(worker.engine_url + "/sim/faults", json=fault)

@@ -146,7 +146,7 @@ class RouterResources:
 async def router_resources(fleet: ChaosFleet, router: Router) -> RouterResources:
     rss, fds = process_resources(router.child.pid)
     text = (await fleet.http.get(router.url + "/metrics", headers=ADMIN_HEADERS)).text
-    tasks = total(metric_samples(text), "kvplane_event_loop_tasks")
+    tasks = total(metric_samples(text, ("kvplane_event_loop_tasks",)), "kvplane_event_loop_tasks")
     if tasks is None:
         raise ValueError(f"{router.child.name} exports no kvplane_event_loop_tasks")
     return RouterResources(rss, fds, int(tasks))

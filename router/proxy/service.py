@@ -11,10 +11,11 @@ never.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,6 +25,7 @@ from opentelemetry import trace
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvplane.core.config import ProxySettings
 from router.auth import UNAUTHORIZED, TenantKey, unauthorized
@@ -115,6 +117,37 @@ class _Exchange:
     indexed_tokens: int  # the part of it the index vouched for: what is judged
     ticket: Ticket
     sent_at: float
+
+
+@dataclass(slots=True)
+class _Relay:
+    """One streamed answer on its way to the client."""
+
+    answer: UpstreamAnswer
+    exchange: _Exchange
+    usage: StreamUsage = field(default_factory=StreamUsage)
+    outcome: str = "client_disconnected"  # until the stream ends otherwise
+    finished: bool = False
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed answer whose `finish` runs however the response ends. A client that
+    leaves before the first chunk goes out can cancel the stream before its generator
+    runs at all, and a generator that never ran never reaches its `finally`: the
+    engine's connection, the router's connection slot and the worker's in-flight count
+    would stay taken."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, finish: Callable[[], Awaitable[None]], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._finish = finish
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._finish()
 
 
 class ProxyService:
@@ -311,8 +344,10 @@ class ProxyService:
             if full_body is not None:
                 self._settled(exchange, outcome, response_usage(full_body), answer.status)
                 return Response(full_body, status_code=answer.status, headers=response_headers)
-            return StreamingResponse(
-                self._relay(answer, exchange, outcome),
+            relay = _Relay(answer, exchange)
+            return RelayResponse(
+                self._relay(relay, outcome),
+                finish=functools.partial(self._finish, relay),
                 status_code=answer.status,
                 headers=response_headers,
             )
@@ -356,31 +391,34 @@ class ProxyService:
             "worker %s failed before its first byte (%s)", exchange.worker_id, failure.reason
         )
 
-    async def _relay(
-        self, answer: UpstreamAnswer, exchange: _Exchange, outcome: str
-    ) -> AsyncIterator[bytes]:
-        usage = StreamUsage()
+    async def _relay(self, relay: _Relay, outcome: str) -> AsyncIterator[bytes]:
+        answer = relay.answer
         try:
-            usage.feed(answer.first_chunk)
+            relay.usage.feed(answer.first_chunk)
             yield answer.first_chunk
             async for chunk in answer.rest():
-                usage.feed(chunk)
+                relay.usage.feed(chunk)
                 yield chunk
+            relay.outcome = outcome
         except UpstreamBroken as error:
             # Bytes went out already: no retry. Say so in the stream's own error form,
             # so that the client sees a failure, not a short answer.
-            outcome = "broken_stream"
-            log.warning("worker %s broke a stream (%s)", exchange.worker_id, error)
+            relay.outcome = "broken_stream"
+            log.warning("worker %s broke a stream (%s)", relay.exchange.worker_id, error)
             message = {"error": {"message": "the engine broke the stream", "code": 502}}
             yield b"data: " + msgspec.json.encode(message) + b"\n\n"
-        except BaseException:
-            outcome = "client_disconnected"
-            raise
         finally:
-            try:
-                await answer.close()
-            finally:
-                self._settled(exchange, outcome, usage.usage(), answer.status)
+            await self._finish(relay)
+
+    async def _finish(self, relay: _Relay) -> None:
+        """Close the engine's answer and account for it, once, however the stream ended."""
+        if relay.finished:
+            return
+        relay.finished = True
+        try:
+            await relay.answer.close()
+        finally:
+            self._settled(relay.exchange, relay.outcome, relay.usage.usage(), relay.answer.status)
 
     def _settled(self, exchange: _Exchange, outcome: str, usage: Usage | None, status: int) -> None:
         self.fleet.finished(exchange.ticket)

@@ -67,7 +67,13 @@ class Tokenizers:
         """Load every configured tokenizer now: a missing directory fails the start,
         not a request, and the first request does not wait seconds for the load."""
         for path in {self._settings.tokenizer_dir, *self._settings.tokenizer_dirs.values()}:
-            load_tokenizer(path)
+            tokenizer = load_tokenizer(path)
+            if tokenizer.no_pieces_reason is not None:
+                logger.info(
+                    "prompts for the tokenizer in %s are tokenised whole: %s",
+                    tokenizer.path,
+                    tokenizer.no_pieces_reason,
+                )
 
 
 class TokenCache:

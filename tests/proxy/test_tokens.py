@@ -3,12 +3,17 @@ the cache of prompt pieces."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
+from tokenizers import AddedToken, Tokenizer
+from transformers import PreTrainedTokenizerFast
 
 from kvplane.core.config import ProxySettings
-from kvplane.core.tokenizer import load_tokenizer
+from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import (
     MIN_CACHED_PIECE_CHARS,
@@ -143,3 +148,24 @@ async def test_completions_prompts_get_the_tokenizers_special_tokens_piecewise()
     stats = tokens.stats()
     assert stats.piece_tokens_reused > 0
     assert stats.piecewise_differences == 0
+
+
+async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<mask>", lstrip=True)])  # eats the space before
+    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", chat_template="{{ 'x' }}"
+    ).save_pretrained(str(tmp_path))
+    tokens = PromptTokens(ProxySettings(tokenizer_dir=tmp_path))
+    with caplog.at_level(logging.INFO, logger="router.proxy.tokens"):
+        tokens.tokenizers.preload()
+    assert "tokenised whole" in caplog.text
+    assert "strips spaces" in caplog.text
+
+    prompt = SYSTEM + " <mask> " + SYSTEM
+    ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), 100, "")
+    assert ids is not None
+    assert list(ids) == load_tokenizer(tmp_path).completion_tokens(prompt)
+    assert tokens.stats().piece_tokens_tokenised == 0  # no pieces

@@ -45,6 +45,10 @@ OFF_LOOP_BODY_BYTES = 8 * 1024
 MIN_CACHED_PIECE_CHARS = 64
 """Shorter pieces (a newline between two role tokens) are tokenised every time: cheaper
 than a cache entry."""
+MAX_PIECES = 1024
+"""A prompt cut into more pieces than this is tokenised whole: a chat makes a few pieces
+a message, and a body stuffed with added tokens would otherwise cost a step of Python
+for each of them where the tokenizer spends nanoseconds."""
 CHECKED_FIRST_USES = 32
 CHECK_ONE_IN = 1024
 """Piecewise results compared with whole tokenisation: every one of a tokenizer's first
@@ -209,7 +213,10 @@ class PromptTokens:
             or (prompt.add_special_tokens and pieces.wrap is None)
         ):
             return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-        token_ids = self._piecewise(pieces, prompt, scope)
+        parts = pieces.split(prompt.text)
+        if len(parts) > MAX_PIECES:
+            return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        token_ids = self._piecewise(pieces, parts, prompt.add_special_tokens, scope)
         uses = self._uses[tokenizer.path] = self._uses.get(tokenizer.path, 0) + 1
         if uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0:
             self._checks += 1
@@ -226,8 +233,9 @@ class PromptTokens:
                 return whole
         return token_ids
 
-    def _piecewise(self, pieces: PieceTokenizer, prompt: PromptText, scope: str) -> list[int]:
-        parts = pieces.split(prompt.text)
+    def _piecewise(
+        self, pieces: PieceTokenizer, parts: list[Piece], add_special_tokens: bool, scope: str
+    ) -> list[int]:
         found: list[Sequence[int] | None] = []
         keys: dict[int, bytes] = {}
         for at, piece in enumerate(parts):
@@ -246,7 +254,7 @@ class PromptTokens:
         for at, new in zip(missing, pieces.encode([parts[at] for at in missing]), strict=True):
             self._tokenised += len(new)
             found[at] = self.pieces.put(keys[at], new) if at in keys else new
-        before, after = pieces.wrap if prompt.add_special_tokens and pieces.wrap else ([], [])
+        before, after = pieces.wrap if add_special_tokens and pieces.wrap else ([], [])
         token_ids = list(before)
         for piece_ids in found:
             token_ids.extend(piece_ids or ())

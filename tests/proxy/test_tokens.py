@@ -16,6 +16,7 @@ from kvplane.core.config import ProxySettings
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import (
+    MAX_PIECES,
     MIN_CACHED_PIECE_CHARS,
     OFF_LOOP_BODY_BYTES,
     PromptTokens,
@@ -169,3 +170,12 @@ async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(
     assert ids is not None
     assert list(ids) == load_tokenizer(tmp_path).completion_tokens(prompt)
     assert tokens.stats().piece_tokens_tokenised == 0  # no pieces
+
+
+async def test_a_prompt_stuffed_with_added_tokens_is_tokenised_whole() -> None:
+    prompt = "<s>a" * (MAX_PIECES // 2 + 1)  # two pieces each
+    tokens = PromptTokens(ProxySettings())
+    ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), 100, "")
+    assert ids is not None
+    assert list(ids) == load_tokenizer().completion_tokens(prompt)
+    assert tokens.stats().piece_tokens_tokenised == 0

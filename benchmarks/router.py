@@ -64,6 +64,7 @@ from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import CHECKED_FIRST_USES, PromptTokens
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
+from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import configured_policy
@@ -186,6 +187,7 @@ def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
         fleet=fleet,
         predicted=PredictedPrefixes(proxy.predicted_ttl_s),
         accuracy=PredictionAccuracy(proxy.suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
+        evictions=RecentEvictions(ScoringSettings().eviction_horizon_s),
         policy=configured_policy(ScoringSettings()),
         block_size=BLOCK_SIZE,
         index_timeout_s=proxy.index_timeout_s,

@@ -25,6 +25,7 @@ from starlette.routing import BaseRoute
 from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings, Settings
 from kvplane.core.serving import cancel_task, serving_http, wait_for_stop_signal
+from kvplane.core.types import BlocksRemoved, Tier
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi
@@ -37,6 +38,7 @@ from router.proxy.service import ProxyService
 from router.proxy.upstream import Upstream
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
+from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import configured_policy
@@ -101,11 +103,13 @@ async def running_router(
         accuracy = PredictionAccuracy(
             proxy_settings.suspect_after_misses, tolerance_tokens=cp.block_size
         )
+        evictions = RecentEvictions(settings.scoring.eviction_horizon_s)
         planner = RoutingPlanner(
             index=index,
             fleet=fleet,
             predicted=predicted,
             accuracy=accuracy,
+            evictions=evictions,
             policy=configured_policy(settings.scoring),
             block_size=cp.block_size,
             index_timeout_s=proxy_settings.index_timeout_s,
@@ -200,7 +204,7 @@ async def running_router(
                     view,
                     metrics,
                     cp,
-                    on_removed=_forget(predicted, accuracy),
+                    on_removed=_removals_heard(predicted, accuracy, evictions, clock),
                     clock=clock,
                     wall_clock=wall_clock,
                 ).rpc_handler()
@@ -282,15 +286,21 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
         log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
 
 
-def _forget(
-    predicted: PredictedPrefixes, accuracy: PredictionAccuracy
-) -> Callable[[str, Sequence[int] | None], None]:
-    def on_removed(worker_id: str, keys: Sequence[int] | None) -> None:
-        if keys is None:
+def _removals_heard(
+    predicted: PredictedPrefixes,
+    accuracy: PredictionAccuracy,
+    evictions: RecentEvictions,
+    clock: Clock,
+) -> Callable[[str, BlocksRemoved | None], None]:
+    def on_removed(worker_id: str, removal: BlocksRemoved | None) -> None:
+        if removal is None:
             predicted.forget_worker(worker_id)
             accuracy.forget(worker_id)
-        else:
-            predicted.removed(worker_id, keys)
+            evictions.forget(worker_id)
+            return
+        predicted.removed(worker_id, removal.keys)
+        if removal.tier is Tier.DEVICE:
+            evictions.record(worker_id, len(removal.keys), clock())
 
     return on_removed
 

@@ -83,6 +83,10 @@ class ScoringSettings(_Section):
     # Memory pressure: past this KV usage, a request's new blocks evict cached ones.
     memory_pressure_start: float = Field(default=0.9, ge=0, lt=1)
     memory_pressure_weight: float = Field(default=1.0, ge=0)  # per new token, at full pressure
+    # Engines count only running requests' blocks as used, so a cache full of prefixes
+    # reads as empty: a worker that evicted its whole cache within about this many
+    # seconds is under full pressure too (0: off).
+    eviction_horizon_s: float = Field(default=10.0, ge=0)
     # Tenant risk, for the `private` isolation class.
     co_residence_tokens: float = Field(default=2048.0, ge=0)  # per other tenant's request
     missing_label_tokens: float = Field(default=8192.0, ge=0)  # per required label missing

@@ -104,15 +104,16 @@ class ControlPlaneService:
         view: WorkerView,
         metrics: RouterMetrics,
         settings: ControlPlaneSettings,
-        on_removed: Callable[[str, Sequence[int] | None], None] | None = None,
+        on_removed: Callable[[str, BlocksRemoved | None], None] | None = None,
         clock: Clock = time.monotonic,
         wall_clock: WallClock = time.time,
     ) -> None:
-        """`on_removed(worker_id, keys)` hears of every removal this router applies
-        (keys None: all the worker's blocks), so that predictions never outlive one.
+        """`on_removed(worker_id, removal)` hears of every removal this router applies
+        (None: all the worker's blocks), so that predictions never outlive one and
+        evictions are counted.
         `clock` times the view's leases and reports (the index's and the fleet's clock);
         `wall_clock` is what agents' timestamps are compared with."""
-        self.on_removed = on_removed or (lambda worker_id, keys: None)
+        self.on_removed = on_removed or (lambda worker_id, removal: None)
         self.clock = clock
         self.wall_clock = wall_clock
         self.index = index
@@ -413,12 +414,12 @@ class _Stream:
 
 
 def _tell_removals(
-    on_removed: Callable[[str, Sequence[int] | None], None],
+    on_removed: Callable[[str, BlocksRemoved | None], None],
     worker_id: str,
     events: Sequence[KvEvent],
 ) -> None:
     for event in events:
         if isinstance(event, BlocksRemoved):
-            on_removed(worker_id, event.keys)
+            on_removed(worker_id, event)
         elif isinstance(event, AllBlocksCleared):
             on_removed(worker_id, None)

@@ -22,6 +22,7 @@ from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import Tier
 from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
 from router.routing.accuracy import PredictionAccuracy
+from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Candidate, Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import RoutingPolicy
@@ -71,6 +72,7 @@ class RoutingPlanner:
         fleet: Fleet,
         predicted: PredictedPrefixes,
         accuracy: PredictionAccuracy,
+        evictions: RecentEvictions,
         policy: RoutingPolicy,
         block_size: int,
         index_timeout_s: float,
@@ -82,6 +84,7 @@ class RoutingPlanner:
         self.fleet = fleet
         self.predicted = predicted
         self.accuracy = accuracy
+        self.evictions = evictions
         self.policy = policy
         self.block_size = block_size
         self.index_timeout_s = index_timeout_s
@@ -127,7 +130,7 @@ class RoutingPlanner:
                 if worker_id in candidates
             }
             facts = [
-                self._facts(candidate, matched[worker_id], tenant)
+                self._facts(candidate, matched[worker_id], tenant, now)
                 for worker_id, candidate in candidates.items()
             ]
             request = RequestFacts(
@@ -187,7 +190,7 @@ class RoutingPlanner:
         return matches, True
 
     def _facts(
-        self, candidate: Candidate, matched: Mapping[Tier, int], tenant: Tenant
+        self, candidate: Candidate, matched: Mapping[Tier, int], tenant: Tenant, now: float
     ) -> WorkerFacts:
         info, load, traffic = candidate.info, candidate.load, candidate.traffic
         # Without a report (the agent streams to another router replica) this router's
@@ -209,6 +212,7 @@ class RoutingPlanner:
             running_requests=running,
             queued_prefill_tokens=traffic.prefill_tokens,
             kv_usage=load.kv_usage if load is not None else 0.0,
+            evicted_share=self.evictions.share(info.worker_id, info.kv_capacity_blocks, now),
             other_tenants_running=traffic.in_flight - traffic.by_tenant.get(tenant.name, 0),
             labels=info.labels,
             pool=info.labels.get(POOL_LABEL),

@@ -3,9 +3,9 @@
 Every term is in the same unit, prefill tokens: what sending the request to a worker
 saves (its cached prefix, each tier's hit worth what restoring it saves over
 recomputing it) minus what it costs there (the queue ahead of it, the evictions its new
-blocks would cause on a nearly full cache, the tenant risk of its company). The highest
-score wins; ties are broken at random, never by list order. The breakdown of every
-score is kept so that the decision can be explained.
+blocks would cause on a nearly full or turning-over cache, the tenant risk of its
+company). The highest score wins; ties are broken at random, never by list order. The
+breakdown of every score is kept so that the decision can be explained.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class WorkerFacts(NamedTuple):
     waiting_requests: int = 0
     running_requests: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens still to prefill ahead of this request
-    kv_usage: float = 0.0
+    kv_usage: float = 0.0  # the engine's: blocks its running requests hold
+    evicted_share: float = 0.0  # of its cache, evicted lately (router/routing/evictions.py)
     other_tenants_running: int = 0
     labels: Mapping[str, str] = _NO_LABELS
     pool: str | None = None  # a dedicated tenant's pool this worker belongs to
@@ -110,7 +111,9 @@ def score_worker(
         + worker.queued_prefill_tokens * weights.queued_prefill_weight
     )
     start = weights.memory_pressure_start
-    pressure = max(0.0, min(1.0, (worker.kv_usage - start) / max(1.0 - start, 1e-9)))
+    usage_pressure = (worker.kv_usage - start) / max(1.0 - start, 1e-9)
+    # A cache that is turning over evicts prefixes still in use, whatever its usage.
+    pressure = max(0.0, min(1.0, max(usage_pressure, worker.evicted_share)))
     memory = pressure * (request.prompt_tokens - cached) * weights.memory_pressure_weight
     tenant = 0.0
     if request.isolation == "private":

@@ -162,7 +162,7 @@ class SglangCacheAwarePolicy:
         self._insert(chosen, request, now)
         return chosen
 
-    def events(self, worker: int, removed: list[int], cleared: bool) -> None:
+    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
         """SGLang's gateway never sees engine events."""
         return None
 
@@ -401,7 +401,7 @@ class LlmdPolicy:
         while len(estimated) > self.capacity_blocks:
             estimated.popitem(last=False)
 
-    def events(self, worker: int, removed: list[int], cleared: bool) -> None:
+    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
         if cleared:
             self.speculative.forget_worker(str(worker))
         elif removed:
@@ -532,7 +532,7 @@ class DynamoPolicy:
         self._activate(chosen, request)
         return chosen
 
-    def events(self, worker: int, removed: list[int], cleared: bool) -> None:
+    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
         """The index is the view's; nothing of the policy's own to correct."""
         return None
 

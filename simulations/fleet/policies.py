@@ -16,6 +16,7 @@ from typing import Protocol
 
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
+from router.routing.evictions import RecentEvictions
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import POLICIES as ROUTER_POLICIES
 from router.scoring.policy import RoutingPolicy
@@ -37,12 +38,12 @@ class Policy(Protocol):
     def choose(self, request: TraceRequest, view: RouterView, now: float) -> int:
         """The worker (an index) to send the request to."""
 
-    def events(self, worker: int, removed: list[int], cleared: bool) -> None:
+    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
         """Removals the view has just learnt of (policies with state of their own)."""
 
 
 class _Stateless:
-    def events(self, worker: int, removed: list[int], cleared: bool) -> None:
+    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
         return None
 
 
@@ -108,12 +109,17 @@ class RouterPolicy:
         rng: random.Random,
         block_tokens: int,
         predicted_ttl_s: float = 3.0,
+        *,
+        eviction_horizon_s: float = 0.0,
+        capacity_blocks: int = 0,
     ) -> None:
         self.policy = policy
         self.name = policy.name
         self.rng = rng
         self.block_tokens = block_tokens
         self.predicted = PredictedPrefixes(predicted_ttl_s)
+        self.evictions = RecentEvictions(eviction_horizon_s)
+        self.capacity_blocks = capacity_blocks
 
     def choose(self, request: TraceRequest, view: RouterView, now: float) -> int:
         full = request.prompt_tokens // self.block_tokens
@@ -124,7 +130,7 @@ class RouterPolicy:
         facts = []
         for worker in range(view.workers):
             matched = max(view.matched_blocks(worker, blocks), predicted.get(worker_id(worker), 0))
-            facts.append(self._facts(view, worker, min(matched, servable)))
+            facts.append(self._facts(view, worker, min(matched, servable), now))
         ranking = self.policy.rank(
             RequestFacts(prompt_tokens=request.prompt_tokens), facts, self.rng
         )
@@ -132,13 +138,15 @@ class RouterPolicy:
         self.predicted.record(worker_id(chosen), blocks[:servable], now)
         return chosen
 
-    def events(self, worker: int, removed: list[int], cleared: bool) -> None:
+    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
         if cleared:
             self.predicted.forget_worker(worker_id(worker))
+            self.evictions.forget(worker_id(worker))
         elif removed:
             self.predicted.removed(worker_id(worker), removed)
+            self.evictions.record(worker_id(worker), len(removed), now)
 
-    def _facts(self, view: RouterView, worker: int, matched: int) -> WorkerFacts:
+    def _facts(self, view: RouterView, worker: int, matched: int, now: float) -> WorkerFacts:
         traffic = view.traffic[worker]
         report = view.reports[worker]
         since = 0
@@ -158,6 +166,7 @@ class RouterPolicy:
             running_requests=running,
             queued_prefill_tokens=traffic.prefill_tokens,
             kv_usage=kv_usage,
+            evicted_share=self.evictions.share(worker_id(worker), self.capacity_blocks, now),
         )
 
 
@@ -174,7 +183,14 @@ def make_policy(
     their defaults)."""
     rng = random.Random(seed)
     if name in ROUTER_POLICIES:
-        return RouterPolicy(ROUTER_POLICIES[name](scoring or ScoringSettings()), rng, block_tokens)
+        weights = scoring or ScoringSettings()
+        return RouterPolicy(
+            ROUTER_POLICIES[name](weights),
+            rng,
+            block_tokens,
+            eviction_horizon_s=weights.eviction_horizon_s,
+            capacity_blocks=capacity_tokens // block_tokens,
+        )
     if name == "random":
         return RandomPolicy(rng)
     if name == "least-loaded":

@@ -204,7 +204,7 @@ def simulate(
         elif kind == _EVENTS:
             stored, removed, cleared = stored_and_removed(payload)
             view.events(w, stored, removed, cleared)
-            policy.events(w, removed, cleared)
+            policy.events(w, removed, cleared, now)
         elif kind == _LOAD_TAKEN:
             load = workers[w].load()
             record.load_samples.append((now, w, load.running + load.waiting))

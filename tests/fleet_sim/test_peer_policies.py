@@ -112,7 +112,7 @@ def test_sglang_learns_only_from_its_own_decisions() -> None:
     view.events(3, stored=prompt.blocks, removed=[], cleared=False)  # engine says: on 3
     set_loads(view, [1, 0, 0, 0])
     assert policy.choose(prompt, view, 0.0) == 1  # no match in its trees: least loaded
-    policy.events(1, removed=list(prompt.blocks), cleared=True)  # ignored
+    policy.events(1, removed=list(prompt.blocks), cleared=True, now=0.0)  # ignored
     set_loads(view, [0, 1, 0, 0])
     assert policy.choose(request(2, chain(100, 10)), view, 1.0) == 1  # its own tree
     assert policy.matched_tokens(3, prompt) == 0
@@ -264,7 +264,7 @@ def test_llmd_removal_events_drop_speculative_entries() -> None:
     chosen = policy.choose(prompt, view, 0.0)
     report(view, chosen, waiting=3, kv_usage=0.0, at=0.0)
     report(view, 1 - chosen, waiting=0, kv_usage=0.0, at=0.0)
-    policy.events(chosen, removed=list(prompt.blocks), cleared=False)
+    policy.events(chosen, removed=list(prompt.blocks), cleared=False, now=0.0)
     assert policy.prefix_scores(prompt, view, 0.5) == [0.0, 0.0]
     assert policy.choose(prompt, view, 0.5) == 1 - chosen
 
@@ -298,7 +298,7 @@ def test_llmd_approximate_estimates_from_its_own_decisions_only() -> None:
     # Believed on worker 0 although no event said so, and still after the engine's
     # removals, which the estimate is never told of.
     view.events(0, stored=[], removed=prompt.blocks, cleared=False)
-    policy.events(0, removed=list(prompt.blocks), cleared=True)
+    policy.events(0, removed=list(prompt.blocks), cleared=True, now=0.0)
     assert policy.prefix_scores(prompt, view, 1.0) == [1.0, 0.0]
     # The estimate holds the worker's capacity: 12 blocks, least recently routed out.
     policy.choose(request(2, chain(500, 4)), view, 2.0)

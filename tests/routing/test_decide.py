@@ -20,6 +20,7 @@ from router.index.memory import MemoryLocationIndex
 from router.index.redis import RedisLocationIndex
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks
+from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import KvplaneScoring, RoundRobin, RoutingPolicy
@@ -30,6 +31,7 @@ MODEL = "test-model"
 BLOCK_SIZE = 4
 WORKERS = ("w1", "w2", "w3")
 TOKENS = list(range(1000, 1033))  # 33 tokens: 8 full blocks, all of them servable
+CAPACITY_BLOCKS = 64
 ACME = Tenant(name="acme", cache_scope="acme", cache_salt="acme-salt")
 WEIGHTS = ScoringSettings()
 
@@ -74,6 +76,7 @@ async def make_planner(
             base_url="http://127.0.0.1:8000",
             model=MODEL,
             block_size=BLOCK_SIZE,
+            kv_capacity_blocks=CAPACITY_BLOCKS,
         )
         await index.register(info, lease_s=60.0)
         view.registered(info, stream=1, now=clock(), lease_s=60.0)
@@ -84,6 +87,7 @@ async def make_planner(
         fleet=fleet,
         predicted=PredictedPrefixes(ttl_s=30.0),
         accuracy=PredictionAccuracy(suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
+        evictions=RecentEvictions(WEIGHTS.eviction_horizon_s),
         policy=policy or KvplaneScoring(WEIGHTS),
         block_size=BLOCK_SIZE,
         index_timeout_s=index_timeout_s,
@@ -255,6 +259,24 @@ async def test_this_routers_traffic_counts_as_load() -> None:
     assert busy.queue_penalty == pytest.approx(
         2 * WEIGHTS.waiting_request_tokens + 1024 * WEIGHTS.queued_prefill_weight
     )
+
+
+async def test_a_worker_evicting_its_cache_pays_for_the_new_tokens_sent_there() -> None:
+    clock = ManualClock()
+    planner = await make_planner(workers=["w1", "w2"], clock=clock)
+    planner.evictions.record("w1", CAPACITY_BLOCKS // 2, clock())
+    decision = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert [r.worker_id for r in decision.ranked] == ["w2", "w1"]
+    assert decision.factor == "memory"
+    evicting = decision.ranked[1]
+    assert evicting.memory_penalty == pytest.approx(0.5 * len(TOKENS))
+    clock.advance(WEIGHTS.eviction_horizon_s * 20)  # long since: forgotten
+    later = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    assert all(r.memory_penalty < 0.01 for r in later.ranked)
 
 
 async def test_requests_sent_since_the_last_load_report_add_to_its_queue() -> None:

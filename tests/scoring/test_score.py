@@ -69,6 +69,20 @@ def test_memory_pressure_counts_only_near_full_and_only_new_tokens() -> None:
     assert full.memory_penalty == pytest.approx(0.5 * 600)  # half way into the last 10 %
 
 
+def test_a_cache_turning_over_is_under_pressure_whatever_its_usage() -> None:
+    request = RequestFacts(prompt_tokens=1000)
+    turning = score_worker(request, worker("a", 400, kv_usage=0.1, evicted_share=0.5), WEIGHTS)
+    assert turning.memory_penalty == pytest.approx(0.5 * 600)
+    # The larger of the two pressures counts, never their sum.
+    both = score_worker(request, worker("b", 400, kv_usage=0.95, evicted_share=0.2), WEIGHTS)
+    assert both.memory_penalty == pytest.approx(0.5 * 600)
+    # A prompt that shares nothing with a worker that keeps evicting goes to one that
+    # does not, though it runs more; its cached prompt still stays where it is cached.
+    calm = worker("calm", running_requests=4)
+    assert best(request, worker("evicting", evicted_share=1.0), calm) == "calm"
+    assert best(request, worker("evicting", 1000, evicted_share=1.0), calm) == "evicting"
+
+
 def test_private_tenants_pay_for_company_and_missing_labels() -> None:
     request = RequestFacts(prompt_tokens=1000, isolation="private", required_labels={"zone": "a"})
     crowded = score_worker(

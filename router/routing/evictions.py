@@ -1,0 +1,45 @@
+"""How much of each worker's cache it evicted lately, from its own removal events.
+
+An engine reports its KV usage as the blocks its running requests hold (vLLM's
+`kv_cache_usage_perc`): a cache full of prefixes that nobody runs right now reads as
+nearly empty, though every new block stored there evicts one of them. What a worker
+evicted tells the router what its usage cannot: a worker that turned over its whole
+cache in the last few seconds is evicting prefixes that are still being reused, and
+a request sent there with many new tokens evicts more of them.
+
+The count decays exponentially with a time constant of `horizon_s`, so that it weighs
+the last `horizon_s` seconds most and a worker that stopped evicting is soon
+forgotten. Only device-tier removals count: a block moved to a slower tier is still
+reusable.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class RecentEvictions:
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._evicted: dict[str, tuple[float, float]] = {}  # worker -> (blocks, as of)
+
+    def record(self, worker_id: str, blocks: int, now: float) -> None:
+        if self.horizon_s <= 0 or blocks <= 0:
+            return
+        self._evicted[worker_id] = (self._decayed(worker_id, now) + blocks, now)
+
+    def forget(self, worker_id: str) -> None:
+        """The worker's cache was cleared or it left: what it evicted before is moot."""
+        self._evicted.pop(worker_id, None)
+
+    def share(self, worker_id: str, capacity_blocks: int, now: float) -> float:
+        """The recently evicted blocks as a share of the worker's cache, 0.0 to 1.0
+        (1.0: it turned over its whole cache within about `horizon_s`); 0.0 when its
+        capacity is unknown."""
+        if capacity_blocks <= 0 or worker_id not in self._evicted:
+            return 0.0
+        return min(1.0, self._decayed(worker_id, now) / capacity_blocks)
+
+    def _decayed(self, worker_id: str, now: float) -> float:
+        blocks, as_of = self._evicted.get(worker_id, (0.0, now))
+        return blocks * math.exp(-max(0.0, now - as_of) / self.horizon_s)

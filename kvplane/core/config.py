@@ -128,7 +128,8 @@ class ProxySettings(_Section):
     # did not confirm before a worker's index entries count as suspect
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_connections: int = Field(default=1024, ge=1)  # upstream connections, all workers
-    token_cache_tokens: int = Field(default=2_000_000, ge=0)  # recent tokenisations (4 B each)
+    # Each of the two token caches (whole prompts, prompt pieces) holds this many (4 B each).
+    token_cache_tokens: int = Field(default=2_000_000, ge=0)
 
 
 IsolationClass = Literal["shared", "private", "dedicated"]

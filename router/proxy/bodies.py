@@ -131,6 +131,10 @@ class PromptText:
     text: str
     add_special_tokens: bool
 
+    def whole_tokens(self, tokenizer: PromptTokenizer) -> list[int]:
+        """The text tokenised whole, as the engine does."""
+        return tokenizer.encode(self.text, add_special_tokens=self.add_special_tokens)
+
 
 def prompt_input(
     request: ParsedRequest, tokenizer: PromptTokenizer
@@ -159,15 +163,6 @@ def prompt_input(
         return PromptText(text, add_special_tokens=False)
     except (ValueError, TypeError, KeyError):
         return None
-
-
-def prompt_token_ids(request: ParsedRequest, tokenizer: PromptTokenizer) -> list[int] | None:
-    """The prompt's token ids as the engine will see them, tokenised whole; None as for
-    `prompt_input`."""
-    prompt = prompt_input(request, tokenizer)
-    if isinstance(prompt, PromptText):
-        return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-    return prompt
 
 
 def _flatten_text_parts(message: Any) -> Any:

@@ -212,15 +212,15 @@ class PromptTokens:
             or tokenizer.path in self._piecewise_off
             or (prompt.add_special_tokens and pieces.wrap is None)
         ):
-            return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            return prompt.whole_tokens(tokenizer)
         parts = pieces.split(prompt.text)
         if len(parts) > MAX_PIECES:
-            return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            return prompt.whole_tokens(tokenizer)
         token_ids = self._piecewise(pieces, parts, prompt.add_special_tokens, scope)
         uses = self._uses[tokenizer.path] = self._uses.get(tokenizer.path, 0) + 1
         if uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0:
             self._checks += 1
-            whole = tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            whole = prompt.whole_tokens(tokenizer)
             if whole != token_ids:
                 self._differences += 1
                 self._piecewise_off.add(tokenizer.path)

@@ -37,7 +37,7 @@ class RecentEvictions:
         (1.0: it turned over its whole cache within about `horizon_s`); 0.0 when its
         capacity is unknown."""
         if capacity_blocks <= 0 or worker_id not in self._evicted:
-            return 0.0
+            return 0.0  # (and never recorded when the horizon is 0)
         return min(1.0, self._decayed(worker_id, now) / capacity_blocks)
 
     def _decayed(self, worker_id: str, now: float) -> float:

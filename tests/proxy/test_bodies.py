@@ -12,11 +12,12 @@ from router.proxy.bodies import (
     BadRequest,
     Endpoint,
     ParsedRequest,
+    PromptText,
     StreamUsage,
     Usage,
     body_for_engine,
     parse_body,
-    prompt_token_ids,
+    prompt_input,
     response_usage,
 )
 
@@ -93,7 +94,13 @@ def test_chat_needs_a_list_of_messages() -> None:
     assert bad(raw(model="m", messages=SECRET_PROMPT), Endpoint.CHAT).param == "messages"
 
 
-# -- prompt_token_ids --------------------------------------------------------------------
+# -- prompt_input --------------------------------------------------------------------------
+
+
+def prompt_token_ids(request: ParsedRequest, tokenizer: PromptTokenizer) -> list[int] | None:
+    """The prompt as the engine tokenises it: the text whole, or the ids given."""
+    prompt = prompt_input(request, tokenizer)
+    return prompt.whole_tokens(tokenizer) if isinstance(prompt, PromptText) else prompt
 
 
 def completions(prompt: object) -> ParsedRequest:

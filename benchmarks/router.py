@@ -47,7 +47,6 @@ from pathlib import Path
 
 import httpx2
 import msgspec
-from opentelemetry import trace
 
 from benchmarks.engine_sim import _load, _prompts
 from kvplane.core.config import ProxySettings, ScoringSettings
@@ -69,6 +68,7 @@ from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import configured_policy
 from router.tenants import ANONYMOUS_TENANT
+from router.tracing import SPANLESS
 from simulations.engine.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
 from simulations.reporting import percentile
@@ -179,7 +179,7 @@ def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
     """A RoutingPlanner wired as router/app.py wires it (its index instrumented), with
     default settings."""
     proxy = ProxySettings()
-    tracer = trace.NoOpTracer()
+    tracer = SPANLESS
     index = InstrumentedIndex(backend, RouterMetrics(), tracer)
     fleet = Fleet(index, WorkerView(), unreachable_backoff_s=proxy.unreachable_backoff_s)
     planner = RoutingPlanner(

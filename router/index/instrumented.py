@@ -28,6 +28,7 @@ from prometheus_client import Counter, Histogram
 from kvplane.core.keys import BlockKey
 from kvplane.core.types import KvEvent, WorkerInfo
 from router.index.base import IndexStats, LocationIndex, PrefixMatch, WorkerStatus
+from router.tracing import Tracer
 
 _T = TypeVar("_T")
 
@@ -48,7 +49,7 @@ class IndexMetrics(Protocol):
 class InstrumentedIndex:
     """A LocationIndex that records `metrics` and `tracer` spans for `index`'s calls."""
 
-    def __init__(self, index: LocationIndex, metrics: IndexMetrics, tracer: trace.Tracer) -> None:
+    def __init__(self, index: LocationIndex, metrics: IndexMetrics, tracer: Tracer) -> None:
         self._index = index
         self._metrics = metrics
         self._tracer = tracer

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Security
 from fastapi.routing import APIRoute
-from opentelemetry import trace
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -65,6 +64,7 @@ from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet, Ticket
 from router.tenants import Tenant, TenantDirectory
+from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class ProxyService:
         accuracy: PredictionAccuracy,
         upstream: Upstream,
         metrics: RouterMetrics,
-        tracer: trace.Tracer,
+        tracer: Tracer,
     ) -> None:
         self.settings = settings
         self.tenants = tenants

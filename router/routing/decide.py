@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from opentelemetry import trace
-
 from kvplane.core.clock import Clock
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import Tier
@@ -28,6 +26,7 @@ from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import RoutingPolicy
 from router.scoring.score import RequestFacts, ScoreBreakdown, WorkerFacts, queue_estimate
 from router.tenants import POOL_LABEL, Tenant
+from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class RoutingPlanner:
         policy: RoutingPolicy,
         block_size: int,
         index_timeout_s: float,
-        tracer: trace.Tracer,
+        tracer: Tracer,
         rng: random.Random | None = None,
         clock: Clock = time.monotonic,
     ) -> None:

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from kvplane.core.config import ConfigError
 from kvplane.core.flags import (
     add_agent_flags,
+    add_check_flags,
     add_common_flags,
     add_router_flags,
     settings_from_args,
@@ -90,6 +91,12 @@ def _run_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_check(args: argparse.Namespace) -> int:
+    from router.check import run_check
+
+    return run_check(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplane", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_flags(agent)
     add_agent_flags(agent)
     agent.set_defaults(handler=_run_agent)
+
+    check = commands.add_parser(
+        "check",
+        help="probe a running fleet's wiring through its router: each check, pass or fail, "
+        "with the fix",
+        description="Asks the router (its fleet API, with the admin token from "
+        "KVPLANE_HTTP__ADMIN_TOKEN) to probe every live worker; exit status 0 when every "
+        "check passed, 1 when one failed, 2 when the router could not be asked. See "
+        "docs/troubleshooting.md.",
+    )
+    add_check_flags(check)
+    check.set_defaults(handler=_run_check)
 
     for name, tool in TOOLS.items():
         # Listed for `kvplane --help`; main() hands their arguments to the tool itself.

@@ -33,7 +33,8 @@ from router.http import create_http_app
 from router.index import open_index
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
 from router.index.instrumented import InstrumentedIndex
-from router.metrics import RouterMetrics, WorkerLoadSample
+from router.metrics import RouterMetrics, WorkerLoadSample, WorkerWiringSample
+from router.probe import WiringProbe
 from router.proxy.service import ProxyService
 from router.proxy.upstream import Upstream
 from router.routing.accuracy import PredictionAccuracy
@@ -41,6 +42,9 @@ from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
+from router.routing.sight import FleetSight
+from router.routing.token_agreement import TokenCountAgreement
+from router.routing.wiring import is_blind
 from router.scoring.policy import configured_policy
 from router.tenants import TenantDirectory
 from router.tracing import open_tracing
@@ -104,6 +108,8 @@ async def running_router(
             proxy_settings.suspect_after_misses, tolerance_tokens=cp.block_size
         )
         evictions = RecentEvictions(settings.scoring.eviction_horizon_s)
+        agreement = TokenCountAgreement()
+        sight = FleetSight(view, accuracy, agreement, cp.block_size)
         planner = RoutingPlanner(
             index=index,
             fleet=fleet,
@@ -136,6 +142,7 @@ async def running_router(
             fleet=fleet,
             planner=planner,
             accuracy=accuracy,
+            agreement=agreement,
             upstream=upstream,
             metrics=metrics,
             tracer=tracer,
@@ -151,6 +158,16 @@ async def running_router(
             accuracy=accuracy,
             tenants=tenants,
             prompt_tokens=proxy.prompt_tokens,
+            sight=sight,
+            probe=WiringProbe(
+                upstream=upstream,
+                prompt_tokens=proxy.prompt_tokens,
+                planner=planner,
+                index=index,
+                agreement=agreement,
+                first_byte_timeout_s=proxy_settings.first_byte_timeout_s,
+                clock=clock,
+            ),
             max_body_bytes=proxy_settings.max_body_bytes,
             clock=clock,
         )
@@ -168,6 +185,22 @@ async def running_router(
                     for c in fleet.candidates()
                 ),
             )
+            routable = [c.info for c in fleet.candidates()]
+            checks = {info.worker_id: sight.checks(info) for info in routable}
+            metrics.set_wiring(
+                (
+                    WorkerWiringSample(
+                        worker_id,
+                        [(c.name, c.status.value) for c in worker_checks],
+                        is_blind(worker_checks),
+                    )
+                    for worker_id, worker_checks in checks.items()
+                ),
+                {
+                    model: mode == "predictions_only"
+                    for model, mode in sight.routing(routable).items()
+                },
+            )
             metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
@@ -179,6 +212,7 @@ async def running_router(
                 grpc_serving=serving.is_set,
                 routes=routes,
                 before_scrape=before_scrape,
+                model_routing=lambda: sight.routing(c.info for c in fleet.candidates()),
                 serve_metrics=serve_metrics,
             )
 
@@ -204,7 +238,7 @@ async def running_router(
                     view,
                     metrics,
                     cp,
-                    on_removed=_removals_heard(predicted, accuracy, evictions, clock),
+                    on_removed=_removals_heard(predicted, accuracy, agreement, evictions, clock),
                     clock=clock,
                     wall_clock=wall_clock,
                 ).rpc_handler()
@@ -289,6 +323,7 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
 def _removals_heard(
     predicted: PredictedPrefixes,
     accuracy: PredictionAccuracy,
+    agreement: TokenCountAgreement,
     evictions: RecentEvictions,
     clock: Clock,
 ) -> Callable[[str, BlocksRemoved | None], None]:
@@ -296,6 +331,7 @@ def _removals_heard(
         if removal is None:
             predicted.forget_worker(worker_id)
             accuracy.forget(worker_id)
+            agreement.forget(worker_id)
             evictions.forget(worker_id)
             return
         predicted.removed(worker_id, removal.keys)

@@ -2,7 +2,10 @@
 query a tenant may make with its own key (`/fleet/tenant/locality`, its own scope).
 
 - `GET /fleet/workers`: each worker's state, incarnation, model, labels, load, KV
-  usage, ages of its last event and heartbeat, index entries.
+  usage, ages of its last event and heartbeat, index entries, wiring checks; per model,
+  whether routing is cache-aware or runs on the router's predictions only.
+- `POST /fleet/check`: probe every live worker (router/probe.py) and judge its wiring:
+  what `kvplane check` prints.
 - `POST /fleet/locality`: where a prompt's prefix is cached and what each worker
   would score, and the pick; nothing is sent to an engine.
 - `GET /fleet/index`: index statistics.
@@ -14,11 +17,12 @@ query a tenant may make with its own key (`/fleet/tenant/locality`, its own scop
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at
 # run time, and one names this instance's security dependency (tenant_locality's).
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from fastapi import Path, Security
+from fastapi import Path, Query, Security
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
@@ -31,18 +35,30 @@ from router.auth import ADMIN_ERRORS, UNAUTHORIZED, AdminToken, TenantKey
 from router.control_plane.workers import WorkerView
 from router.errors import ApiError, documented
 from router.fleet_models import (
+    CheckResult,
     Drained,
     Engine,
+    FleetCheck,
     IndexStatistics,
     Locality,
     LocalityQuery,
     LocalityRow,
+    ModelRouting,
     Purged,
+    Wiring,
+    WorkerCheck,
     WorkerLoad,
     WorkerRow,
     Workers,
 )
-from router.index.base import LocationIndex, LocationIndexError, WorkerState, index_deadline
+from router.index.base import (
+    LocationIndex,
+    LocationIndexError,
+    WorkerState,
+    WorkerStatus,
+    index_deadline,
+)
+from router.probe import WiringProbe
 from router.proxy.bodies import (
     BODY_ERRORS,
     BadRequest,
@@ -57,6 +73,8 @@ from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
+from router.routing.sight import FleetSight
+from router.routing.wiring import Check, CheckStatus, is_blind
 from router.tenants import ANONYMOUS_TENANT, Tenant, TenantDirectory
 
 _INDEX_TIMEOUT_S = 2.0
@@ -95,6 +113,8 @@ class FleetApi:
         accuracy: PredictionAccuracy,
         tenants: TenantDirectory,
         prompt_tokens: PromptTokens,
+        sight: FleetSight,
+        probe: WiringProbe,
         max_body_bytes: int,
         clock: Clock = time.monotonic,
     ) -> None:
@@ -108,6 +128,8 @@ class FleetApi:
         self.accuracy = accuracy
         self.tenants = tenants
         self.prompt_tokens = prompt_tokens
+        self.sight = sight
+        self.probe = probe
         self.max_body_bytes = max_body_bytes
 
     def routes(self) -> list[APIRoute]:
@@ -124,6 +146,17 @@ class FleetApi:
                 self.workers,
                 methods=["GET"],
                 summary="every worker: state, incarnation, load, lease, index entries",
+                responses=ADMIN_ERRORS,
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/check",
+                self.check,
+                methods=["POST"],
+                summary="probe every live worker and judge its wiring: each check, pass or "
+                "fail, with the fix (what `kvplane check` prints)",
+                description="Sends each live worker's engine one small completion (random "
+                "words, one output token) and waits for its blocks to reach the index.",
                 responses=ADMIN_ERRORS,
                 dependencies=admin,
             ),
@@ -232,9 +265,67 @@ class FleetApi:
                     last_heartbeat_age_s=_age(now, local.last_heartbeat_at if local else None),
                     stream_on_this_router=local is not None and local.stream is not None,
                     suspect=self.accuracy.is_suspect(info.worker_id, info.incarnation),
+                    wiring=_wiring(self.sight.checks(info)),
                 )
             )
-        return Workers(workers=rows, index_reachable=self.planner.index_answering)
+        return Workers(
+            workers=rows,
+            index_reachable=self.planner.index_answering,
+            routing=self._routing(self.fleet.statuses()),
+        )
+
+    async def check(
+        self,
+        probe: Annotated[bool, Query(description="send each live worker a probe")] = True,
+        wait_s: Annotated[
+            float,
+            Query(gt=0, le=60, description="how long a probe's blocks may take to reach the index"),
+        ] = 5.0,
+    ) -> FleetCheck:
+        statuses = sorted(self.fleet.statuses(), key=lambda s: s.info.worker_id)
+        live = [s for s in statuses if self._routable(s)]
+        probes: list[list[Check]] = []
+        if probe:
+            probes = list(await asyncio.gather(*(self.probe.probe(s.info, wait_s) for s in live)))
+        probed = {s.info.worker_id: checks for s, checks in zip(live, probes, strict=False)}
+        rows, problems = [], []
+        for status in statuses:
+            info = status.info
+            # After the probes: they feed the token-count comparison too.
+            checks = [*self.sight.checks(info), *probed.get(info.worker_id, [])]
+            if not self._routable(status):
+                checks = [_not_routable(status)]
+            failed = [c for c in checks if c.status is CheckStatus.FAIL]
+            problems += [f"{info.worker_id}: {c.name}: {c.detail}" for c in failed]
+            rows.append(
+                WorkerCheck(
+                    worker_id=info.worker_id,
+                    model=info.model,
+                    state=status.state,
+                    ok=not failed,
+                    blind=is_blind(checks),
+                    checks=[_result(c) for c in checks],
+                )
+            )
+        if not live:
+            problems.append("no live worker: nothing to route to")
+        index_reachable = self.planner.index_answering
+        if not index_reachable:
+            problems.append("the index does not answer lookups: routing on load only")
+        return FleetCheck(
+            ok=not problems,
+            index_reachable=index_reachable,
+            workers=rows,
+            routing=self._routing(live),
+            problems=problems,
+        )
+
+    def _routable(self, status: WorkerStatus) -> bool:
+        return status.state is WorkerState.LIVE and status.info.worker_id not in self.fleet.drained
+
+    def _routing(self, statuses: Sequence[WorkerStatus]) -> list[ModelRouting]:
+        routing = self.sight.routing(s.info for s in statuses if self._routable(s))
+        return [ModelRouting(model=model, routing=mode) for model, mode in routing.items()]
 
     async def index_stats(self) -> IndexStatistics:
         try:
@@ -351,6 +442,24 @@ class FleetApi:
             model=model, tenant=tenant, cache_scope=scope, tokens=tokens
         )
         return decision, model
+
+
+def _result(check: Check) -> CheckResult:
+    return CheckResult(
+        name=check.name, status=check.status.value, detail=check.detail, fix=check.fix
+    )
+
+
+def _wiring(checks: Sequence[Check]) -> Wiring:
+    return Wiring(blind=is_blind(checks), checks=[_result(c) for c in checks])
+
+
+def _not_routable(status: WorkerStatus) -> Check:
+    return Check(
+        "state",
+        CheckStatus.UNKNOWN,
+        f"the worker is {status.state.value} here: not probed",
+    )
 
 
 def _age(now: float, then: float | None) -> float | None:

@@ -14,6 +14,7 @@ from typing_extensions import TypedDict
 
 from router.index.base import WorkerState
 from router.proxy.schema import ModelName, RoutedPrompt, TokenId
+from router.routing.wiring import RoutingMode
 
 # -- the locality query --------------------------------------------------------------
 
@@ -106,6 +107,35 @@ class WorkerLoad(BaseModel):
     engine_down: bool
 
 
+CheckStatusName = Literal["pass", "warn", "fail", "unknown"]
+
+
+class CheckResult(BaseModel):
+    """One link of a worker's wiring (docs/troubleshooting.md): pass, warn (works, but
+    weaker than it should), fail, or unknown (not proven either way yet)."""
+
+    name: str
+    status: CheckStatusName
+    detail: str
+    fix: str
+
+
+class Wiring(BaseModel):
+    blind: bool = Field(
+        description="a check that the router's sight of the worker's cache depends on "
+        "fails: routing there runs on the router's own predictions only"
+    )
+    checks: list[CheckResult]
+
+
+class ModelRouting(BaseModel):
+    model: str
+    routing: RoutingMode = Field(
+        description="predictions_only: every worker of the model is blind, and routing "
+        "runs on the router's own predicted entries alone (approximate, like a text tree)"
+    )
+
+
 class WorkerRow(BaseModel):
     worker_id: str
     state: WorkerState
@@ -126,11 +156,32 @@ class WorkerRow(BaseModel):
     last_heartbeat_age_s: float | None
     stream_on_this_router: bool
     suspect: bool
+    wiring: Wiring
 
 
 class Workers(BaseModel):
     workers: list[WorkerRow]
     index_reachable: bool
+    routing: list[ModelRouting]
+
+
+class WorkerCheck(BaseModel):
+    worker_id: str
+    model: str
+    state: WorkerState
+    ok: bool = Field(description="no check failed")
+    blind: bool
+    checks: list[CheckResult]
+
+
+class FleetCheck(BaseModel):
+    ok: bool = Field(
+        description="every live worker passed (no check failed), and at least one is live"
+    )
+    index_reachable: bool
+    workers: list[WorkerCheck]
+    routing: list[ModelRouting]
+    problems: list[str] = Field(description="each failure, as one line: worker, check, detail")
 
 
 class IndexStatistics(BaseModel):

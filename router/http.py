@@ -2,19 +2,21 @@
 OpenAPI document, plus the routes the caller adds (the OpenAI proxy, the fleet API).
 
 Readiness does not depend on the index: when it is unreachable the router still
-serves (routing on load alone) and /readyz says so in its body.
+serves (routing on load alone) and /readyz says so in its body. Nor does it depend on
+the workers' wiring: a model whose every worker is blind (router/routing/wiring.py) is
+still served, on the router's own predictions, and /readyz names it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute
@@ -45,7 +47,14 @@ class Readiness(BaseModel):
     ready: bool
     grpc: str
     index: str
-    routing: Literal["cache-aware", "load-only"]
+    routing: Literal["cache-aware", "predictions-only", "load-only"] = Field(
+        description="load-only: the index is unreachable; predictions-only: every served "
+        "model's workers are blind (see predictions_only_models)"
+    )
+    predictions_only_models: list[str] = Field(
+        description="models routed on the router's own predicted entries alone, their "
+        "workers' wiring failing (GET /fleet/workers says which check)"
+    )
 
 
 def create_http_app(
@@ -56,8 +65,11 @@ def create_http_app(
     grpc_serving: Callable[[], bool],
     routes: Sequence[BaseRoute] = (),
     before_scrape: Callable[[], None] = lambda: None,
+    model_routing: Callable[[], Mapping[str, str]] = dict,
     serve_metrics: bool = True,
 ) -> FastAPI:
+    """`model_routing()`: each served model's routing, "cache_aware" or "predictions_only"."""
+
     async def healthz() -> Health:
         return Health()
 
@@ -65,11 +77,18 @@ def create_http_app(
         index_problem = await _index_problem(index)
         serving = grpc_serving()
         response.status_code = 200 if serving else 503
+        routing = model_routing()
+        blind = sorted(model for model, mode in routing.items() if mode == "predictions_only")
         return Readiness(
             ready=serving,
             grpc="serving" if serving else "not serving",
             index=index_problem or "ok",
-            routing="cache-aware" if index_problem is None else "load-only",
+            routing="load-only"
+            if index_problem is not None
+            else "predictions-only"
+            if blind and len(blind) == len(routing)
+            else "cache-aware",
+            predictions_only_models=blind,
         )
 
     document: dict[str, Any] = {}  # of every route, this one's included: filled below

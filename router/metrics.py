@@ -8,7 +8,7 @@ nothing between scrapes and are never older than the scrape itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from prometheus_client import (
@@ -31,6 +31,14 @@ class WorkerLoadSample(NamedTuple):
     in_flight: int  # this router's requests on it
     prefill_tokens: int  # their uncached prompt tokens before the first byte
     load: LoadReport | None  # the worker's last report to this router
+
+
+class WorkerWiringSample(NamedTuple):
+    """One worker's wiring checks, (check, status) pairs, at scrape time."""
+
+    worker_id: str
+    checks: Sequence[tuple[str, str]]
+    blind: bool
 
 
 # Latency of index.apply: an in-memory apply takes microseconds, a Redis one a round
@@ -172,6 +180,21 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.self_predicted_cached_tokens = Counter(
+            "kvplane_self_predicted_cached_tokens",
+            "The part of the predicted cached tokens that only this router's own predicted "
+            "entries claimed (no engine event vouched for it), for requests whose engine "
+            "reported",
+            ["worker"],
+            registry=r,
+        )
+        self.prompt_token_checks = Counter(
+            "kvplane_prompt_token_checks",
+            "The router's prompt token count against the engine's usage.prompt_tokens, by "
+            "result (match, mismatch: the router does not tokenise as the engine does)",
+            ["worker", "result"],
+            registry=r,
+        )
         self.reported_cached_tokens = Counter(
             "kvplane_reported_cached_tokens",
             "Cached prompt tokens engines reported (usage.prompt_tokens_details)",
@@ -205,6 +228,27 @@ class RouterMetrics:
             "kvplane_worker_load",
             "Each worker's load as this router sees it (reports plus its own traffic)",
             ["worker", "kind"],
+            registry=r,
+        )
+        self.wiring_checks = Gauge(
+            "kvplane_worker_wiring_check",
+            "1 for each worker's wiring check in its current status (pass, warn, fail, "
+            "unknown); checks: events, replay, block_size, tokenizer, index_vouches",
+            ["worker", "check", "status"],
+            registry=r,
+        )
+        self.blind_workers = Gauge(
+            "kvplane_worker_blind",
+            "1 while a blinding wiring check fails for the worker: the router cannot see "
+            "its cache and routes there on its own predictions only",
+            ["worker"],
+            registry=r,
+        )
+        self.predictions_only = Gauge(
+            "kvplane_model_routing_predictions_only",
+            "1 while every worker of the model is blind: its routing runs on the router's "
+            "own predicted entries alone (approximate, like a text tree)",
+            ["model"],
             registry=r,
         )
         self.event_loop_tasks = Gauge(
@@ -291,6 +335,21 @@ class RouterMetrics:
                 self.worker_load.labels(worker=worker, kind="running").set(load.running)
                 self.worker_load.labels(worker=worker, kind="waiting").set(load.waiting)
                 self.worker_load.labels(worker=worker, kind="kv_usage").set(load.kv_usage)
+
+    def set_wiring(
+        self, workers: Iterable[WorkerWiringSample], predictions_only: Mapping[str, bool]
+    ) -> None:
+        """Each worker's wiring checks, and per model whether it is routed on predictions
+        only (on scrape: workers and models come and go)."""
+        self.wiring_checks.clear()
+        self.blind_workers.clear()
+        for worker, checks, blind in workers:
+            for check, status in checks:
+                self.wiring_checks.labels(worker=worker, check=check, status=status).set(1)
+            self.blind_workers.labels(worker=worker).set(1 if blind else 0)
+        self.predictions_only.clear()
+        for model, only in predictions_only.items():
+            self.predictions_only.labels(model=model).set(1 if only else 0)
 
     def set_tokenisation(
         self,

@@ -56,11 +56,12 @@ def spawn_kvplane(
     *,
     env: Mapping[str, str] | None = None,
     start_timeout_s: float = 60.0,
+    log: IO[bytes] | None = None,
     module: str = "kvplane.cli",
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`start_kvplane`, killed when the block exits."""
     process = start_kvplane(
-        args, health_url, env=env, start_timeout_s=start_timeout_s, module=module
+        args, health_url, env=env, start_timeout_s=start_timeout_s, log=log, module=module
     )
     try:
         yield process

@@ -24,6 +24,7 @@ def one_worker_fleet(
     *,
     router_args: Sequence[str] = (),
     router_env: Mapping[str, str] | None = None,
+    engine_args: Sequence[str] = (),
     module: str = "kvplane.cli",
 ) -> Iterator[OneWorkerFleet]:
     """The three processes, killed on exit; `module` runs the router and the agent
@@ -40,7 +41,7 @@ def one_worker_fleet(
         stack.enter_context(
             spawn_kvplane(
                 ["engine-sim", "--port", str(sim_port), "--time-scale", "0",
-                 "--kv-events-config", kv_config],
+                 "--kv-events-config", kv_config, *engine_args],
                 engine_url + "/health",
             )
         )  # fmt: skip

@@ -18,12 +18,14 @@ import time
 import httpx2
 
 from kvplane.core.config import Settings
+from kvplane.core.types import WiringReport
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import EngineAdapter, process_start_time
 from worker_agent.events import EngineCacheConfig, EngineLoad
 from worker_agent.kv_event_source import KvEventSource, StateLost
 from worker_agent.publisher import ControlPlanePublisher, PublisherRejected, WorkerIdentity
 from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
+from worker_agent.wiring import SourceFacts, WiringWatch
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class WorkerAgent:
         self.adapter: EngineAdapter = adapter_for(settings.agent.engine)
         self.translator: BlockTranslator | None = None
         self.publisher: ControlPlanePublisher | None = None
+        self.wiring: WiringWatch | None = None
         self.engine_is_down = False
 
     async def run(self) -> None:
@@ -83,6 +86,13 @@ class WorkerAgent:
                 replay_endpoint=agent.kv_events_replay_endpoint,
                 topic=agent.kv_events_topic,
                 replay_timeout_s=agent.replay_timeout_s,
+            )
+            engine_block = cache.block_size if cache is not None else None
+            self.wiring = WiringWatch(
+                connect_grace_s=agent.events_connect_grace_s,
+                silent_after_s=agent.events_silent_after_s,
+                engine_block_size=engine_block,
+                computed_tokens_threshold=engine_block or router_block,
             )
             try:
                 async with asyncio.TaskGroup() as tasks:
@@ -177,11 +187,29 @@ class WorkerAgent:
                     load = self.adapter.parse_load(metrics)
                 except ValueError as error:
                     log.warning("no load from the engine's metrics (%s): the last is sent", error)
+                publisher.report_wiring(self._judge_wiring(source, metrics))
             if self.engine_is_down:
                 publisher.report_engine_down()
             elif metrics is not None:
                 publisher.report_load(load)  # a heartbeat whether or not the metrics parsed
             await asyncio.sleep(agent.load_interval_s)
+
+    def _judge_wiring(self, source: KvEventSource, metrics: str) -> WiringReport:
+        assert self.wiring is not None
+        try:
+            counters = self.adapter.parse_prefix_cache(metrics)
+        except ValueError:
+            counters = None  # unreadable this time: silence is judged on the next probe
+        facts = SourceFacts(
+            endpoint=source.endpoint,
+            replay_endpoint=source.replay_endpoint,
+            subscribed_at=source.subscribed_at,
+            connected=source.connected,
+            last_batch_at=source.last_batch_at,
+            replay_answered=source.replay_answered,
+            replay_timeout_s=self.settings.agent.replay_timeout_s,
+        )
+        return self.wiring.observe(facts, counters, time.monotonic())
 
 
 async def _probe(http: httpx2.AsyncClient) -> str | None:

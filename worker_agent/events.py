@@ -66,3 +66,17 @@ class EngineLoad:
 class EngineCacheConfig:
     block_size: int | None
     num_blocks: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheCounters:
+    """The engine's cumulative prefix-cache counters, in prompt tokens: looked up, and
+    found cached. Their difference is prompt tokens the engine computed, which it
+    caches (and announces) whole block by whole block."""
+
+    queried_tokens: float
+    hit_tokens: float
+
+    @property
+    def computed_tokens(self) -> float:
+        return self.queried_tokens - self.hit_tokens

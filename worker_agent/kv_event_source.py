@@ -9,6 +9,11 @@ engine restarted. At start it replays from 0 to learn what the engine already ho
 Replay replies come in two forms: up to vLLM 0.25 `[b"", seq, payload]` ending with
 `[b"", END, b""]`, from 0.26 (and SGLang) `[b"", topic, seq, payload]` ending with
 `[b"", b"", END, b""]`.
+
+The source also records what proves its wiring (worker_agent/wiring.py judges it): whether
+a publisher completed the ZMQ handshake with the SUB socket (a socket monitor sees it;
+ZMQ itself reports no error when nothing ever accepts the connection), when the last
+batch arrived, and whether the last replay request was answered.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from kvplane.core.clock import Clock
 from worker_agent.engines.base import EngineAdapter
 from worker_agent.events import EngineEventBatch, WireDecodeError
 
@@ -31,6 +39,12 @@ END_OF_REPLAY = b"\xff" * 8
 _IDLE_POLL_MS = 250
 _DRAIN_YIELD_EVERY = 64
 _CATCH_UP_TRIES = 40  # idle polls (10 s) to fetch a restarted engine's first batches
+_CONNECTION_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +66,12 @@ class KvEventSource:
         replay_endpoint: str | None,
         topic: str = "",
         replay_timeout_s: float = 2.0,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._adapter = adapter
-        self._endpoint = endpoint
-        self._replay_endpoint = replay_endpoint
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._clock = clock
         self._topic = topic.encode()
         self._replay_timeout_s = replay_timeout_s
         self._context = zmq.asyncio.Context()
@@ -67,6 +83,11 @@ class KvEventSource:
         # engine's and must not be delivered.
         self._epoch = 0
         self._catch_up_tries = 0
+        # What proves the wiring, times on `clock`:
+        self.subscribed_at: float | None = None  # when the SUB socket started connecting
+        self.connected = False  # a publisher completed the handshake, and is still there
+        self.last_batch_at: float | None = None  # when the last batch arrived (SUB or replay)
+        self.replay_answered: bool | None = None  # the last replay request; None: none yet
 
     def engine_went_down(self) -> None:
         """The engine is gone (its cache with it). Its next life counts from 0 again, and
@@ -86,9 +107,13 @@ class KvEventSource:
         subscriber = self._context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.LINGER, 0)
         subscriber.setsockopt(zmq.SUBSCRIBE, self._topic)
-        subscriber.connect(self._endpoint)
+        # Before connect(), so that the first handshake is seen.
+        monitor = subscriber.get_monitor_socket(_CONNECTION_EVENTS)
+        watch = asyncio.create_task(self._watch_connection(monitor))
+        subscriber.connect(self.endpoint)
+        self.subscribed_at = self._clock()
         try:
-            if self._replay_endpoint is not None:
+            if self.replay_endpoint is not None:
                 # Learn what the engine already holds: its buffer may reach back to 0.
                 async for item in self._replay_from(0, startup=True):
                     yield item
@@ -114,7 +139,16 @@ class KvEventSource:
                     if drained % _DRAIN_YIELD_EVERY == 0:
                         await asyncio.sleep(0)  # heartbeats and probes go on under a flood
         finally:
+            watch.cancel()
+            subscriber.disable_monitor()
+            monitor.close(linger=0)
             subscriber.close(linger=0)
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """Keep `connected` true exactly while a publisher is on the other end."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            self.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
     async def _frames(self, frames: list[bytes]) -> AsyncIterator[SourceItem]:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -155,13 +189,14 @@ class KvEventSource:
         (not announced), which is safe."""
         # Lenient only while nothing is known yet: a hole after a known batch is a hole.
         lenient = startup or (idle and self._last is None)
-        if self._replay_endpoint is None:
+        if self.replay_endpoint is None:
             if not lenient:
                 self._last = None
                 yield StateLost(f"batch {start} was missed and there is no replay socket")
             return
         epoch = self._epoch
         replies = await self._fetch_replay(start)
+        self.replay_answered = replies is not None
         if self._epoch != epoch:
             return  # asked before the engine went down: the answer is the old engine's
         if replies is None:
@@ -185,10 +220,10 @@ class KvEventSource:
     async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Every reply up to the end marker; None if the socket stops answering or an
         answer is malformed (a partial replay would be a hole)."""
-        assert self._replay_endpoint is not None
+        assert self.replay_endpoint is not None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self._replay_endpoint)
+        dealer.connect(self.replay_endpoint)
         replies: list[tuple[int, bytes]] = []
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -210,6 +245,7 @@ class KvEventSource:
 
     def _decode(self, sequence: int, payload: bytes) -> SourceItem:
         self._last = sequence
+        self.last_batch_at = self._clock()
         try:
             timestamp, events = self._adapter.decode_batch(payload)
         except WireDecodeError as error:

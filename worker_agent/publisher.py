@@ -26,7 +26,7 @@ import grpc
 import grpc.aio
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
-from kvplane.core.types import BlocksRemoved, BlocksStored, KvEvent, WorkerInfo
+from kvplane.core.types import BlocksRemoved, BlocksStored, KvEvent, WiringReport, WorkerInfo
 from kvplane.wire.codec import events_message, load_message, register_message
 from kvplane.wire.stream import AgentStream, StreamClosed
 from kvplane.wire.v1 import control_plane_pb2 as pb
@@ -85,6 +85,7 @@ class ControlPlanePublisher:
         self._in_flight: _Batch | None = None
         self._acked = 0
         self._load: EngineLoad | None = None
+        self._wiring: WiringReport | None = None
         self._engine_down = False
         self._down_report_pending = False
         self._wakeup = asyncio.Event()
@@ -109,6 +110,10 @@ class ControlPlanePublisher:
     def report_load(self, load: EngineLoad) -> None:
         self._load = load
         self._wakeup.set()
+
+    def report_wiring(self, report: WiringReport) -> None:
+        """Sent with every load report from now on (the router shows the latest)."""
+        self._wiring = report
 
     def report_engine_down(self) -> None:
         """The engine is not answering: publish nothing and say so in a Load (called once
@@ -188,7 +193,9 @@ class ControlPlanePublisher:
                 self._connected.set()
             if self._load is not None:  # first, so that heartbeats go on under traffic
                 load, self._load = self._load, None
-                await stream.send(load_message(load.running, load.waiting, load.kv_usage))
+                await stream.send(
+                    load_message(load.running, load.waiting, load.kv_usage, wiring=self._wiring)
+                )
                 continue  # an incarnation may have begun meanwhile: register it first
             if self._in_flight is None and self._outbox:
                 self._in_flight = self._next_batch()

@@ -230,6 +230,18 @@ class AgentSettings(_Section):
     replay_timeout_s: float = Field(
         default=2.0, gt=0, description="how long to wait for each replay reply"
     )
+    events_connect_grace_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="how long the event socket may go without a publisher on its other "
+        "end before the agent reports it not connected (docs/troubleshooting.md)",
+    )
+    events_silent_after_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="how long the engine may compute new prompt tokens with no KV event "
+        "arriving before the agent reports its events silent",
+    )
     max_pending_blocks: int = Field(
         default=2_000_000,
         ge=1,

@@ -161,3 +161,23 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if agent:
         overrides.setdefault("agent", {}).update(agent)
     return load_settings(args.config, overrides)
+
+
+def add_check_flags(parser: argparse.ArgumentParser) -> None:
+    """`kvplane check`'s flags (its admin token is read from the environment)."""
+    parser.add_argument(
+        "--router-url",
+        default="http://127.0.0.1:8080",
+        help="the router's fleet API: its admin port when it has one (default "
+        "http://127.0.0.1:8080)",
+    )
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=5.0,
+        help="how long each probe's blocks may take to reach the index (default 5)",
+    )
+    parser.add_argument(
+        "--no-probe", action="store_true", help="judge from what the router knows; send nothing"
+    )
+    parser.add_argument("--json", action="store_true", help="print the router's answer as JSON")

@@ -68,6 +68,40 @@ class WorkerInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
+class EventsState(enum.Enum):
+    """Whether an engine's KV events reach its agent (the agent's own finding)."""
+
+    UNKNOWN = "unknown"  # the agent does not say
+    NOT_CONNECTED = "not_connected"  # no publisher accepted the event socket's connection
+    NEVER_SEEN = "never_seen"  # connected; no event yet, nor any sign the engine cached
+    FLOWING = "flowing"
+    SILENT = "silent"  # the engine computed new prompt tokens and no event came
+
+
+class ReplayState(enum.Enum):
+    """Whether the engine's replay endpoint answers its agent."""
+
+    UNKNOWN = "unknown"  # the agent does not say, or has not asked yet
+    NOT_CONFIGURED = "not_configured"
+    OK = "ok"
+    FAILING = "failing"
+
+
+MAX_WIRING_DETAIL_CHARS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class WiringReport:
+    """What an agent found about its own wiring to its engine."""
+
+    events: EventsState
+    replay: ReplayState
+    engine_block_size: int | None  # None: the engine does not say
+    # The diagnosis of each and its fix: one line, ids and addresses only.
+    events_detail: str = ""
+    replay_detail: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     running: int
@@ -75,3 +109,4 @@ class LoadReport:
     kv_usage: float
     timestamp_ms: int  # the agent's wall clock; 0 when it sent none
     engine_down: bool = False
+    wiring: WiringReport | None = None  # None: the agent sent none

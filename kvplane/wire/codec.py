@@ -24,12 +24,16 @@ from kvplane.core.config import ControlPlaneSettings
 from kvplane.core.keys import SCHEME_VERSION, BlockKey
 from kvplane.core.types import (
     MAX_CHAIN_END,
+    MAX_WIRING_DETAIL_CHARS,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
+    EventsState,
     KvEvent,
     LoadReport,
+    ReplayState,
     Tier,
+    WiringReport,
     WorkerInfo,
 )
 from kvplane.wire.v1 import control_plane_pb2 as pb
@@ -43,6 +47,22 @@ _TIER_TO_WIRE: dict[Tier, pb.Tier] = {
     Tier.REMOTE: pb.TIER_REMOTE,
 }
 _TIER_FROM_WIRE: dict[int, Tier] = {wire: tier for tier, wire in _TIER_TO_WIRE.items()}
+
+_EVENTS_TO_WIRE: dict[EventsState, pb.EventsState] = {
+    EventsState.UNKNOWN: pb.EVENTS_STATE_UNSPECIFIED,
+    EventsState.NOT_CONNECTED: pb.EVENTS_STATE_NOT_CONNECTED,
+    EventsState.NEVER_SEEN: pb.EVENTS_STATE_NEVER_SEEN,
+    EventsState.FLOWING: pb.EVENTS_STATE_FLOWING,
+    EventsState.SILENT: pb.EVENTS_STATE_SILENT,
+}
+_EVENTS_FROM_WIRE: dict[int, EventsState] = {w: state for state, w in _EVENTS_TO_WIRE.items()}
+_REPLAY_TO_WIRE: dict[ReplayState, pb.ReplayState] = {
+    ReplayState.UNKNOWN: pb.REPLAY_STATE_UNSPECIFIED,
+    ReplayState.NOT_CONFIGURED: pb.REPLAY_STATE_NOT_CONFIGURED,
+    ReplayState.OK: pb.REPLAY_STATE_OK,
+    ReplayState.FAILING: pb.REPLAY_STATE_FAILING,
+}
+_REPLAY_FROM_WIRE: dict[int, ReplayState] = {w: state for state, w in _REPLAY_TO_WIRE.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +141,12 @@ def events_message(sequence: int, events: Iterable[KvEvent]) -> pb.AgentMessage:
 
 
 def load_message(
-    running: int, waiting: int, kv_usage: float, *, engine_down: bool = False
+    running: int,
+    waiting: int,
+    kv_usage: float,
+    *,
+    engine_down: bool = False,
+    wiring: WiringReport | None = None,
 ) -> pb.AgentMessage:
     return pb.AgentMessage(
         load=pb.Load(
@@ -130,7 +155,18 @@ def load_message(
             kv_usage=kv_usage,
             timestamp_ms=time.time_ns() // 1_000_000,
             engine_down=engine_down,
+            wiring=None if wiring is None else wiring_to_wire(wiring),
         )
+    )
+
+
+def wiring_to_wire(report: WiringReport) -> pb.Wiring:
+    return pb.Wiring(
+        events=_EVENTS_TO_WIRE[report.events],
+        replay=_REPLAY_TO_WIRE[report.replay],
+        engine_block_size=report.engine_block_size or 0,
+        events_detail=report.events_detail[:MAX_WIRING_DETAIL_CHARS],
+        replay_detail=report.replay_detail[:MAX_WIRING_DETAIL_CHARS],
     )
 
 
@@ -262,12 +298,34 @@ def _parse_tier(value: int) -> Tier | None:
 def parse_load(message: pb.Load) -> LoadReport | Rejection:
     if not (math.isfinite(message.kv_usage) and 0.0 <= message.kv_usage <= 1.0):
         return _invalid("kv_usage must be a number from 0.0 to 1.0")
+    wiring = _parse_wiring(message.wiring) if message.HasField("wiring") else None
+    if isinstance(wiring, Rejection):
+        return wiring
     return LoadReport(
         running=message.running,
         waiting=message.waiting,
         kv_usage=message.kv_usage,
         timestamp_ms=message.timestamp_ms,
         engine_down=message.engine_down,
+        wiring=wiring,
+    )
+
+
+def _parse_wiring(message: pb.Wiring) -> WiringReport | Rejection:
+    for name in ("events_detail", "replay_detail"):
+        detail = getattr(message, name)
+        if len(detail) > MAX_WIRING_DETAIL_CHARS or not detail.isprintable():
+            return _invalid(
+                f"wiring.{name} must be one printable line of at most "
+                f"{MAX_WIRING_DETAIL_CHARS} characters"
+            )
+    return WiringReport(
+        # A state from a newer contract is one this router cannot judge: unknown.
+        events=_EVENTS_FROM_WIRE.get(message.events, EventsState.UNKNOWN),
+        replay=_REPLAY_FROM_WIRE.get(message.replay, ReplayState.UNKNOWN),
+        engine_block_size=message.engine_block_size or None,
+        events_detail=message.events_detail,
+        replay_detail=message.replay_detail,
     )
 
 

@@ -210,9 +210,10 @@ def body_for_engine(raw: bytes, request: ParsedRequest, cache_salt: str | None) 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """What a response's `usage` says about the prompt's cache hits."""
+    """What a response's `usage` says about the prompt: its cache hits and its length."""
 
     cached_tokens: int | None  # None: no prompt_tokens_details (vLLM leaves it out at 0)
+    prompt_tokens: int | None = None  # the engine's count; None: it sent none
 
 
 def response_usage(body: bytes) -> Usage | None:
@@ -232,7 +233,11 @@ def _usage(document: Any) -> Usage | None:
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(cached if type(cached) is int and cached >= 0 else None)
+    return Usage(_count(cached), _count(usage.get("prompt_tokens")))
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
 
 
 class StreamUsage:

@@ -63,6 +63,7 @@ from router.routes import HotRoute
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet, Ticket
+from router.routing.token_agreement import TokenCountAgreement
 from router.tenants import Tenant, TenantDirectory
 from router.tracing import Tracer
 
@@ -115,6 +116,7 @@ class _Exchange:
     incarnation: int
     predicted_tokens: int  # what x-kvplane-cached-tokens said
     indexed_tokens: int  # the part of it the index vouched for: what is judged
+    prompt_tokens: int  # the router's count (0: it could not tokenise the prompt)
     ticket: Ticket
     sent_at: float
 
@@ -159,6 +161,7 @@ class ProxyService:
         fleet: Fleet,
         planner: RoutingPlanner,
         accuracy: PredictionAccuracy,
+        agreement: TokenCountAgreement,
         upstream: Upstream,
         metrics: RouterMetrics,
         tracer: Tracer,
@@ -168,6 +171,7 @@ class ProxyService:
         self.fleet = fleet
         self.planner = planner
         self.accuracy = accuracy
+        self.agreement = agreement
         self.upstream = upstream
         self.metrics = metrics
         self.tracer = tracer
@@ -291,6 +295,7 @@ class ProxyService:
                 incarnation=candidate.info.incarnation,
                 predicted_tokens=predicted,
                 indexed_tokens=decision.indexed_tokens(candidate.worker_id),
+                prompt_tokens=decision.prompt_tokens,
                 ticket=self.fleet.sent(
                     candidate.worker_id,
                     tenant.name,
@@ -426,6 +431,8 @@ class ProxyService:
             outcome = "engine_error"
         self._count(outcome, exchange.worker_id)
         worker = exchange.worker_id
+        if status < 400 and usage is not None:
+            self._compare_token_counts(exchange, usage)
         reported = self._reported_cached_tokens((worker, exchange.incarnation), usage)
         if reported is None:
             if status < 400:
@@ -433,9 +440,15 @@ class ProxyService:
             return
         self.metrics.prefill_tokens_saved.inc(reported)
         self.metrics.predicted_cached_tokens.labels(worker=worker).inc(exchange.predicted_tokens)
+        self_predicted = exchange.predicted_tokens - exchange.indexed_tokens
+        self.metrics.self_predicted_cached_tokens.labels(worker=worker).inc(self_predicted)
         self.metrics.reported_cached_tokens.labels(worker=worker).inc(reported)
         verdict = self.accuracy.observe(
-            worker, exchange.incarnation, exchange.indexed_tokens, reported
+            worker,
+            exchange.incarnation,
+            exchange.indexed_tokens,
+            reported,
+            self_predicted_tokens=self_predicted,
         )
         self.metrics.prediction_verdicts.labels(worker=worker, verdict=verdict.value).inc()
         if verdict is Verdict.STALE:
@@ -444,6 +457,31 @@ class ProxyService:
                 worker,
                 exchange.predicted_tokens,
                 reported,
+            )
+
+    def _compare_token_counts(self, exchange: _Exchange, usage: Usage) -> None:
+        """The router's prompt token count against the engine's (see
+        router/routing/token_agreement.py)."""
+        if not exchange.prompt_tokens or usage.prompt_tokens is None:
+            return
+        worker = exchange.worker_id
+        matched = self.agreement.observe(worker, exchange.prompt_tokens, usage.prompt_tokens)
+        self.metrics.prompt_token_checks.labels(
+            worker=worker, result="match" if matched else "mismatch"
+        ).inc()
+        if not matched and self.agreement.warning_due(worker, time.monotonic()):
+            agreement = self.agreement.of(worker)
+            log.warning(
+                "worker %s: the engine counted %d prompt tokens where the router counted %d "
+                "(%d of the last %d requests differ): the router does not tokenise as this "
+                "engine does, so its block keys never match the engine's and routing there "
+                "runs on the router's own predictions only; give the router the engine's "
+                "tokenizer and chat template (docs/troubleshooting.md)",
+                worker,
+                usage.prompt_tokens,
+                exchange.prompt_tokens,
+                agreement.mismatches,
+                agreement.samples,
             )
 
     def _reported_cached_tokens(

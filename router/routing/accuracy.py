@@ -7,12 +7,19 @@ in their own blocks, and recompute a fully cached prompt's last token) is a stal
 location: the index believed in blocks the engine no longer had. A worker whose
 predictions keep failing has suspect index entries: scoring stops counting on them
 until a prediction holds again or the worker starts a new incarnation.
+
+Only the part of a prediction that the worker's own events vouched for (its index
+entries) is judged: the rest came from this router's predicted entries, which are its
+own guesses. A worker whose engine keeps reporting hits that only those guesses
+foresaw is *unvouched*: its events are not reaching the index (or carry other keys),
+and routing there is approximate, however well the guesses do.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 
 class Verdict(enum.Enum):
@@ -29,10 +36,17 @@ def judge(predicted_tokens: int, reported_tokens: int, tolerance_tokens: int) ->
     return Verdict.CONFIRMED
 
 
+HITS_WINDOW = 32
+"""The worker's recent hits (requests the engine found cached) looked at for vouching."""
+UNVOUCHED_AFTER_HITS = 4
+
+
 @dataclass(slots=True)
 class _Record:
     incarnation: int
     misses_in_a_row: int = 0
+    # Per recent hit: whether the worker's index entries vouched for any of it.
+    hits_vouched: deque[bool] = field(default_factory=lambda: deque(maxlen=HITS_WINDOW))
 
 
 class PredictionAccuracy:
@@ -42,11 +56,21 @@ class PredictionAccuracy:
         self._records: dict[str, _Record] = {}
 
     def observe(
-        self, worker_id: str, incarnation: int, predicted_tokens: int, reported_tokens: int
+        self,
+        worker_id: str,
+        incarnation: int,
+        predicted_tokens: int,
+        reported_tokens: int,
+        *,
+        self_predicted_tokens: int = 0,
     ) -> Verdict:
+        """`predicted_tokens`: what the worker's index entries vouched for;
+        `self_predicted_tokens`: what only this router's predicted entries added."""
         record = self._records.get(worker_id)
         if record is None or record.incarnation != incarnation:
             record = self._records[worker_id] = _Record(incarnation)
+        if reported_tokens > self.tolerance_tokens and (predicted_tokens or self_predicted_tokens):
+            record.hits_vouched.append(predicted_tokens > 0)
         verdict = judge(predicted_tokens, reported_tokens, self.tolerance_tokens)
         if verdict is Verdict.STALE:
             record.misses_in_a_row += 1
@@ -62,6 +86,20 @@ class PredictionAccuracy:
             and record.incarnation == incarnation
             and record.misses_in_a_row >= self.suspect_after_misses
         )
+
+    def vouching(self, worker_id: str, incarnation: int) -> tuple[int, int]:
+        """Of the worker's recent predicted hits: how many, and how many its index
+        entries vouched for."""
+        record = self._records.get(worker_id)
+        if record is None or record.incarnation != incarnation:
+            return 0, 0
+        return len(record.hits_vouched), sum(record.hits_vouched)
+
+    def is_unvouched(self, worker_id: str, incarnation: int) -> bool:
+        """The engine's recent hits were all foreseen by this router's own predictions
+        alone, never by the worker's index entries."""
+        hits, vouched = self.vouching(worker_id, incarnation)
+        return hits >= UNVOUCHED_AFTER_HITS and vouched == 0
 
     def forget(self, worker_id: str) -> None:
         """The worker's entries are gone (new incarnation, resync, death)."""

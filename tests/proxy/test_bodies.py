@@ -197,17 +197,25 @@ def usage_body(cached: object) -> bytes:
 
 
 def test_a_response_reports_its_cached_tokens() -> None:
-    assert response_usage(usage_body(32)) == Usage(cached_tokens=32)
-    assert response_usage(usage_body(0)) == Usage(cached_tokens=0)
+    assert response_usage(usage_body(32)) == Usage(cached_tokens=32, prompt_tokens=40)
+    assert response_usage(usage_body(0)) == Usage(cached_tokens=0, prompt_tokens=40)
 
 
 @pytest.mark.parametrize("cached", [-1, 1.5, "32", True, None])
 def test_an_odd_cached_token_count_is_no_count(cached: object) -> None:
-    assert response_usage(usage_body(cached)) == Usage(cached_tokens=None)
+    assert response_usage(usage_body(cached)) == Usage(cached_tokens=None, prompt_tokens=40)
 
 
 def test_usage_without_details_has_no_count() -> None:
-    assert response_usage(raw(usage={"prompt_tokens": 40})) == Usage(cached_tokens=None)
+    assert response_usage(raw(usage={"prompt_tokens": 40})) == Usage(
+        cached_tokens=None, prompt_tokens=40
+    )
+
+
+@pytest.mark.parametrize("count", [-1, 1.5, "40", True, None])
+def test_an_odd_prompt_token_count_is_no_count(count: object) -> None:
+    body = raw(usage={"prompt_tokens": count, "prompt_tokens_details": {"cached_tokens": 8}})
+    assert response_usage(body) == Usage(cached_tokens=8, prompt_tokens=None)
 
 
 def test_a_response_without_usage_has_none() -> None:
@@ -232,7 +240,7 @@ FINAL = {
 def test_a_stream_reports_the_usage_chunk() -> None:
     stream = StreamUsage()
     stream.feed(sse(CONTENT, CONTENT, FINAL))
-    assert stream.usage() == Usage(cached_tokens=24)
+    assert stream.usage() == Usage(cached_tokens=24, prompt_tokens=40)
 
 
 def test_the_usage_chunk_is_found_when_split_across_feeds() -> None:
@@ -240,7 +248,7 @@ def test_the_usage_chunk_is_found_when_split_across_feeds() -> None:
     stream = StreamUsage()
     for start in range(0, len(data), 7):
         stream.feed(data[start : start + 7])
-    assert stream.usage() == Usage(cached_tokens=24)
+    assert stream.usage() == Usage(cached_tokens=24, prompt_tokens=40)
 
 
 def test_a_long_stream_keeps_its_usage_at_the_end() -> None:
@@ -248,7 +256,7 @@ def test_a_long_stream_keeps_its_usage_at_the_end() -> None:
     for _ in range(2000):
         stream.feed(sse(CONTENT)[: -len(b"data: [DONE]\n\n")])
     stream.feed(sse(FINAL))
-    assert stream.usage() == Usage(cached_tokens=24)
+    assert stream.usage() == Usage(cached_tokens=24, prompt_tokens=40)
 
 
 def test_a_stream_without_usage_has_none() -> None:
@@ -261,10 +269,10 @@ def test_a_stream_without_usage_has_none() -> None:
 def test_null_usage_on_every_chunk_does_not_hide_the_final_one() -> None:
     stream = StreamUsage()
     stream.feed(sse({**CONTENT, "usage": None}, FINAL))
-    assert stream.usage() == Usage(cached_tokens=24)
+    assert stream.usage() == Usage(cached_tokens=24, prompt_tokens=40)
     null_last = StreamUsage()
     null_last.feed(sse(FINAL, {**CONTENT, "usage": None}))
-    assert null_last.usage() == Usage(cached_tokens=24)
+    assert null_last.usage() == Usage(cached_tokens=24, prompt_tokens=40)
     only_null = StreamUsage()
     only_null.feed(sse({**CONTENT, "usage": None}))
     assert only_null.usage() is None

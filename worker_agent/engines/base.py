@@ -10,7 +10,12 @@ from typing import Protocol
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad
+from worker_agent.events import (
+    EngineCacheConfig,
+    EngineEvent,
+    EngineLoad,
+    PrefixCacheCounters,
+)
 
 
 class EngineAdapter(Protocol):
@@ -26,6 +31,11 @@ class EngineAdapter(Protocol):
 
     def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
         """The cache configuration the engine exposes in its metrics, if any."""
+        ...
+
+    def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
+        """The engine's prefix-cache counters, if its metrics have them (ValueError if
+        they do not parse)."""
         ...
 
 
@@ -89,3 +99,14 @@ def process_start_time(metrics_text: str) -> float | None:
     except ValueError:
         return None
     return start
+
+
+def prefix_cache_counters(
+    metrics_text: str, queried: tuple[str, ...], hits: tuple[str, ...]
+) -> PrefixCacheCounters | None:
+    """Sums over data-parallel engines (and labels) of the first names present."""
+    samples = metric_samples(metrics_text, {*queried, *hits})
+    queried_tokens, hit_tokens = total(samples, *queried), total(samples, *hits)
+    if queried_tokens is None or hit_tokens is None:
+        return None
+    return PrefixCacheCounters(queried_tokens, hit_tokens)

@@ -4,9 +4,14 @@ hashes and the cache salt as an event field; `sglang:*` metrics."""
 from __future__ import annotations
 
 from kvplane.core.types import Tier
-from worker_agent.engines.base import mean, metric_samples, total
+from worker_agent.engines.base import mean, metric_samples, prefix_cache_counters, total
 from worker_agent.engines.kv_event_wire import WireDialect, decode_batch
-from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad
+from worker_agent.events import (
+    EngineCacheConfig,
+    EngineEvent,
+    EngineLoad,
+    PrefixCacheCounters,
+)
 
 SGLANG_DIALECT = WireDialect(
     stored_fields=(
@@ -24,6 +29,10 @@ SGLANG_DIALECT = WireDialect(
 _LOAD_METRICS = frozenset(
     {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"}
 )
+
+# Prompt tokens processed, and those served from cache (by cache_source: summed).
+_PROMPT_TOKENS = ("sglang:prompt_tokens_total",)
+_CACHED_TOKENS = ("sglang:cached_tokens_total",)
 
 
 class SglangAdapter:
@@ -43,3 +52,6 @@ class SglangAdapter:
 
     def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
         return None  # SGLang's metrics count tokens, not blocks of a known size
+
+    def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
+        return prefix_cache_counters(metrics_text, _PROMPT_TOKENS, _CACHED_TOKENS)

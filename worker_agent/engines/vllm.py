@@ -4,9 +4,14 @@ configuration from its Prometheus metrics (current names and the pre-0.12 `gpu_`
 from __future__ import annotations
 
 from kvplane.core.types import Tier
-from worker_agent.engines.base import mean, metric_samples, total
+from worker_agent.engines.base import mean, metric_samples, prefix_cache_counters, total
 from worker_agent.engines.kv_event_wire import WireDialect, decode_batch
-from worker_agent.events import EngineCacheConfig, EngineEvent, EngineLoad
+from worker_agent.events import (
+    EngineCacheConfig,
+    EngineEvent,
+    EngineLoad,
+    PrefixCacheCounters,
+)
 
 VLLM_DIALECT = WireDialect(
     stored_fields=(
@@ -27,6 +32,10 @@ _LOAD_METRICS = frozenset(
         "vllm:gpu_cache_usage_perc",
     }
 )
+
+# Counters in tokens; before 0.12 they were named `gpu_prefix_cache_*`.
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 
 
 class VllmAdapter:
@@ -52,6 +61,9 @@ class VllmAdapter:
                     num_blocks=_int_label(sample.labels.get("num_gpu_blocks")),
                 )
         return None
+
+    def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
+        return prefix_cache_counters(metrics_text, _PREFIX_QUERIES, _PREFIX_HITS)
 
 
 def _int_label(value: str | None) -> int | None:

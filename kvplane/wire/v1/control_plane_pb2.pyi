@@ -15,6 +15,21 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DISK: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
 
+class EventsState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENTS_STATE_UNSPECIFIED: _ClassVar[EventsState]
+    EVENTS_STATE_NOT_CONNECTED: _ClassVar[EventsState]
+    EVENTS_STATE_NEVER_SEEN: _ClassVar[EventsState]
+    EVENTS_STATE_FLOWING: _ClassVar[EventsState]
+    EVENTS_STATE_SILENT: _ClassVar[EventsState]
+
+class ReplayState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLAY_STATE_UNSPECIFIED: _ClassVar[ReplayState]
+    REPLAY_STATE_NOT_CONFIGURED: _ClassVar[ReplayState]
+    REPLAY_STATE_OK: _ClassVar[ReplayState]
+    REPLAY_STATE_FAILING: _ClassVar[ReplayState]
+
 class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REJECT_CODE_UNSPECIFIED: _ClassVar[RejectCode]
@@ -29,6 +44,15 @@ TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
+EVENTS_STATE_UNSPECIFIED: EventsState
+EVENTS_STATE_NOT_CONNECTED: EventsState
+EVENTS_STATE_NEVER_SEEN: EventsState
+EVENTS_STATE_FLOWING: EventsState
+EVENTS_STATE_SILENT: EventsState
+REPLAY_STATE_UNSPECIFIED: ReplayState
+REPLAY_STATE_NOT_CONFIGURED: ReplayState
+REPLAY_STATE_OK: ReplayState
+REPLAY_STATE_FAILING: ReplayState
 REJECT_CODE_UNSPECIFIED: RejectCode
 REJECT_CODE_UNAUTHENTICATED: RejectCode
 REJECT_CODE_INVALID_MESSAGE: RejectCode
@@ -135,18 +159,34 @@ class KvEvents(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms", "engine_down")
+    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms", "engine_down", "wiring")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
+    WIRING_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     timestamp_ms: int
     engine_down: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ..., engine_down: _Optional[bool] = ...) -> None: ...
+    wiring: Wiring
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ..., engine_down: _Optional[bool] = ..., wiring: _Optional[_Union[Wiring, _Mapping]] = ...) -> None: ...
+
+class Wiring(_message.Message):
+    __slots__ = ("events", "replay", "engine_block_size", "events_detail", "replay_detail")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    events: EventsState
+    replay: ReplayState
+    engine_block_size: int
+    events_detail: str
+    replay_detail: str
+    def __init__(self, events: _Optional[_Union[EventsState, str]] = ..., replay: _Optional[_Union[ReplayState, str]] = ..., engine_block_size: _Optional[int] = ..., events_detail: _Optional[str] = ..., replay_detail: _Optional[str] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ()

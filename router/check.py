@@ -1,0 +1,89 @@
+"""`kvplane check`: ask a running router to probe its fleet, and print the verdict.
+
+One command for an operator: for every worker, each link that cache-aware routing rests
+on (the engine's events reach the agent; the replay endpoint answers; block sizes fit;
+the router tokenises as the engine does; the probe's blocks reach the index under the
+router's own keys), pass or fail, with the fix. Plain text or JSON; the exit status is
+0 when every check passed, 1 when one failed, 2 when the router could not be asked.
+
+The router does the work (`POST /fleet/check`, router/fleet_api.py); this only calls it.
+The admin token comes from KVPLANE_HTTP__ADMIN_TOKEN (a secret: never a flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TextIO
+
+import httpx2
+from pydantic import ValidationError
+
+from router.fleet_models import FleetCheck
+
+TOKEN_VARIABLE = "KVPLANE_HTTP__ADMIN_TOKEN"
+EXIT_PASSED, EXIT_FAILED, EXIT_UNASKED = 0, 1, 2
+_MARKS = {"pass": "ok  ", "warn": "warn", "fail": "FAIL", "unknown": "?   "}
+
+
+def run_check(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    token = os.environ.get(TOKEN_VARIABLE)
+    if not token:
+        print(f"kvplane check: set {TOKEN_VARIABLE} to the router's admin token", file=sys.stderr)
+        return EXIT_UNASKED
+    url = args.router_url.rstrip("/") + "/fleet/check"
+    params = {"probe": str(not args.no_probe).lower(), "wait_s": args.wait_s}
+    try:
+        response = httpx2.post(
+            url,
+            params=params,
+            headers={"authorization": f"Bearer {token}"},
+            timeout=args.wait_s + 30,
+        )
+    except httpx2.HTTPError as error:
+        print(f"kvplane check: cannot reach {url} ({type(error).__name__})", file=sys.stderr)
+        return EXIT_UNASKED
+    if response.status_code != 200:
+        print(
+            f"kvplane check: {url} answered {response.status_code}"
+            + (" (is the admin token the router's?)" if response.status_code == 401 else ""),
+            file=sys.stderr,
+        )
+        return EXIT_UNASKED
+    try:
+        verdict = FleetCheck.model_validate_json(response.content)
+    except ValidationError:
+        print(f"kvplane check: {url} did not answer a fleet check", file=sys.stderr)
+        return EXIT_UNASKED
+    if args.json:
+        json.dump(verdict.model_dump(mode="json"), out, indent=2)
+        out.write("\n")
+    else:
+        out.write(render(verdict))
+    return EXIT_PASSED if verdict.ok else EXIT_FAILED
+
+
+def render(verdict: FleetCheck) -> str:
+    lines = []
+    for worker in verdict.workers:
+        head = "ok" if worker.ok else "FAILED"
+        blind = ", blind: routed on the router's predictions only" if worker.blind else ""
+        lines.append(
+            f"worker {worker.worker_id} (model {worker.model}, {worker.state.value}): {head}{blind}"
+        )
+        for check in worker.checks:
+            lines.append(f"  {_MARKS[check.status]}  {check.name:<16} {check.detail}")
+            if check.fix and check.status in ("fail", "warn"):
+                lines.append(f"        {'':<16} fix: {check.fix}")
+    for model in verdict.routing:
+        lines.append(f"model {model.model}: {model.routing.replace('_', ' ')}")
+    if not verdict.index_reachable:
+        lines.append("index: unreachable (routing on load only)")
+    if verdict.ok:
+        lines.append("PASSED: every live worker's wiring holds")
+    else:
+        lines.append(f"FAILED: {len(verdict.problems)} problem(s)")
+        lines.extend(f"  - {problem}" for problem in verdict.problems)
+    return "\n".join(lines) + "\n"

@@ -28,34 +28,40 @@ EXIT_PASSED, EXIT_FAILED, EXIT_UNASKED = 0, 1, 2
 _MARKS = {"pass": "ok  ", "warn": "warn", "fail": "FAIL", "unknown": "?   "}
 
 
+class CheckUnavailable(Exception):
+    """The router could not be asked, or did not answer a fleet check."""
+
+
+def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True) -> FleetCheck:
+    """The router's fleet check (`POST /fleet/check`); CheckUnavailable if there is none."""
+    url = router_url.rstrip("/") + "/fleet/check"
+    try:
+        response = httpx2.post(
+            url,
+            params={"probe": str(probe).lower(), "wait_s": wait_s},
+            headers={"authorization": f"Bearer {token}"},
+            timeout=wait_s + 30,
+        )
+    except httpx2.HTTPError as error:
+        raise CheckUnavailable(f"cannot reach {url} ({type(error).__name__})") from None
+    if response.status_code != 200:
+        hint = " (is the admin token the router's?)" if response.status_code == 401 else ""
+        raise CheckUnavailable(f"{url} answered {response.status_code}{hint}")
+    try:
+        return FleetCheck.model_validate_json(response.content)
+    except ValidationError:
+        raise CheckUnavailable(f"{url} did not answer a fleet check") from None
+
+
 def run_check(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     token = os.environ.get(TOKEN_VARIABLE)
     if not token:
         print(f"kvplane check: set {TOKEN_VARIABLE} to the router's admin token", file=sys.stderr)
         return EXIT_UNASKED
-    url = args.router_url.rstrip("/") + "/fleet/check"
-    params = {"probe": str(not args.no_probe).lower(), "wait_s": args.wait_s}
     try:
-        response = httpx2.post(
-            url,
-            params=params,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=args.wait_s + 30,
-        )
-    except httpx2.HTTPError as error:
-        print(f"kvplane check: cannot reach {url} ({type(error).__name__})", file=sys.stderr)
-        return EXIT_UNASKED
-    if response.status_code != 200:
-        print(
-            f"kvplane check: {url} answered {response.status_code}"
-            + (" (is the admin token the router's?)" if response.status_code == 401 else ""),
-            file=sys.stderr,
-        )
-        return EXIT_UNASKED
-    try:
-        verdict = FleetCheck.model_validate_json(response.content)
-    except ValidationError:
-        print(f"kvplane check: {url} did not answer a fleet check", file=sys.stderr)
+        verdict = ask_router(args.router_url, token, wait_s=args.wait_s, probe=not args.no_probe)
+    except CheckUnavailable as error:
+        print(f"kvplane check: {error}", file=sys.stderr)
         return EXIT_UNASKED
     if args.json:
         json.dump(verdict.model_dump(mode="json"), out, indent=2)

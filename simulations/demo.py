@@ -36,6 +36,7 @@ from kvplane.core.config import (
 from kvplane.core.flags import add_common_flags, settings_from_args
 from kvplane.core.logsetup import configure_logging
 from router.app import running_router
+from router.check import ask_router
 from router.tenants import api_key_digest
 from simulations.local_fleet import local_workers
 from simulations.reporting import format_table, percentile
@@ -46,6 +47,7 @@ TENANTS = ("acme", "globex", "initech")
 PREFIXES_PER_TENANT = 2
 REQUESTS = 180
 CONCURRENCY = 6
+ADMIN_TOKEN = "kvplane-demo-admin"  # the router listens on loopback only
 MAX_TOKENS = 8
 # Each worker caches about two prefix groups: kvplane can keep every group on one
 # worker; round-robin makes every worker hold all six, and they evict each other.
@@ -102,7 +104,7 @@ def _settings(policy: str) -> Settings:
     return Settings(
         index=IndexSettings(backend="memory"),
         control_plane=ControlPlaneSettings(grpc_port=0),
-        http=HttpSettings(port=0),
+        http=HttpSettings(port=0, admin_token=SecretStr(ADMIN_TOKEN)),
         scoring=ScoringSettings(policy=policy),  # type: ignore[arg-type]
         tenants=TenantSettings(
             tenants=[
@@ -130,7 +132,17 @@ async def _fleet(policy: str) -> AsyncIterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers did not register with the router")
             await asyncio.sleep(0.05)
-        yield f"http://127.0.0.1:{router.http_port}/v1"
+        url = f"http://127.0.0.1:{router.http_port}"
+        # Figures from a blind fleet would show round-robin's, not kvplane's: refuse them.
+        verdict = await asyncio.to_thread(ask_router, url, ADMIN_TOKEN, wait_s=5.0)
+        if not verdict.ok:
+            raise BlindFleet("; ".join(verdict.problems))
+        print(f"  wiring checked: {len(verdict.workers)} workers, every check passed", flush=True)
+        yield url + "/v1"
+
+
+class BlindFleet(Exception):
+    """The fleet's wiring check failed: no figures are reported from it."""
 
 
 async def run_policy(policy: str, requests: Sequence[DemoRequest]) -> RunResult:
@@ -226,6 +238,9 @@ async def run_demo(settings: Settings | None = None) -> int:
         for policy in ("kvplane", "round-robin"):
             print(f"running with {policy} routing ...", flush=True)
             results.append(await run_policy(policy, requests))
+    except BlindFleet as error:
+        print(f"demo refused: the fleet's wiring check failed ({error})", file=sys.stderr)
+        return 1
     except Exception as error:  # the demo's one job is to say clearly what failed
         print(f"demo failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1

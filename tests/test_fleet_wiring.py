@@ -25,6 +25,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
+from benchmarks.live.routers import BlindFleet, check_wiring
 from kvplane.core.serving import free_port
 from simulations.processes import spawn_kvplane
 from tests.one_worker_fleet import one_worker_fleet
@@ -213,6 +214,11 @@ def test_kvplane_check_fails_naming_each_broken_worker_and_its_fix(fleet: Fleet)
     probe = {check["name"]: check for check in rows["good"]["checks"]}
     assert probe["probe_index"]["status"] == "pass"
     assert probe["probe_tokenizer"]["status"] == "pass"
+
+
+def test_the_live_bake_off_refuses_to_measure_a_blind_fleet(fleet: Fleet) -> None:
+    with pytest.raises(BlindFleet, match="miswired: events: events not_connected"):
+        check_wiring(fleet.router_url, ADMIN_TOKEN)
 
 
 def test_kvplane_check_passes_on_a_fleet_wired_right() -> None:

@@ -24,6 +24,7 @@ from benchmarks.live.fleet import (
     MODEL,
     UNSALTED_SCOPE,
     EngineFleet,
+    EngineTotals,
     FleetShape,
     hit_rate,
     start_engines,
@@ -105,6 +106,8 @@ def run_cell(
     try:
         fleet, deployment = _start(cell, workload, children, shape)
         result.commands = [shlex.join(child.command) for child in deployment.charged]
+        # What the start did to the engines (kvplane's wiring probes) is not the cell's.
+        totals_before = fleet.totals()
         cpu_before = deployment.cpu_seconds()
         traffic = Traffic(
             deployment.urls,
@@ -132,7 +135,7 @@ def run_cell(
             name: round(cpu_after[name] - cpu_before.get(name, 0.0), 3) for name in cpu_after
         }
         result.router_cpu_s = sum(result.cpu_s_by_process.values())
-        _figures(result, outcomes, fleet)
+        _figures(result, outcomes, fleet, totals_before)
         if workload.tenants:
             result.unsalted_blocks = fleet.cache_scopes().get(UNSALTED_SCOPE, 0)
         result.evidence = deployment.in_play()
@@ -169,7 +172,12 @@ def _restarter(fleet: EngineFleet) -> Callable[[], Awaitable[None]]:
     return restart
 
 
-def _figures(result: CellResult, outcomes: list[Outcome], fleet: EngineFleet) -> None:
+def _figures(
+    result: CellResult,
+    outcomes: list[Outcome],
+    fleet: EngineFleet,
+    before: dict[str, EngineTotals],
+) -> None:
     result.requests = len(outcomes)
     result.failed = sum(not outcome.ok for outcome in outcomes)
     ttfts = [outcome.ttft_s for outcome in outcomes if outcome.ttft_s is not None]
@@ -183,7 +191,10 @@ def _figures(result: CellResult, outcomes: list[Outcome], fleet: EngineFleet) ->
     result.output_tokens_per_s = (
         sum(o.output_tokens for o in done) / result.seconds if result.seconds else 0.0
     )
-    totals = fleet.totals()
+    totals = {
+        name: total.since(before.get(name, EngineTotals()))
+        for name, total in fleet.totals().items()
+    }
     result.engine_hit_rate = hit_rate(list(totals.values()))
     result.engine_requests = {name: total.requests for name, total in totals.items()}
     counts = list(result.engine_requests.values())

@@ -58,6 +58,15 @@ class EngineTotals:
         self.requests += other.requests
         self.preemptions += other.preemptions
 
+    def since(self, before: EngineTotals) -> EngineTotals:
+        """What was counted after `before` was read."""
+        return EngineTotals(
+            self.queried_tokens - before.queried_tokens,
+            self.hit_tokens - before.hit_tokens,
+            self.requests - before.requests,
+            self.preemptions - before.preemptions,
+        )
+
 
 @dataclass(slots=True)
 class EngineFleet:

@@ -32,6 +32,7 @@ from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
 from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
+from router.check import CheckUnavailable, ask_router
 from router.tenants import api_key_digest
 
 # Where `make peers-env` builds the peers' environment; KVPLANE_PEERS_VENV points
@@ -147,13 +148,18 @@ def _start_kvplane(
         agents.append(children.launch(f"kvplane-agent-{engine.name}", command))
     urls = [f"http://127.0.0.1:{http}" for _, http, _ in routers]
     _wait_registered(urls, len(fleet.engines), [*[r[0] for r in routers], *agents])
+    checked = {url: check_wiring(url) for url in urls}
 
     def in_play() -> dict[str, Any]:
         evidence = {}
         for url in urls:
             index = _admin_get(url, "/fleet/index")
-            workers = _admin_get(url, "/fleet/workers")["workers"]
+            answer = _admin_get(url, "/fleet/workers")
+            workers = answer["workers"]
             evidence[url] = {
+                "wiring_checked_before": checked[url],
+                "blind_workers_after": sum(bool(row["wiring"]["blind"]) for row in workers),
+                "routing_after": {row["model"]: row["routing"] for row in answer["routing"]},
                 "index_entries": index["entries"],
                 "live_workers": sum(row["state"] == "live" for row in workers),
                 "suspect_workers": sum(bool(row["suspect"]) for row in workers),
@@ -195,6 +201,22 @@ def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> Non
         if time.monotonic() > deadline:
             raise StartFailed("kvplane's agents did not register with every router in 60 s")
         time.sleep(0.1)
+
+
+class BlindFleet(RuntimeError):
+    """kvplane's wiring check failed before measuring: the router could not see the
+    engines' caches, and no figure of the cell would be kvplane's."""
+
+
+def check_wiring(url: str, token: str = ADMIN_TOKEN) -> dict[str, Any]:
+    """`kvplane check` against one replica; BlindFleet if anything failed."""
+    try:
+        verdict = ask_router(url, token, wait_s=5.0)
+    except CheckUnavailable as error:
+        raise BlindFleet(f"kvplane's wiring check could not run: {error}") from None
+    if not verdict.ok:
+        raise BlindFleet("kvplane's wiring check failed: " + "; ".join(verdict.problems))
+    return {"ok": verdict.ok, "workers_probed": len(verdict.workers)}
 
 
 def _admin_get(url: str, path: str) -> Any:

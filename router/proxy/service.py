@@ -114,6 +114,7 @@ class _Exchange:
 
     worker_id: str
     incarnation: int
+    model: str  # the worker's, as its agent registered it
     predicted_tokens: int  # what x-kvplane-cached-tokens said
     indexed_tokens: int  # the part of it the index vouched for: what is judged
     prompt_tokens: int  # the router's count (0: it could not tokenise the prompt)
@@ -293,6 +294,7 @@ class ProxyService:
             exchange = _Exchange(
                 worker_id=candidate.worker_id,
                 incarnation=candidate.info.incarnation,
+                model=candidate.info.model,
                 predicted_tokens=predicted,
                 indexed_tokens=decision.indexed_tokens(candidate.worker_id),
                 prompt_tokens=decision.prompt_tokens,
@@ -472,12 +474,13 @@ class ProxyService:
         if not matched and self.agreement.warning_due(worker, time.monotonic()):
             agreement = self.agreement.of(worker)
             log.warning(
-                "worker %s: the engine counted %d prompt tokens where the router counted %d "
-                "(%d of the last %d requests differ): the router does not tokenise as this "
-                "engine does, so its block keys never match the engine's and routing there "
-                "runs on the router's own predictions only; give the router the engine's "
-                "tokenizer and chat template (docs/troubleshooting.md)",
+                "worker %s (model %s): the engine counted %d prompt tokens where the router "
+                "counted %d (%d of the last %d requests differ): the router does not tokenise "
+                "as this engine does, so its block keys never match the engine's and routing "
+                "there runs on the router's own predictions only; give the router the "
+                "engine's tokenizer and chat template (docs/troubleshooting.md)",
                 worker,
+                exchange.model,
                 usage.prompt_tokens,
                 exchange.prompt_tokens,
                 agreement.mismatches,

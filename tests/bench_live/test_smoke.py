@@ -63,6 +63,9 @@ def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
     (evidence,) = kvplane["evidence"].values()
     assert evidence["live_workers"] == 4
     assert evidence["index_entries"] > 0
+    assert evidence["wiring_checked_before"] == {"ok": True, "workers_probed": 4}
+    assert evidence["blind_workers_after"] == 0
+    assert evidence["routing_after"] == {"kvplane-tiny": "cache_aware"}
     pieces = evidence["tokenisation"]  # the system prompts were tokenised once each
     assert pieces["kvplane_prompt_piece_tokens{source=reused}"] > 0
     assert pieces["kvplane_piecewise_tokenisation_checks{result=different}"] == 0

@@ -8,7 +8,11 @@ prediction can be held to the engine's own report.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -215,6 +219,32 @@ def test_predictions_match_vllm_through_evictions(vllm_fleet: VllmFleet) -> None
     assert removed > removed_before  # the small caches evicted, and the index followed
     assert sum(a.reported for a in answers) > 0
     assert max(errors) <= BLOCK, [(a.predicted, a.reported) for a in answers]
+
+
+def test_kvplane_check_proves_both_replicas_wired(vllm_fleet: VllmFleet) -> None:
+    """After the traffic above: the agents hear vLLM's events, the router counts prompt
+    tokens as vLLM does, and a probe's blocks reach the index under each replica."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane.cli", "check", "--router-url", vllm_fleet.router_url,
+         "--json", "--wait-s", "10"],
+        env={**os.environ, "KVPLANE_HTTP__ADMIN_TOKEN": "e2e-admin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    verdict = json.loads(result.stdout)
+    for row in verdict["workers"]:
+        checks = {check["name"]: check["status"] for check in row["checks"]}
+        assert checks["events"] == "pass", row
+        assert checks["tokenizer"] == "pass", row  # vLLM's own usage.prompt_tokens
+        assert checks["probe_tokenizer"] == checks["probe_index"] == "pass", row
+    assert verdict["routing"] == [{"model": MODEL, "routing": "cache_aware"}]
+    FIGURES["kvplane_check"] = {
+        row["worker_id"]: {check["name"]: check["detail"] for check in row["checks"]}
+        for row in verdict["workers"]
+    }
 
 
 class _Traffic(threading.Thread):

@@ -13,17 +13,22 @@ from hypothesis import strategies as st
 from kvplane.core.keys import SCHEME_VERSION
 from kvplane.core.types import (
     MAX_CHAIN_END,
+    MAX_WIRING_DETAIL_CHARS,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
+    EventsState,
     KvEvent,
+    ReplayState,
     Tier,
+    WiringReport,
 )
 from kvplane.wire.codec import (
     Limits,
     Rejection,
     event_to_wire,
     events_message,
+    load_message,
     parse_kv_events,
     parse_load,
     parse_register,
@@ -193,3 +198,42 @@ def test_load_report(usage: float) -> None:
         usage,
         17,
     )
+    assert report.wiring is None  # an agent older than the field sends none
+
+
+@pytest.mark.parametrize("events", list(EventsState))
+@pytest.mark.parametrize("replay", list(ReplayState))
+def test_a_wiring_report_survives_the_wire(events: EventsState, replay: ReplayState) -> None:
+    wiring = WiringReport(events, replay, 16, events_detail="bind tcp://*:5557", replay_detail="")
+    report = parse_load(load_message(1, 0, 0.5, wiring=wiring).load)
+    assert not isinstance(report, Rejection)
+    assert report.wiring == wiring
+
+
+def test_a_wiring_report_from_a_newer_contract_is_unknown_not_refused() -> None:
+    report = parse_load(pb.Load(kv_usage=0.1, wiring=pb.Wiring(events=99, replay=42)))
+    assert not isinstance(report, Rejection)
+    assert report.wiring == WiringReport(EventsState.UNKNOWN, ReplayState.UNKNOWN, None)
+
+
+@pytest.mark.parametrize(
+    "wiring",
+    [
+        pb.Wiring(events_detail="x" * (MAX_WIRING_DETAIL_CHARS + 1)),
+        pb.Wiring(replay_detail="two\nlines"),
+        pb.Wiring(events_detail="a bell \a"),
+    ],
+)
+def test_a_wiring_detail_that_is_no_single_short_line_is_refused(wiring: pb.Wiring) -> None:
+    result = parse_load(pb.Load(kv_usage=0.1, wiring=wiring))
+    assert isinstance(result, Rejection)
+    assert result.code == pb.REJECT_CODE_INVALID_MESSAGE
+    assert "wiring." in result.reason
+
+
+def test_an_agents_long_detail_is_cut_to_fit() -> None:
+    wiring = WiringReport(EventsState.SILENT, ReplayState.OK, 16, events_detail="y" * 2000)
+    report = parse_load(load_message(0, 0, 0.0, wiring=wiring).load)
+    assert not isinstance(report, Rejection)
+    assert report.wiring is not None
+    assert len(report.wiring.events_detail) == MAX_WIRING_DETAIL_CHARS

@@ -44,7 +44,7 @@ from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.routing.sight import FleetSight
 from router.routing.token_agreement import TokenCountAgreement
-from router.routing.wiring import is_blind
+from router.routing.wiring import is_blind, model_routing
 from router.scoring.policy import configured_policy
 from router.tenants import TenantDirectory
 from router.tracing import open_tracing
@@ -126,7 +126,18 @@ async def running_router(
             async with index_deadline(proxy_settings.index_timeout_s * 4):
                 tenants.apply_generations(await index.scope_generations())
                 await fleet.refresh()
-        reaper = asyncio.create_task(reap_forever(index, view, cp.lease_s, clock))
+        reaper = asyncio.create_task(
+            reap_forever(
+                index,
+                view,
+                cp.lease_s,
+                clock,
+                # Token counts of workers that are gone, or restarted, tell nothing now.
+                after_sweep=lambda: agreement.retain(
+                    (s.info.worker_id, s.info.incarnation) for s in fleet.statuses()
+                ),
+            )
+        )
         stack.push_async_callback(cancel_task, reaper)
         refresher = asyncio.create_task(
             fleet.refresh_forever(REGISTRY_REFRESH_S, proxy_settings.index_timeout_s * 4)
@@ -187,18 +198,19 @@ async def running_router(
             )
             routable = [c.info for c in fleet.candidates()]
             checks = {info.worker_id: sight.checks(info) for info in routable}
+            blind = {worker_id: is_blind(found) for worker_id, found in checks.items()}
             metrics.set_wiring(
                 (
                     WorkerWiringSample(
-                        worker_id,
-                        [(c.name, c.status.value) for c in worker_checks],
-                        is_blind(worker_checks),
+                        worker_id, [(c.name, c.status.value) for c in found], blind[worker_id]
                     )
-                    for worker_id, worker_checks in checks.items()
+                    for worker_id, found in checks.items()
                 ),
                 {
                     model: mode == "predictions_only"
-                    for model, mode in sight.routing(routable).items()
+                    for model, mode in model_routing(
+                        (info.model, blind[info.worker_id]) for info in routable
+                    ).items()
                 },
             )
             metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
@@ -238,7 +250,7 @@ async def running_router(
                     view,
                     metrics,
                     cp,
-                    on_removed=_removals_heard(predicted, accuracy, agreement, evictions, clock),
+                    on_removed=_removals_heard(predicted, accuracy, evictions, clock),
                     clock=clock,
                     wall_clock=wall_clock,
                 ).rpc_handler()
@@ -294,14 +306,19 @@ async def follow_scope_generations(index: LocationIndex, tenants: TenantDirector
 
 
 async def reap_forever(
-    index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock
+    index: LocationIndex,
+    view: WorkerView,
+    lease_s: float,
+    clock: Clock,
+    after_sweep: Callable[[], None] = lambda: None,
 ) -> None:
     """Purge expired workers about four times per lease, so a dead worker's entries
-    outlive its lease by a quarter of one at most."""
+    outlive its lease by a quarter of one at most; then `after_sweep()`."""
     while True:
         await asyncio.sleep(lease_s / 4)
         try:
             await reap_once(index, view, lease_s, clock)
+            after_sweep()
         except Exception:  # a task's edge: a bug raised further is never seen, so log it
             log.exception("reaping expired workers failed")
 
@@ -323,7 +340,6 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
 def _removals_heard(
     predicted: PredictedPrefixes,
     accuracy: PredictionAccuracy,
-    agreement: TokenCountAgreement,
     evictions: RecentEvictions,
     clock: Clock,
 ) -> Callable[[str, BlocksRemoved | None], None]:
@@ -331,7 +347,6 @@ def _removals_heard(
         if removal is None:
             predicted.forget_worker(worker_id)
             accuracy.forget(worker_id)
-            agreement.forget(worker_id)
             evictions.forget(worker_id)
             return
         predicted.removed(worker_id, removal.keys)

@@ -18,6 +18,7 @@ query a tenant may make with its own key (`/fleet/tenant/locality`, its own scop
 # run time, and one names this instance's security dependency (tenant_locality's).
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
@@ -29,7 +30,7 @@ from starlette.requests import Request
 from kvplane.core.clock import Clock
 from kvplane.core.config import NAME_PATTERN
 from kvplane.core.keys import MAX_TOKEN_ID
-from kvplane.core.types import Tier
+from kvplane.core.types import Tier, WorkerInfo
 from kvplane.wire.codec import WORKER_ID_PATTERN
 from router.auth import ADMIN_ERRORS, UNAUTHORIZED, AdminToken, TenantKey
 from router.control_plane.workers import WorkerView
@@ -74,8 +75,10 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
 from router.routing.sight import FleetSight
-from router.routing.wiring import Check, CheckStatus, is_blind
+from router.routing.wiring import Check, CheckStatus, RoutingMode, is_blind, model_routing
 from router.tenants import ANONYMOUS_TENANT, Tenant, TenantDirectory
+
+log = logging.getLogger(__name__)
 
 _INDEX_TIMEOUT_S = 2.0
 
@@ -271,7 +274,7 @@ class FleetApi:
         return Workers(
             workers=rows,
             index_reachable=self.planner.index_answering,
-            routing=self._routing(self.fleet.statuses()),
+            routing=_routing(self.sight.routing(c.info for c in self.fleet.candidates())),
         )
 
     async def check(
@@ -283,17 +286,19 @@ class FleetApi:
         ] = 5.0,
     ) -> FleetCheck:
         statuses = sorted(self.fleet.statuses(), key=lambda s: s.info.worker_id)
-        live = [s for s in statuses if self._routable(s)]
+        routable = self._routable()
+        live = [s.info for s in statuses if s.info.worker_id in routable]
         probes: list[list[Check]] = []
         if probe:
-            probes = list(await asyncio.gather(*(self.probe.probe(s.info, wait_s) for s in live)))
-        probed = {s.info.worker_id: checks for s, checks in zip(live, probes, strict=False)}
+            probes = list(await asyncio.gather(*(self._probe(info, wait_s) for info in live)))
+        probed = {info.worker_id: checks for info, checks in zip(live, probes, strict=False)}
         rows, problems = [], []
         for status in statuses:
             info = status.info
-            # After the probes: they feed the token-count comparison too.
-            checks = [*self.sight.checks(info), *probed.get(info.worker_id, [])]
-            if not self._routable(status):
+            if info.worker_id in routable:
+                # After the probes: they feed the token-count comparison too.
+                checks = [*self.sight.checks(info), *probed.get(info.worker_id, [])]
+            else:
                 checks = [_not_routable(status)]
             failed = [c for c in checks if c.status is CheckStatus.FAIL]
             problems += [f"{info.worker_id}: {c.name}: {c.detail}" for c in failed]
@@ -312,20 +317,34 @@ class FleetApi:
         index_reachable = self.planner.index_answering
         if not index_reachable:
             problems.append("the index does not answer lookups: routing on load only")
+        routing = model_routing((row.model, row.blind) for row in rows if row.worker_id in routable)
         return FleetCheck(
             ok=not problems,
             index_reachable=index_reachable,
             workers=rows,
-            routing=self._routing(live),
+            routing=_routing(routing),
             problems=problems,
         )
 
-    def _routable(self, status: WorkerStatus) -> bool:
-        return status.state is WorkerState.LIVE and status.info.worker_id not in self.fleet.drained
+    async def _probe(self, info: WorkerInfo, wait_s: float) -> list[Check]:
+        """The probe's checks; a probe that fails inside the router is logged and says so,
+        and the other workers' probes go on."""
+        try:
+            return await self.probe.probe(info, wait_s)
+        except Exception as error:  # one worker's probe must not fail the whole check
+            log.exception("probing worker %s failed", info.worker_id)
+            return [
+                Check(
+                    "probe_send",
+                    CheckStatus.UNKNOWN,
+                    f"the probe failed inside the router ({type(error).__name__})",
+                    "see the router's log",
+                )
+            ]
 
-    def _routing(self, statuses: Sequence[WorkerStatus]) -> list[ModelRouting]:
-        routing = self.sight.routing(s.info for s in statuses if self._routable(s))
-        return [ModelRouting(model=model, routing=mode) for model, mode in routing.items()]
+    def _routable(self) -> set[str]:
+        """The workers routing may pick now (as /readyz and /metrics judge them)."""
+        return {candidate.worker_id for candidate in self.fleet.candidates()}
 
     async def index_stats(self) -> IndexStatistics:
         try:
@@ -444,6 +463,10 @@ class FleetApi:
         return decision, model
 
 
+def _routing(routing: Mapping[str, RoutingMode]) -> list[ModelRouting]:
+    return [ModelRouting(model=model, routing=mode) for model, mode in routing.items()]
+
+
 def _result(check: Check) -> CheckResult:
     return CheckResult(
         name=check.name, status=check.status.value, detail=check.detail, fix=check.fix
@@ -458,7 +481,8 @@ def _not_routable(status: WorkerStatus) -> Check:
     return Check(
         "state",
         CheckStatus.UNKNOWN,
-        f"the worker is {status.state.value} here: not probed",
+        f"not routable now ({status.state.value} in the index; or drained, its engine down, "
+        "or refusing connections): not probed",
     )
 
 

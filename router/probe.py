@@ -34,6 +34,9 @@ from router.routing.wiring import Check, CheckStatus
 PROBE_BLOCKS = 4
 """Whole blocks the probe's prompt spans: enough to be cached and announced, small
 enough to cost an engine nothing."""
+ANSWER_TIMEOUT_S = 30.0
+"""The most the engine's whole answer to the probe may take (however long the proxy's
+own first-byte timeout): a busy engine fails the probe rather than hang the check."""
 _POLL_S = 0.05
 _INDEX_TIMEOUT_S = 2.0
 _UNCACHED_SCOPE = ""  # the shared scope, unsalted: the probe's words are its own
@@ -62,7 +65,9 @@ class WiringProbe:
         self._sleep = sleep
 
     async def probe(self, info: WorkerInfo, wait_s: float) -> list[Check]:
-        """The probe's two checks: `probe_tokenizer` and `probe_index`."""
+        """The probe's checks: `probe_tokenizer` and `probe_index`; or `probe_send`
+        alone, failed, when the engine gave no answer to compare (that proves nothing
+        about the router's sight of its cache, so it does not make the worker blind)."""
         prompt = await self._prompt(info.model)
         if prompt is None:
             return [
@@ -103,38 +108,38 @@ class WiringProbe:
         """The engine's whole answer, or the failed check that says why there is none."""
         url = info.base_url.rstrip("/") + Endpoint.COMPLETIONS.value
         headers = {"content-type": "application/json"}
+        first_byte_timeout_s = min(self.first_byte_timeout_s, ANSWER_TIMEOUT_S)
         try:
-            answer = await self.upstream.send(url, body, headers, self.first_byte_timeout_s)
+            async with asyncio.timeout(ANSWER_TIMEOUT_S):
+                answer = await self.upstream.send(url, body, headers, first_byte_timeout_s)
+                try:
+                    chunks = [answer.first_chunk]
+                    chunks.extend([chunk async for chunk in answer.rest()])
+                finally:
+                    await answer.close()
         except AttemptFailed as failure:
-            return Check(
-                "probe_tokenizer",
-                CheckStatus.FAIL,
+            return _unsent(
                 f"the engine at {info.base_url} did not answer the probe ({failure.reason})",
                 "check the engine, and the base URL its agent advertises (--advertise-url)",
             )
         except NoFreeConnection:
             return Check(
-                "probe_tokenizer",
+                "probe_send",
                 CheckStatus.UNKNOWN,
                 "the router has no free connection to the engines now",
                 "run the check again when the router is less busy",
             )
-        try:
-            chunks = [answer.first_chunk]
-            chunks.extend([chunk async for chunk in answer.rest()])
         except UpstreamBroken as error:
-            return Check(
-                "probe_tokenizer",
-                CheckStatus.FAIL,
-                f"the engine broke its answer to the probe ({error})",
-                "check the engine",
+            return _unsent(
+                f"the engine broke its answer to the probe ({error})", "check the engine"
             )
-        finally:
-            await answer.close()
+        except TimeoutError:
+            return _unsent(
+                f"the engine did not answer the probe within {ANSWER_TIMEOUT_S:g} s",
+                "check the engine's load; run the check again",
+            )
         if answer.status >= 400:
-            return Check(
-                "probe_tokenizer",
-                CheckStatus.FAIL,
+            return _unsent(
                 f"the engine answered the probe with status {answer.status}",
                 f"check that the engine serves model {info.model!r} as its agent registered it",
             )
@@ -149,7 +154,7 @@ class WiringProbe:
                 CheckStatus.UNKNOWN,
                 "the engine's answer has no usage.prompt_tokens to compare",
             )
-        if self.agreement.observe(info.worker_id, router_tokens, engine_tokens):
+        if self.agreement.observe((info.worker_id, info.incarnation), router_tokens, engine_tokens):
             return Check(
                 "probe_tokenizer",
                 CheckStatus.PASS,
@@ -207,3 +212,7 @@ class WiringProbe:
             f"within {wait_s:g} s",
             fix,
         )
+
+
+def _unsent(detail: str, fix: str) -> Check:
+    return Check("probe_send", CheckStatus.FAIL, detail, fix)

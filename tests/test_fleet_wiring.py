@@ -25,8 +25,9 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from benchmarks.live.routers import BlindFleet, check_wiring
+from benchmarks.live.routers import check_wiring
 from kvplane.core.serving import free_port
+from router.check import BlindFleet
 from simulations.processes import spawn_kvplane
 from tests.one_worker_fleet import one_worker_fleet
 from tests.test_tokenizer import write_word_tokenizer

@@ -10,6 +10,7 @@ incarnation, so the control plane never keeps what the engine no longer holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -92,7 +93,7 @@ class WorkerAgent:
                 connect_grace_s=agent.events_connect_grace_s,
                 silent_after_s=agent.events_silent_after_s,
                 engine_block_size=engine_block,
-                computed_tokens_threshold=engine_block or router_block,
+                block_tokens=engine_block or router_block,
             )
             try:
                 async with asyncio.TaskGroup() as tasks:
@@ -131,14 +132,17 @@ class WorkerAgent:
         translator: BlockTranslator,
         publisher: ControlPlanePublisher,
     ) -> None:
-        async for item in source.items():
-            if isinstance(item, StateLost):
-                _start_over(item.reason, translator, publisher)
-                continue
-            try:
-                publisher.submit(translator.translate(item.events))
-            except TrackingLimitExceeded as error:
-                _start_over(str(error), translator, publisher)
+        # Closed here, not left to the garbage collector: its sockets must close before
+        # the source's context does.
+        async with contextlib.aclosing(source.items()) as items:
+            async for item in items:
+                if isinstance(item, StateLost):
+                    _start_over(item.reason, translator, publisher)
+                    continue
+                try:
+                    publisher.submit(translator.translate(item.events))
+                except TrackingLimitExceeded as error:
+                    _start_over(str(error), translator, publisher)
 
     async def _watch_engine(
         self,
@@ -203,8 +207,8 @@ class WorkerAgent:
         facts = SourceFacts(
             endpoint=source.endpoint,
             replay_endpoint=source.replay_endpoint,
-            subscribed_at=source.subscribed_at,
-            connected=source.connected,
+            subscribed=source.subscribed_at is not None,
+            unconnected_since=source.unconnected_since,
             last_batch_at=source.last_batch_at,
             replay_answered=source.replay_answered,
             replay_timeout_s=self.settings.agent.replay_timeout_s,

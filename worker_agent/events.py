@@ -70,12 +70,14 @@ class EngineCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheCounters:
-    """The engine's cumulative prefix-cache counters, in prompt tokens: looked up, and
-    found cached. Their difference is prompt tokens the engine computed, which it
-    caches (and announces) whole block by whole block."""
+    """The engine's cumulative prefix-cache counters: prompt tokens looked up, and found
+    cached (their difference is prompt tokens it computed, which it caches, and
+    announces, whole block by whole block); and requests past their prefill (first
+    token out)."""
 
     queried_tokens: float
     hit_tokens: float
+    prefilled_requests: float
 
     @property
     def computed_tokens(self) -> float:

@@ -19,10 +19,11 @@ batch arrived, and whether the last replay request was answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import zmq
@@ -85,9 +86,13 @@ class KvEventSource:
         self._catch_up_tries = 0
         # What proves the wiring, times on `clock`:
         self.subscribed_at: float | None = None  # when the SUB socket started connecting
-        self.connected = False  # a publisher completed the handshake, and is still there
+        # Since when no publisher is on the other end (one that completed the handshake
+        # and is still there); None while one is.
+        self.unconnected_since: float | None = None
         self.last_batch_at: float | None = None  # when the last batch arrived (SUB or replay)
-        self.replay_answered: bool | None = None  # the last replay request; None: none yet
+        # The last replay request's fate; None: none yet. Catching up while idle after an
+        # engine outage fails as long as the engine is away, and says nothing then.
+        self.replay_answered: bool | None = None
 
     def engine_went_down(self) -> None:
         """The engine is gone (its cache with it). Its next life counts from 0 again, and
@@ -98,11 +103,12 @@ class KvEventSource:
         self._last = None
         self._replayed = {}
         self._catch_up_tries = _CATCH_UP_TRIES
+        self.replay_answered = None  # the next life's endpoint is judged afresh
 
     def close(self) -> None:
         self._context.destroy(linger=0)
 
-    async def items(self) -> AsyncIterator[SourceItem]:
+    async def items(self) -> AsyncGenerator[SourceItem]:
         """Batches in sequence order, with StateLost where continuity broke."""
         subscriber = self._context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.LINGER, 0)
@@ -111,7 +117,7 @@ class KvEventSource:
         monitor = subscriber.get_monitor_socket(_CONNECTION_EVENTS)
         watch = asyncio.create_task(self._watch_connection(monitor))
         subscriber.connect(self.endpoint)
-        self.subscribed_at = self._clock()
+        self.subscribed_at = self.unconnected_since = self._clock()
         try:
             if self.replay_endpoint is not None:
                 # Learn what the engine already holds: its buffer may reach back to 0.
@@ -140,15 +146,24 @@ class KvEventSource:
                         await asyncio.sleep(0)  # heartbeats and probes go on under a flood
         finally:
             watch.cancel()
-            subscriber.disable_monitor()
+            with contextlib.suppress(zmq.ZMQError):  # the context may be gone already
+                subscriber.disable_monitor()
             monitor.close(linger=0)
             subscriber.close(linger=0)
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
-        """Keep `connected` true exactly while a publisher is on the other end."""
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            self.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        """Keep `unconnected_since` None exactly while a publisher is on the other end."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.unconnected_since = None
+                elif self.unconnected_since is None:
+                    self.unconnected_since = self._clock()
+        except zmq.ZMQError:
+            return  # the socket closed under it: the source is closing
+        except Exception:  # a task's edge: a bug would otherwise freeze the state unseen
+            log.exception("watching the event socket's connection failed")
 
     async def _frames(self, frames: list[bytes]) -> AsyncIterator[SourceItem]:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -196,9 +211,10 @@ class KvEventSource:
             return
         epoch = self._epoch
         replies = await self._fetch_replay(start)
-        self.replay_answered = replies is not None
         if self._epoch != epoch:
             return  # asked before the engine went down: the answer is the old engine's
+        if replies is not None or not idle:
+            self.replay_answered = replies is not None
         if replies is None:
             if not lenient:
                 self._last = None

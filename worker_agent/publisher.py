@@ -183,7 +183,7 @@ class ControlPlanePublisher:
         self._registered = False
         while True:
             if self._down_report_pending and self._registered:
-                await stream.send(load_message(0, 0, 0.0, engine_down=True))
+                await stream.send(load_message(0, 0, 0.0, engine_down=True, wiring=self._wiring))
             self._down_report_pending = False
             if self._engine_down:  # nothing else until it is back, under a new incarnation
                 await self._wait()

@@ -5,20 +5,26 @@ A fleet can run for ever with every agent registered and not one event arriving:
 and SGLang *connect* to a concrete event endpoint (`tcp://127.0.0.1:5557`) instead of
 binding it, the agent's SUB socket connects too, and ZMQ reports no error on either
 side. So the agent proves each link and says so, with the fix:
-- the event socket: a publisher must complete the handshake within `connect_grace_s`;
+- the event socket: a publisher must complete the handshake within `connect_grace_s`
+  of the agent subscribing (or of the last publisher going away);
 - the replay socket: the request made at start (and any later one) must be answered;
-- the stream itself: an engine that computed at least a block of new prompt tokens
-  (its prefix-cache counters, from the /metrics the agent reads anyway) with no event
-  for `silent_after_s` is "silent".
+- the stream itself: an engine whose counters prove that it cached a new block at least
+  `silent_after_s` ago, with no event since, is "silent". Proof, not a hint: by some
+  moment it had computed more prompt tokens than (block size - 1) times the requests it
+  has prefilled since the last event (counted now, so that requests still in their
+  prefill then are counted too), so at least one request computed a whole block, which
+  a prefix-caching engine caches and announces. Repeated prompts that compute a few
+  tokens each never add up to that.
 
 `assess` is the pure judgement; `WiringWatch` keeps the little state it needs (the
-engine's counters when the last event came) and logs changes, and repeats a problem at
-most once per `LOG_REPEAT_S`.
+engine's counters since the last event) and logs changes, and repeats a problem at most
+once per `LOG_REPEAT_S`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from kvplane.core.types import EventsState, ReplayState, WiringReport
@@ -35,8 +41,8 @@ class SourceFacts:
 
     endpoint: str
     replay_endpoint: str | None
-    subscribed_at: float | None  # None: not subscribed yet
-    connected: bool
+    subscribed: bool
+    unconnected_since: float | None  # None: a publisher is on the other end
     last_batch_at: float | None
     replay_answered: bool | None  # None: no replay request made yet
     replay_timeout_s: float
@@ -44,10 +50,10 @@ class SourceFacts:
 
 @dataclass(frozen=True, slots=True)
 class SilenceFacts:
-    """Since the last event (or since the agent started): when the engine was first seen
-    to have computed a block's worth of new prompt tokens; None if it has not."""
+    """Since the last event: the earliest moment by which the engine's counters prove
+    that it cached a new block (see the module's docstring); None if they do not."""
 
-    computing_since: float | None
+    cached_since: float | None
 
 
 def bind_hint(endpoint: str, config_field: str) -> str:
@@ -92,22 +98,22 @@ def _events_state(
     silent_after_s: float,
     now: float,
 ) -> tuple[EventsState, str]:
-    if source.subscribed_at is None:
+    if not source.subscribed:
         return EventsState.UNKNOWN, ""
-    if not source.connected:
+    if source.unconnected_since is not None:
         # Batches may still be coming in from replay alone; the live stream is what counts.
-        if now - source.subscribed_at < connect_grace_s:
+        if now - source.unconnected_since < connect_grace_s:
             return EventsState.UNKNOWN, ""
         return EventsState.NOT_CONNECTED, (
-            f"no KV event publisher accepted a connection at {source.endpoint}: "
-            + bind_hint(source.endpoint, "endpoint")
+            f"no KV event publisher accepted a connection at {source.endpoint} for "
+            f"{now - source.unconnected_since:.0f} s: " + bind_hint(source.endpoint, "endpoint")
         )
-    if silence.computing_since is not None and now - silence.computing_since >= silent_after_s:
+    if silence.cached_since is not None and now - silence.cached_since >= silent_after_s:
         return EventsState.SILENT, (
-            f"the engine computed new prompt tokens but no KV event arrived at "
-            f"{source.endpoint} for {now - silence.computing_since:.0f} s: check that the "
-            "engine runs with --enable-prefix-caching and enable_kv_cache_events, that its "
-            "topic matches the agent's, and that the agent is beside the engine it reads"
+            f"the engine cached new blocks but no KV event arrived at {source.endpoint} for "
+            f"{now - silence.cached_since:.0f} s: check that the engine runs with "
+            "--enable-prefix-caching and enable_kv_cache_events, that its topic matches "
+            "the agent's, and that the agent is beside the engine it reads"
         )
     if source.last_batch_at is None:
         return EventsState.NEVER_SEEN, ""
@@ -123,14 +129,26 @@ def _replay_state(source: SourceFacts) -> tuple[ReplayState, str]:
         return ReplayState.OK, ""
     return ReplayState.FAILING, (
         f"the replay endpoint {source.replay_endpoint} did not answer a replay request "
-        f"within {source.replay_timeout_s:g} s: "
+        f"whole (each reply within {source.replay_timeout_s:g} s, well formed): "
         + bind_hint(source.replay_endpoint, "replay_endpoint")
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    at: float
+    computed_tokens: float
+    prefilled_requests: float
+
+
+_SAMPLES_KEPT = 1024
+"""Samples of the counters since the last event, each one that moved. Dropping the
+oldest only delays a verdict of silence; it never brings one about."""
+
+
 class WiringWatch:
-    """The silence baseline between probes, and the log lines (changes, and a problem
-    repeated at most once per LOG_REPEAT_S)."""
+    """The engine's counters since the last event, and the log lines (changes, and a
+    problem repeated at most once per LOG_REPEAT_S)."""
 
     def __init__(
         self,
@@ -138,51 +156,71 @@ class WiringWatch:
         connect_grace_s: float,
         silent_after_s: float,
         engine_block_size: int | None,
-        computed_tokens_threshold: int,
+        block_tokens: int,
     ) -> None:
+        """`block_tokens`: the engine's block size, or the router's where the engine
+        does not say (the engine's divides it, so the rule stays sound, only slower)."""
         self.connect_grace_s = connect_grace_s
         self.silent_after_s = silent_after_s
         self.engine_block_size = engine_block_size
-        # A block of new prompt tokens makes an engine cache (and announce) at least one
-        # block; fewer may make none.
-        self._threshold = computed_tokens_threshold
-        self._baseline: float | None = None  # the engine's computed tokens at the last event
+        self._block_tokens = block_tokens
         self._batch_seen_at: float | None = None
-        self._computing_since: float | None = None
+        self._baseline: _Sample | None = None  # the engine's counters at the last event
+        self._samples: deque[_Sample] = deque(maxlen=_SAMPLES_KEPT)
+        self._prefilled_now = 0.0  # the engine's prefilled requests at the last probe
         self._logged: WiringReport | None = None
         self._logged_at = 0.0
-        self.report: WiringReport | None = None
 
     def observe(
         self, source: SourceFacts, counters: PrefixCacheCounters | None, now: float
     ) -> WiringReport:
         self._follow_counters(source.last_batch_at, counters, now)
-        self.report = assess(
+        report = assess(
             source,
-            SilenceFacts(self._computing_since),
+            SilenceFacts(self._cached_since()),
             engine_block_size=self.engine_block_size,
             connect_grace_s=self.connect_grace_s,
             silent_after_s=self.silent_after_s,
             now=now,
         )
-        self._log(self.report, now)
-        return self.report
+        self._log(report, now)
+        return report
 
     def _follow_counters(
         self, last_batch_at: float | None, counters: PrefixCacheCounters | None, now: float
     ) -> None:
         if counters is None:
-            return
-        computed = counters.computed_tokens
+            return  # unreadable this time: judged on the next probe
+        sample = _Sample(now, counters.computed_tokens, counters.prefilled_requests)
+        baseline = self._baseline
         if (
-            self._baseline is None
+            baseline is None
             or last_batch_at != self._batch_seen_at
-            or computed < self._baseline  # the counters started again: a restarted engine
+            # The counters started again: a restarted engine.
+            or sample.computed_tokens < baseline.computed_tokens
+            or sample.prefilled_requests < baseline.prefilled_requests
         ):
-            self._baseline, self._batch_seen_at = computed, last_batch_at
-            self._computing_since = None
-        elif self._computing_since is None and computed - self._baseline >= self._threshold:
-            self._computing_since = now
+            self._baseline, self._batch_seen_at = sample, last_batch_at
+            self._samples.clear()
+            self._prefilled_now = sample.prefilled_requests
+            return
+        self._prefilled_now = sample.prefilled_requests
+        last = self._samples[-1] if self._samples else baseline
+        if sample.computed_tokens != last.computed_tokens:  # an idle engine adds nothing
+            self._samples.append(sample)
+
+    def _cached_since(self) -> float | None:
+        baseline = self._baseline
+        if baseline is None or not self._samples:
+            return None
+        prefilled = self._prefilled_now - baseline.prefilled_requests
+        if prefilled < 1:
+            return None
+        threshold = (self._block_tokens - 1) * prefilled
+        for sample in self._samples:  # oldest first; computed tokens only grow
+            if sample.computed_tokens - baseline.computed_tokens > threshold:
+                return sample.at
+        return None
 
     def _log(self, report: WiringReport, now: float) -> None:
         problem = report.events in (EventsState.NOT_CONNECTED, EventsState.SILENT) or (

@@ -33,6 +33,7 @@ from benchmarks.live.grid import BYPASS_SHARE, Cell, cell_key
 from benchmarks.live.processes import Children, StartFailed
 from benchmarks.live.routers import Deployment, api_key
 from benchmarks.live.workloads import Workload, build_workload
+from router.check import BlindFleet
 from simulations.reporting import percentile
 
 DRAIN_S = 30.0  # the longest a cell waits for its last responses after the schedule ends
@@ -139,7 +140,7 @@ def run_cell(
         if workload.tenants:
             result.unsalted_blocks = fleet.cache_scopes().get(UNSALTED_SCOPE, 0)
         result.evidence = deployment.in_play()
-    except (StartFailed, OSError, RuntimeError, ValueError) as error:
+    except (StartFailed, BlindFleet, OSError, RuntimeError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
     finally:
         children.stop_all()

@@ -32,7 +32,7 @@ from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
 from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
-from router.check import CheckUnavailable, ask_router
+from router.check import require_wiring
 from router.tenants import api_key_digest
 
 # Where `make peers-env` builds the peers' environment; KVPLANE_PEERS_VENV points
@@ -203,19 +203,9 @@ def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> Non
         time.sleep(0.1)
 
 
-class BlindFleet(RuntimeError):
-    """kvplane's wiring check failed before measuring: the router could not see the
-    engines' caches, and no figure of the cell would be kvplane's."""
-
-
 def check_wiring(url: str, token: str = ADMIN_TOKEN) -> dict[str, Any]:
-    """`kvplane check` against one replica; BlindFleet if anything failed."""
-    try:
-        verdict = ask_router(url, token, wait_s=5.0)
-    except CheckUnavailable as error:
-        raise BlindFleet(f"kvplane's wiring check could not run: {error}") from None
-    if not verdict.ok:
-        raise BlindFleet("kvplane's wiring check failed: " + "; ".join(verdict.problems))
+    """`kvplane check` against one replica, for the evidence; BlindFleet if it failed."""
+    verdict = require_wiring(url, token)
     return {"ok": verdict.ok, "workers_probed": len(verdict.workers)}
 
 

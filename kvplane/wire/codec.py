@@ -39,6 +39,10 @@ from kvplane.core.types import (
 from kvplane.wire.v1 import control_plane_pb2 as pb
 
 WORKER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+UNREADABLE_DETAIL = (
+    f"(the agent's detail was not one printable line of at most {MAX_WIRING_DETAIL_CHARS} "
+    "characters)"
+)
 
 _TIER_TO_WIRE: dict[Tier, pb.Tier] = {
     Tier.DEVICE: pb.TIER_DEVICE,
@@ -165,9 +169,15 @@ def wiring_to_wire(report: WiringReport) -> pb.Wiring:
         events=_EVENTS_TO_WIRE[report.events],
         replay=_REPLAY_TO_WIRE[report.replay],
         engine_block_size=report.engine_block_size or 0,
-        events_detail=report.events_detail[:MAX_WIRING_DETAIL_CHARS],
-        replay_detail=report.replay_detail[:MAX_WIRING_DETAIL_CHARS],
+        events_detail=_one_line(report.events_detail),
+        replay_detail=_one_line(report.replay_detail),
     )
+
+
+def _one_line(detail: str) -> str:
+    """What the router accepts as a wiring detail: printable, one line, not too long."""
+    printable = "".join(char if char.isprintable() else " " for char in detail)
+    return printable[:MAX_WIRING_DETAIL_CHARS]
 
 
 def drain_message() -> pb.AgentMessage:
@@ -299,8 +309,6 @@ def parse_load(message: pb.Load) -> LoadReport | Rejection:
     if not (math.isfinite(message.kv_usage) and 0.0 <= message.kv_usage <= 1.0):
         return _invalid("kv_usage must be a number from 0.0 to 1.0")
     wiring = _parse_wiring(message.wiring) if message.HasField("wiring") else None
-    if isinstance(wiring, Rejection):
-        return wiring
     return LoadReport(
         running=message.running,
         waiting=message.waiting,
@@ -311,22 +319,23 @@ def parse_load(message: pb.Load) -> LoadReport | Rejection:
     )
 
 
-def _parse_wiring(message: pb.Wiring) -> WiringReport | Rejection:
-    for name in ("events_detail", "replay_detail"):
-        detail = getattr(message, name)
-        if len(detail) > MAX_WIRING_DETAIL_CHARS or not detail.isprintable():
-            return _invalid(
-                f"wiring.{name} must be one printable line of at most "
-                f"{MAX_WIRING_DETAIL_CHARS} characters"
-            )
+def _parse_wiring(message: pb.Wiring) -> WiringReport:
+    """A diagnosis, never a reason to refuse the heartbeat it comes with: a state from a
+    newer contract is read as unknown, a detail that is no short printable line is
+    replaced by a note saying so."""
     return WiringReport(
-        # A state from a newer contract is one this router cannot judge: unknown.
         events=_EVENTS_FROM_WIRE.get(message.events, EventsState.UNKNOWN),
         replay=_REPLAY_FROM_WIRE.get(message.replay, ReplayState.UNKNOWN),
         engine_block_size=message.engine_block_size or None,
-        events_detail=message.events_detail,
-        replay_detail=message.replay_detail,
+        events_detail=_checked_detail(message.events_detail),
+        replay_detail=_checked_detail(message.replay_detail),
     )
+
+
+def _checked_detail(detail: str) -> str:
+    if len(detail) <= MAX_WIRING_DETAIL_CHARS and detail.isprintable():
+        return detail
+    return UNREADABLE_DETAIL
 
 
 def batch_blocks(events: Iterable[KvEvent]) -> int:

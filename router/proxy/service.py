@@ -467,12 +467,13 @@ class ProxyService:
         if not exchange.prompt_tokens or usage.prompt_tokens is None:
             return
         worker = exchange.worker_id
-        matched = self.agreement.observe(worker, exchange.prompt_tokens, usage.prompt_tokens)
+        incarnation = (worker, exchange.incarnation)
+        matched = self.agreement.observe(incarnation, exchange.prompt_tokens, usage.prompt_tokens)
         self.metrics.prompt_token_checks.labels(
             worker=worker, result="match" if matched else "mismatch"
         ).inc()
-        if not matched and self.agreement.warning_due(worker, time.monotonic()):
-            agreement = self.agreement.of(worker)
+        if not matched and self.agreement.warning_due(incarnation, time.monotonic()):
+            agreement = self.agreement.of(incarnation)
             log.warning(
                 "worker %s (model %s): the engine counted %d prompt tokens where the router "
                 "counted %d (%d of the last %d requests differ): the router does not tokenise "

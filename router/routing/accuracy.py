@@ -11,8 +11,9 @@ until a prediction holds again or the worker starts a new incarnation.
 Only the part of a prediction that the worker's own events vouched for (its index
 entries) is judged: the rest came from this router's predicted entries, which are its
 own guesses. A worker whose engine keeps reporting hits that only those guesses
-foresaw is *unvouched*: its events are not reaching the index (or carry other keys),
-and routing there is approximate, however well the guesses do.
+foresaw is *unvouched* (router/routing/wiring.py judges it): its events are not reaching
+the index (or carry other keys), and routing there is approximate, however well the
+guesses do.
 """
 
 from __future__ import annotations
@@ -94,12 +95,6 @@ class PredictionAccuracy:
         if record is None or record.incarnation != incarnation:
             return 0, 0
         return len(record.hits_vouched), sum(record.hits_vouched)
-
-    def is_unvouched(self, worker_id: str, incarnation: int) -> bool:
-        """The engine's recent hits were all foreseen by this router's own predictions
-        alone, never by the worker's index entries."""
-        hits, vouched = self.vouching(worker_id, incarnation)
-        return hits >= UNVOUCHED_AFTER_HITS and vouched == 0
 
     def forget(self, worker_id: str) -> None:
         """The worker's entries are gone (new incarnation, resync, death)."""

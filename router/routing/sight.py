@@ -45,7 +45,7 @@ class FleetSight:
                 report=report,
                 stream_here=own and record is not None and record.stream is not None,
                 router_block_size=self.block_size,
-                agreement=self.agreement.of(info.worker_id),
+                agreement=self.agreement.of((info.worker_id, info.incarnation)),
                 recent_hits=hits,
                 vouched_hits=vouched,
             )

@@ -11,6 +11,7 @@ sign of it. Counts, never text: nothing of a prompt is kept.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 WINDOW = 32
@@ -48,21 +49,25 @@ class _Window:
     warned_at: float | None = None
 
 
+Incarnation = tuple[str, int]
+"""A worker id and incarnation: an agent restarted beside another engine starts afresh."""
+
+
 class TokenCountAgreement:
     def __init__(self) -> None:
-        self._windows: dict[str, _Window] = {}
+        self._windows: dict[Incarnation, _Window] = {}
 
-    def observe(self, worker_id: str, router_tokens: int, engine_tokens: int) -> bool:
+    def observe(self, worker: Incarnation, router_tokens: int, engine_tokens: int) -> bool:
         """Record one request's counts; whether they were equal."""
-        window = self._windows.setdefault(worker_id, _Window())
+        window = self._windows.setdefault(worker, _Window())
         matched = router_tokens == engine_tokens
         window.matched.append(matched)
         if not matched:
             window.last_difference = (router_tokens, engine_tokens)
         return matched
 
-    def of(self, worker_id: str) -> Agreement:
-        window = self._windows.get(worker_id)
+    def of(self, worker: Incarnation) -> Agreement:
+        window = self._windows.get(worker)
         if window is None:
             return Agreement(0, 0, None, None)
         router_tokens, engine_tokens = window.last_difference or (None, None)
@@ -73,17 +78,19 @@ class TokenCountAgreement:
             last_engine_tokens=engine_tokens,
         )
 
-    def warning_due(self, worker_id: str, now: float) -> bool:
+    def warning_due(self, worker: Incarnation, now: float) -> bool:
         """The worker disagrees and was not warned about within WARN_EVERY_S (a warning
         is then taken as given)."""
-        window = self._windows.get(worker_id)
-        if window is None or not self.of(worker_id).disagrees:
+        window = self._windows.get(worker)
+        if window is None or not self.of(worker).disagrees:
             return False
         if window.warned_at is not None and now - window.warned_at < WARN_EVERY_S:
             return False
         window.warned_at = now
         return True
 
-    def forget(self, worker_id: str) -> None:
-        """The worker's engine may be another now (a new incarnation)."""
-        self._windows.pop(worker_id, None)
+    def retain(self, current: Iterable[Incarnation]) -> None:
+        """Forget every worker incarnation but `current` (the registry's)."""
+        keep = set(current)
+        for worker in [worker for worker in self._windows if worker not in keep]:
+            del self._windows[worker]

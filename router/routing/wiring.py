@@ -116,8 +116,10 @@ def events_check(report: WiringReport | None, stream_here: bool) -> Check:
             "the engine computed a block of new prompt tokens)",
             "send it a request (kvplane check does)",
         )
-    if state is EventsState.UNKNOWN:
-        return Check("events", CheckStatus.UNKNOWN, "the agent has not judged yet")
+    if state is EventsState.UNKNOWN:  # not judged yet, or a state newer than this router
+        return Check(
+            "events", CheckStatus.UNKNOWN, report.events_detail or "the agent has not judged yet"
+        )
     return Check(
         "events",
         CheckStatus.FAIL,
@@ -147,7 +149,11 @@ def replay_check(report: WiringReport | None, stream_here: bool) -> Check:
             report.replay_detail or "the replay endpoint does not answer",
             "see docs/troubleshooting.md, 'Replay failing'",
         )
-    return Check("replay", CheckStatus.UNKNOWN, "the agent has not asked for a replay yet")
+    return Check(
+        "replay",
+        CheckStatus.UNKNOWN,
+        report.replay_detail or "the agent has not asked for a replay yet",
+    )
 
 
 def block_size_check(

@@ -46,6 +46,7 @@ async def test_healthz_and_readyz(router: RunningRouter) -> None:
         "grpc": "serving",
         "index": "ok",
         "routing": "cache-aware",
+        "predictions_only_models": [],
     }
 
 
@@ -66,6 +67,7 @@ async def test_readyz_fails_while_grpc_is_not_serving() -> None:
         "grpc": "not serving",
         "index": "ok",
         "routing": "cache-aware",
+        "predictions_only_models": [],
     }
 
 

@@ -18,9 +18,10 @@ from router.routing.wiring import (
 )
 
 FLOWING = WiringReport(EventsState.FLOWING, ReplayState.OK, engine_block_size=16)
+W = ("w", 1)  # a worker incarnation
 AGREEING = TokenCountAgreement()
 for _ in range(MIN_SAMPLES):
-    AGREEING.observe("w", 100, 100)
+    AGREEING.observe(W, 100, 100)
 
 
 def facts(report: WiringReport | None = FLOWING, **fields: object) -> WorkerWiringFacts:
@@ -28,7 +29,7 @@ def facts(report: WiringReport | None = FLOWING, **fields: object) -> WorkerWiri
         "report": report,
         "stream_here": True,
         "router_block_size": 32,
-        "agreement": AGREEING.of("w"),
+        "agreement": AGREEING.of(W),
         "recent_hits": 6,
         "vouched_hits": 5,
     }
@@ -55,6 +56,14 @@ def test_events_that_do_not_reach_the_agent_blind_the_router(state: EventsState)
     assert state.value in events.detail
     assert "tcp://*:5557" in events.detail  # the agent's fix, passed on
     assert is_blind(checks)
+
+
+def test_a_state_newer_than_the_router_is_unknown_with_the_agents_words() -> None:
+    newer = WiringReport(EventsState.UNKNOWN, ReplayState.UNKNOWN, 16, "judged anew", "fine")
+    found = {c.name: c for c in worker_checks(facts(newer))}
+    assert found["events"].status is CheckStatus.UNKNOWN
+    assert found["events"].detail == "judged anew"
+    assert found["replay"].detail == "fine"
 
 
 def test_unproven_events_and_replays_are_unknown_and_a_missing_replay_a_warning() -> None:
@@ -96,12 +105,12 @@ def test_an_engine_block_size_that_does_not_divide_the_routers_fails() -> None:
 def test_token_counts_that_differ_fail_the_tokenizer_check() -> None:
     agreement = TokenCountAgreement()
     for _ in range(MIN_SAMPLES - 1):
-        agreement.observe("w", 100, 90)
-    assert statuses(worker_checks(facts(agreement=agreement.of("w"))))["tokenizer"] is (
+        agreement.observe(W, 100, 90)
+    assert statuses(worker_checks(facts(agreement=agreement.of(W))))["tokenizer"] is (
         CheckStatus.UNKNOWN
     )
-    agreement.observe("w", 100, 90)
-    checks = worker_checks(facts(agreement=agreement.of("w")))
+    agreement.observe(W, 100, 90)
+    checks = worker_checks(facts(agreement=agreement.of(W)))
     tokenizer = next(c for c in checks if c.name == "tokenizer")
     assert tokenizer.status is CheckStatus.FAIL
     assert "the router counted 100, the engine 90" in tokenizer.detail
@@ -110,35 +119,44 @@ def test_token_counts_that_differ_fail_the_tokenizer_check() -> None:
 
 def test_a_rare_difference_in_counts_is_tolerated() -> None:
     agreement = TokenCountAgreement()
-    agreement.observe("w", 100, 99)  # an engine's own reason: a prompt it cut, say
+    agreement.observe(W, 100, 99)  # an engine's own reason: a prompt it cut, say
     for _ in range(7):
-        agreement.observe("w", 100, 100)
-    assert agreement.of("w").agrees
-    assert statuses(worker_checks(facts(agreement=agreement.of("w"))))["tokenizer"] is (
+        agreement.observe(W, 100, 100)
+    assert agreement.of(W).agrees
+    assert statuses(worker_checks(facts(agreement=agreement.of(W))))["tokenizer"] is (
         CheckStatus.PASS
     )
-    agreement.forget("w")
-    assert agreement.of("w").samples == 0
+
+
+def test_a_workers_next_incarnation_starts_afresh_and_gone_ones_are_forgotten() -> None:
+    agreement = TokenCountAgreement()
+    for _ in range(MIN_SAMPLES):
+        agreement.observe(W, 100, 90)
+        agreement.observe(("other", 3), 10, 10)
+    assert agreement.of(W).disagrees
+    assert agreement.of(("w", 2)).samples == 0  # restarted beside another engine, maybe
+    agreement.retain([("w", 2), ("other", 3)])
+    assert agreement.of(W).samples == 0
+    assert agreement.of(("other", 3)).agrees
 
 
 def test_a_disagreement_is_warned_about_once_a_minute() -> None:
     agreement = TokenCountAgreement()
     for _ in range(MIN_SAMPLES):
-        agreement.observe("w", 10, 12)
-    assert agreement.warning_due("w", now=100.0)
-    assert not agreement.warning_due("w", now=100.0 + WARN_EVERY_S - 1)
-    assert agreement.warning_due("w", now=100.0 + WARN_EVERY_S)
-    assert not agreement.warning_due("other", now=500.0)
+        agreement.observe(W, 10, 12)
+    assert agreement.warning_due(W, now=100.0)
+    assert not agreement.warning_due(W, now=100.0 + WARN_EVERY_S - 1)
+    assert agreement.warning_due(W, now=100.0 + WARN_EVERY_S)
+    assert not agreement.warning_due(("other", 1), now=500.0)
 
 
 def test_hits_foreseen_only_by_the_routers_own_predictions_are_flagged() -> None:
     accuracy = PredictionAccuracy(suspect_after_misses=3, tolerance_tokens=16)
-    for _ in range(UNVOUCHED_AFTER_HITS - 1):
+    for _ in range(UNVOUCHED_AFTER_HITS):
         accuracy.observe("w", 1, 0, 64, self_predicted_tokens=64)
-    assert not accuracy.is_unvouched("w", 1)
-    accuracy.observe("w", 1, 0, 64, self_predicted_tokens=64)
-    assert accuracy.is_unvouched("w", 1)
     assert accuracy.vouching("w", 1) == (UNVOUCHED_AFTER_HITS, 0)
+    not_yet = worker_checks(facts(recent_hits=UNVOUCHED_AFTER_HITS - 1, vouched_hits=0))
+    assert statuses(not_yet)["index_vouches"] is CheckStatus.UNKNOWN
     vouching = next(
         c
         for c in worker_checks(facts(recent_hits=UNVOUCHED_AFTER_HITS, vouched_hits=0))
@@ -147,7 +165,7 @@ def test_hits_foreseen_only_by_the_routers_own_predictions_are_flagged() -> None
     assert vouching.status is CheckStatus.FAIL
     # One hit the index entries foresaw clears it; a new incarnation starts afresh.
     accuracy.observe("w", 1, 32, 64, self_predicted_tokens=32)
-    assert not accuracy.is_unvouched("w", 1)
+    assert accuracy.vouching("w", 1) == (UNVOUCHED_AFTER_HITS + 1, 1)
     assert accuracy.vouching("w", 2) == (0, 0)
 
 

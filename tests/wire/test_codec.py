@@ -24,6 +24,7 @@ from kvplane.core.types import (
     WiringReport,
 )
 from kvplane.wire.codec import (
+    UNREADABLE_DETAIL,
     Limits,
     Rejection,
     event_to_wire,
@@ -224,16 +225,20 @@ def test_a_wiring_report_from_a_newer_contract_is_unknown_not_refused() -> None:
         pb.Wiring(events_detail="a bell \a"),
     ],
 )
-def test_a_wiring_detail_that_is_no_single_short_line_is_refused(wiring: pb.Wiring) -> None:
-    result = parse_load(pb.Load(kv_usage=0.1, wiring=wiring))
-    assert isinstance(result, Rejection)
-    assert result.code == pb.REJECT_CODE_INVALID_MESSAGE
-    assert "wiring." in result.reason
+def test_a_wiring_detail_that_is_no_single_short_line_is_replaced(wiring: pb.Wiring) -> None:
+    # A diagnosis never costs the heartbeat it comes with.
+    report = parse_load(pb.Load(kv_usage=0.1, wiring=wiring))
+    assert not isinstance(report, Rejection)
+    assert report.wiring is not None
+    assert UNREADABLE_DETAIL in (report.wiring.events_detail, report.wiring.replay_detail)
 
 
-def test_an_agents_long_detail_is_cut_to_fit() -> None:
-    wiring = WiringReport(EventsState.SILENT, ReplayState.OK, 16, events_detail="y" * 2000)
+def test_an_agents_detail_is_made_one_short_printable_line() -> None:
+    wiring = WiringReport(
+        EventsState.SILENT, ReplayState.OK, 16, events_detail="y" * 2000, replay_detail="a\nb"
+    )
     report = parse_load(load_message(0, 0, 0.0, wiring=wiring).load)
     assert not isinstance(report, Rejection)
     assert report.wiring is not None
-    assert len(report.wiring.events_detail) == MAX_WIRING_DETAIL_CHARS
+    assert report.wiring.events_detail == "y" * MAX_WIRING_DETAIL_CHARS
+    assert report.wiring.replay_detail == "a b"

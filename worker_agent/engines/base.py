@@ -102,11 +102,13 @@ def process_start_time(metrics_text: str) -> float | None:
 
 
 def prefix_cache_counters(
-    metrics_text: str, queried: tuple[str, ...], hits: tuple[str, ...]
+    metrics_text: str, queried: tuple[str, ...], hits: tuple[str, ...], prefilled: str
 ) -> PrefixCacheCounters | None:
-    """Sums over data-parallel engines (and labels) of the first names present."""
-    samples = metric_samples(metrics_text, {*queried, *hits})
+    """Sums over data-parallel engines (and labels) of the first names present; None
+    unless all three are."""
+    samples = metric_samples(metrics_text, {*queried, *hits, prefilled})
     queried_tokens, hit_tokens = total(samples, *queried), total(samples, *hits)
-    if queried_tokens is None or hit_tokens is None:
+    prefilled_requests = total(samples, prefilled)
+    if queried_tokens is None or hit_tokens is None or prefilled_requests is None:
         return None
-    return PrefixCacheCounters(queried_tokens, hit_tokens)
+    return PrefixCacheCounters(queried_tokens, hit_tokens, prefilled_requests)

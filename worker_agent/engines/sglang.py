@@ -33,6 +33,7 @@ _LOAD_METRICS = frozenset(
 # Prompt tokens processed, and those served from cache (by cache_source: summed).
 _PROMPT_TOKENS = ("sglang:prompt_tokens_total",)
 _CACHED_TOKENS = ("sglang:cached_tokens_total",)
+_PREFILLED = "sglang:time_to_first_token_seconds_count"
 
 
 class SglangAdapter:
@@ -54,4 +55,4 @@ class SglangAdapter:
         return None  # SGLang's metrics count tokens, not blocks of a known size
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
-        return prefix_cache_counters(metrics_text, _PROMPT_TOKENS, _CACHED_TOKENS)
+        return prefix_cache_counters(metrics_text, _PROMPT_TOKENS, _CACHED_TOKENS, _PREFILLED)

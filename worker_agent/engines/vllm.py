@@ -36,6 +36,7 @@ _LOAD_METRICS = frozenset(
 # Counters in tokens; before 0.12 they were named `gpu_prefix_cache_*`.
 _PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 _PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+_PREFILLED = "vllm:time_to_first_token_seconds_count"
 
 
 class VllmAdapter:
@@ -63,7 +64,7 @@ class VllmAdapter:
         return None
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
-        return prefix_cache_counters(metrics_text, _PREFIX_QUERIES, _PREFIX_HITS)
+        return prefix_cache_counters(metrics_text, _PREFIX_QUERIES, _PREFIX_HITS, _PREFILLED)
 
 
 def _int_label(value: str | None) -> int | None:

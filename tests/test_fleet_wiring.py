@@ -6,7 +6,9 @@ One router in front of three engines:
 - `miswired`: the engine is given `tcp://127.0.0.1:PORT` (so it connects, as vLLM does)
   and so is the agent: nothing binds, ZMQ reports nothing, no event ever arrives;
 - `other-tokenizer`: wired right, but its engine tokenises with another tokenizer than
-  the router's, so none of the router's keys can ever match the engine's.
+  the router's, so none of the router's keys can ever match the engine's;
+- `dropping`: wired right, but its engine publishes nothing (every batch dropped), as an
+  engine with events configured and none ever sent.
 """
 
 from __future__ import annotations
@@ -68,10 +70,11 @@ def fleet() -> Iterator[Fleet]:
             )
         )
         logs = {}
-        for worker, engine_host, engine_args in [
-            ("good", "*", []),
-            ("miswired", "127.0.0.1", []),
-            ("other-tokenizer", "*", ["--tokenizer", str(tokenizer_dir)]),
+        for worker, engine_host, engine_args, agent_args in [
+            ("good", "*", [], []),
+            ("miswired", "127.0.0.1", [], []),
+            ("other-tokenizer", "*", ["--tokenizer", str(tokenizer_dir)], []),
+            ("dropping", "*", ["--drop-event-fraction", "1"], ["--events-silent-after-s", "2"]),
         ]:
             port, events, replay = free_port(), free_port(), free_port()
             engine_url = f"http://127.0.0.1:{port}"
@@ -90,12 +93,12 @@ def fleet() -> Iterator[Fleet]:
                     ["agent", "--worker-id", worker, "--engine-url", engine_url,
                      "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
                      "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
-                     "--control-plane-address", f"127.0.0.1:{grpc_port}"],
+                     "--control-plane-address", f"127.0.0.1:{grpc_port}", *agent_args],
                     None,
                     log=log,
                 )
             )  # fmt: skip
-        _wait_for(lambda: len(_workers(router_url)) == 3, "three workers registered")
+        _wait_for(lambda: len(_workers(router_url)) == 4, "four workers registered")
         yield Fleet(router_url, logs)
 
 
@@ -192,6 +195,28 @@ def test_token_counts_that_differ_are_reported_within_a_handful_of_requests(
     assert 'kvplane_model_routing_predictions_only{model="kvplane-tiny"} 1.0' in metrics
     assert ready["routing"] == "predictions-only"
     assert ready["predictions_only_models"] == ["kvplane-tiny"]
+
+
+def test_an_engine_that_caches_and_publishes_nothing_is_reported_silent(fleet: Fleet) -> None:
+    engine_url = _workers(fleet.router_url)["dropping"]["base_url"]
+    with httpx.Client(base_url=engine_url) as engine:
+        for turn in range(3):  # straight to the engine: new blocks cached, none announced
+            answer = engine.post(
+                "/v1/completions",
+                json={"prompt": f"fresh words {turn} " * 30, "max_tokens": 1},
+            )
+            assert answer.status_code == 200
+
+    def silent() -> bool:
+        return "wiring: events silent" in fleet.agent_logs["dropping"].read_text()
+
+    _wait_for(silent, "the dropping agent to report silence", timeout_s=15)
+    events = _checks(_workers(fleet.router_url)["dropping"])["events"]
+    assert events["status"] == "fail"
+    assert "silent" in events["detail"]
+    assert "--enable-prefix-caching" in events["detail"]
+    # The good engine served the same kind of traffic, and its agent heard every block.
+    assert "events silent" not in fleet.agent_logs["good"].read_text()
 
 
 def test_kvplane_check_fails_naming_each_broken_worker_and_its_fix(fleet: Fleet) -> None:

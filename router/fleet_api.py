@@ -75,7 +75,14 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
 from router.routing.sight import FleetSight
-from router.routing.wiring import Check, CheckStatus, RoutingMode, is_blind, model_routing
+from router.routing.wiring import (
+    Check,
+    CheckStatus,
+    RoutingMode,
+    is_blind,
+    model_routing,
+    with_probe,
+)
 from router.tenants import ANONYMOUS_TENANT, Tenant, TenantDirectory
 
 log = logging.getLogger(__name__)
@@ -297,7 +304,7 @@ class FleetApi:
             info = status.info
             if info.worker_id in routable:
                 # After the probes: they feed the token-count comparison too.
-                checks = [*self.sight.checks(info), *probed.get(info.worker_id, [])]
+                checks = with_probe(self.sight.checks(info), probed.get(info.worker_id, []))
             else:
                 checks = [_not_routable(status)]
             failed = [c for c in checks if c.status is CheckStatus.FAIL]

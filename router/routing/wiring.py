@@ -70,6 +70,20 @@ def worker_checks(facts: WorkerWiringFacts) -> list[Check]:
     ]
 
 
+def with_probe(checks: Iterable[Check], probe: Iterable[Check]) -> list[Check]:
+    """A worker's checks and its probe's. A probe whose blocks reached the index proves
+    the event stream that an idle engine's agent could not yet vouch for."""
+    probe = list(probe)
+    proven = any(c.name == "probe_index" and c.status is CheckStatus.PASS for c in probe)
+    merged = [
+        Check("events", CheckStatus.PASS, "the probe's blocks arrived as KV events")
+        if proven and c.name == "events" and c.status is CheckStatus.UNKNOWN
+        else c
+        for c in checks
+    ]
+    return [*merged, *probe]
+
+
 def is_blind(checks: Iterable[Check]) -> bool:
     return any(c.status is CheckStatus.FAIL and c.name in BLINDING_CHECKS for c in checks)
 

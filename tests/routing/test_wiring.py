@@ -14,6 +14,7 @@ from router.routing.wiring import (
     WorkerWiringFacts,
     is_blind,
     model_routing,
+    with_probe,
     worker_checks,
 )
 
@@ -183,3 +184,16 @@ def test_a_model_is_routed_on_predictions_only_when_every_worker_is_blind() -> N
         "b": "predictions_only",
     }
     assert model_routing([]) == {}
+
+
+def test_a_probe_that_reached_the_index_proves_the_events_of_an_idle_engine() -> None:
+    idle = worker_checks(facts(WiringReport(EventsState.NEVER_SEEN, ReplayState.OK, 16)))
+    reached = Check("probe_index", CheckStatus.PASS, "7 of 7 blocks")
+    merged = {c.name: c.status for c in with_probe(idle, [reached])}
+    assert merged["events"] is CheckStatus.PASS
+    assert merged["probe_index"] is CheckStatus.PASS
+    missed = Check("probe_index", CheckStatus.FAIL, "none")
+    assert {c.name: c.status for c in with_probe(idle, [missed])}["events"] is (CheckStatus.UNKNOWN)
+    # A failure the agent reported stands, whatever the probe says.
+    lonely = worker_checks(facts(WiringReport(EventsState.NOT_CONNECTED, ReplayState.OK, 16)))
+    assert {c.name: c.status for c in with_probe(lonely, [reached])}["events"] is (CheckStatus.FAIL)

@@ -27,6 +27,11 @@ from router.fleet_models import FleetCheck
 TOKEN_VARIABLE = "KVPLANE_HTTP__ADMIN_TOKEN"
 EXIT_PASSED, EXIT_FAILED, EXIT_UNASKED = 0, 1, 2
 _MARKS = {"pass": "ok  ", "warn": "warn", "fail": "FAIL", "unknown": "?   "}
+_HINTS = {
+    401: " (is the admin token the router's?)",
+    403: " (the router has no admin token: start it with KVPLANE_HTTP__ADMIN_TOKEN)",
+    404: " (an admin port moves the fleet API there: --router-url names that port)",
+}
 
 
 # The router's probe may take its engine's whole answer (router.probe.ANSWER_TIMEOUT_S,
@@ -67,7 +72,7 @@ def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True
     except httpx2.HTTPError as error:
         raise CheckUnavailable(f"cannot reach {url} ({type(error).__name__})") from None
     if response.status_code != 200:
-        hint = " (is the admin token the router's?)" if response.status_code == 401 else ""
+        hint = _HINTS.get(response.status_code, "")
         raise CheckUnavailable(f"{url} answered {response.status_code}{hint}")
     try:
         return FleetCheck.model_validate_json(response.content)

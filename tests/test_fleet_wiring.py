@@ -119,10 +119,12 @@ def _checks(row: dict[str, Any]) -> dict[str, dict[str, str]]:
     return {check["name"]: check for check in row["wiring"]["checks"]}
 
 
-def kvplane_check(router_url: str, *flags: str) -> subprocess.CompletedProcess[str]:
+def kvplane_check(
+    router_url: str, *flags: str, token: str = ADMIN_TOKEN
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvplane.cli", "check", "--router-url", router_url, *flags],
-        env={"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN, "PATH": ""},
+        env={"KVPLANE_HTTP__ADMIN_TOKEN": token, "PATH": ""},
         capture_output=True,
         text=True,
         timeout=60,
@@ -255,6 +257,12 @@ def test_kvplane_check_passes_on_a_fleet_wired_right() -> None:
     assert "worker right (model kvplane-tiny, live): ok" in result.stdout
     assert "PASSED" in result.stdout
     assert "model kvplane-tiny: cache aware" in result.stdout
+
+
+def test_kvplane_check_with_the_wrong_token_says_so(fleet: Fleet) -> None:
+    result = kvplane_check(fleet.router_url, "--no-probe", token="not-the-token")
+    assert result.returncode == 2
+    assert "answered 401 (is the admin token the router's?)" in result.stderr
 
 
 def test_kvplane_check_without_a_token_or_a_router_cannot_ask() -> None:

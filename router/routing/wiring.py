@@ -126,19 +126,20 @@ def events_check(report: WiringReport | None, stream_here: bool) -> Check:
         return Check(
             "events",
             CheckStatus.UNKNOWN,
-            "the agent's event socket is connected, but no event has arrived yet (nor has "
-            "the engine computed a block of new prompt tokens)",
+            "the agent's event socket is connected, but no event has arrived yet (nor do the "
+            "engine's counters show that it cached a block)",
             "send it a request (kvplane check does)",
         )
     if state is EventsState.UNKNOWN:  # not judged yet, or a state newer than this router
         return Check(
             "events", CheckStatus.UNKNOWN, report.events_detail or "the agent has not judged yet"
         )
+    section = "no KV events" if state is EventsState.NOT_CONNECTED else "silent"
     return Check(
         "events",
         CheckStatus.FAIL,
         f"events {state.value}: {report.events_detail}",
-        "see docs/troubleshooting.md, 'No KV events'",
+        f"the detail says how; more in docs/troubleshooting.md, 'events: {section}'",
     )
 
 
@@ -161,7 +162,7 @@ def replay_check(report: WiringReport | None, stream_here: bool) -> Check:
             "replay",
             CheckStatus.FAIL,
             report.replay_detail or "the replay endpoint does not answer",
-            "see docs/troubleshooting.md, 'Replay failing'",
+            "the detail says how; more in docs/troubleshooting.md, 'replay: failing'",
         )
     return Check(
         "replay",

@@ -191,8 +191,9 @@ class RouterMetrics:
         self.prompt_token_checks = Counter(
             "kvplane_prompt_token_checks",
             "The router's prompt token count against the engine's usage.prompt_tokens, by "
-            "result (match, mismatch: the router does not tokenise as the engine does)",
-            ["worker", "result"],
+            "worker, its model and result (match, mismatch: the router does not tokenise as "
+            "the engine does)",
+            ["worker", "model", "result"],
             registry=r,
         )
         self.reported_cached_tokens = Counter(

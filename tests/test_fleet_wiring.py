@@ -193,7 +193,10 @@ def test_token_counts_that_differ_are_reported_within_a_handful_of_requests(
     assert tokenizer["status"] == "fail"
     assert "differ on 5 of the last 5 requests" in tokenizer["detail"]
     assert row["wiring"]["blind"]
-    assert 'kvplane_prompt_token_checks_total{result="mismatch",worker="other"} 5.0' in metrics
+    assert (
+        'kvplane_prompt_token_checks_total{model="kvplane-tiny",result="mismatch",worker="other"}'
+        " 5.0" in metrics
+    )
     assert 'kvplane_model_routing_predictions_only{model="kvplane-tiny"} 1.0' in metrics
     assert ready["routing"] == "predictions-only"
     assert ready["predictions_only_models"] == ["kvplane-tiny"]

@@ -470,7 +470,7 @@ class ProxyService:
         incarnation = (worker, exchange.incarnation)
         matched = self.agreement.observe(incarnation, exchange.prompt_tokens, usage.prompt_tokens)
         self.metrics.prompt_token_checks.labels(
-            worker=worker, result="match" if matched else "mismatch"
+            worker=worker, model=exchange.model, result="match" if matched else "mismatch"
         ).inc()
         if not matched and self.agreement.warning_due(incarnation, time.monotonic()):
             agreement = self.agreement.of(incarnation)

@@ -34,7 +34,8 @@ async def test_a_router_that_tokenises_otherwise_warns_naming_the_worker_and_cou
     assert "worker-1 (model kvplane-tiny)" in warnings[0]
     assert "hello" not in warnings[0]  # counts, never text
     checks = (
-        f'kvplane_prompt_token_checks_total{{result="mismatch",worker="worker-1"}} {MIN_SAMPLES}.0'
+        'kvplane_prompt_token_checks_total{model="kvplane-tiny",result="mismatch",'
+        f'worker="worker-1"}} {MIN_SAMPLES}.0'
     )
     assert checks in metrics
 

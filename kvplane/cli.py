@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="probe a running fleet's wiring through its router: each check, pass or fail, "
         "with the fix",
         description="Asks the router (its fleet API, with the admin token from "
-        "KVPLANE_HTTP__ADMIN_TOKEN) to probe every live worker; exit status 0 when every "
-        "check passed, 1 when one failed, 2 when the router could not be asked. See "
+        "KVPLANE_HTTP__ADMIN_TOKEN) to probe every live worker; exit status 0 when no check "
+        "failed, 1 when one did, 2 when the router could not be asked. See "
         "docs/troubleshooting.md.",
     )
     add_check_flags(check)

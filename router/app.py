@@ -42,9 +42,9 @@ from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
-from router.routing.sight import FleetSight
+from router.routing.sight import FleetSight, Sight
 from router.routing.token_agreement import TokenCountAgreement
-from router.routing.wiring import is_blind, model_routing
+from router.routing.wiring import is_blind
 from router.scoring.policy import configured_policy
 from router.tenants import TenantDirectory
 from router.tracing import open_tracing
@@ -185,6 +185,10 @@ async def running_router(
 
         serving = asyncio.Event()  # set while the gRPC server accepts streams
 
+        def see_routable() -> Sight:
+            candidates = [c.info for c in fleet.candidates()]
+            return sight.see(candidates, {info.worker_id for info in candidates})
+
         def before_scrape() -> None:
             metrics.set_routing_view(
                 degraded=not (planner.index_answering and fleet.registry_is_current()),
@@ -196,22 +200,15 @@ async def running_router(
                     for c in fleet.candidates()
                 ),
             )
-            routable = [c.info for c in fleet.candidates()]
-            checks = {info.worker_id: sight.checks(info) for info in routable}
-            blind = {worker_id: is_blind(found) for worker_id, found in checks.items()}
+            seen = see_routable()
             metrics.set_wiring(
                 (
                     WorkerWiringSample(
-                        worker_id, [(c.name, c.status.value) for c in found], blind[worker_id]
+                        worker_id, [(c.name, c.status.value) for c in checks], is_blind(checks)
                     )
-                    for worker_id, found in checks.items()
+                    for worker_id, checks in seen.checks.items()
                 ),
-                {
-                    model: mode == "predictions_only"
-                    for model, mode in model_routing(
-                        (info.model, blind[info.worker_id]) for info in routable
-                    ).items()
-                },
+                {model: mode == "predictions_only" for model, mode in seen.routing.items()},
             )
             metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
@@ -224,7 +221,7 @@ async def running_router(
                 grpc_serving=serving.is_set,
                 routes=routes,
                 before_scrape=before_scrape,
-                model_routing=lambda: sight.routing(c.info for c in fleet.candidates()),
+                model_routing=lambda: see_routable().routing,
                 serve_metrics=serve_metrics,
             )
 

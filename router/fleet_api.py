@@ -235,8 +235,10 @@ class FleetApi:
 
     async def workers(self) -> Workers:
         now = self._clock()
+        statuses = sorted(self.fleet.statuses(), key=lambda s: s.info.worker_id)
+        seen = self.sight.see((s.info for s in statuses), self._routable())
         rows = []
-        for status in sorted(self.fleet.statuses(), key=lambda s: s.info.worker_id):
+        for status in statuses:
             info = status.info
             record = self.view.get(info.worker_id)
             local = (
@@ -275,13 +277,13 @@ class FleetApi:
                     last_heartbeat_age_s=_age(now, local.last_heartbeat_at if local else None),
                     stream_on_this_router=local is not None and local.stream is not None,
                     suspect=self.accuracy.is_suspect(info.worker_id, info.incarnation),
-                    wiring=_wiring(self.sight.checks(info)),
+                    wiring=_wiring(seen.checks[info.worker_id]),
                 )
             )
         return Workers(
             workers=rows,
             index_reachable=self.planner.index_answering,
-            routing=_routing(self.sight.routing(c.info for c in self.fleet.candidates())),
+            routing=_routing(seen.routing),
         )
 
     async def check(

@@ -26,7 +26,13 @@ from kvplane.core.types import WorkerInfo
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
 from router.proxy.bodies import Endpoint, ParsedRequest, response_usage
 from router.proxy.tokens import PromptTokens
-from router.proxy.upstream import AttemptFailed, NoFreeConnection, Upstream, UpstreamBroken
+from router.proxy.upstream import (
+    AttemptFailed,
+    NoFreeConnection,
+    Upstream,
+    UpstreamAnswer,
+    UpstreamBroken,
+)
 from router.routing.decide import RoutingPlanner, servable_blocks
 from router.routing.token_agreement import TokenCountAgreement
 from router.routing.wiring import Check, CheckStatus
@@ -37,6 +43,9 @@ enough to cost an engine nothing."""
 ANSWER_TIMEOUT_S = 30.0
 """The most the engine's whole answer to the probe may take (however long the proxy's
 own first-byte timeout): a busy engine fails the probe rather than hang the check."""
+MAX_ANSWER_BYTES = 1 << 20
+"""One output token's answer is a few hundred bytes: an engine that sends more than
+this is not read further."""
 _POLL_S = 0.05
 _INDEX_TIMEOUT_S = 2.0
 _UNCACHED_SCOPE = ""  # the shared scope, unsalted: the probe's words are its own
@@ -113,8 +122,7 @@ class WiringProbe:
             async with asyncio.timeout(ANSWER_TIMEOUT_S):
                 answer = await self.upstream.send(url, body, headers, first_byte_timeout_s)
                 try:
-                    chunks = [answer.first_chunk]
-                    chunks.extend([chunk async for chunk in answer.rest()])
+                    whole = await _bounded(answer)
                 finally:
                     await answer.close()
         except AttemptFailed as failure:
@@ -143,7 +151,12 @@ class WiringProbe:
                 f"the engine answered the probe with status {answer.status}",
                 f"check that the engine serves model {info.model!r} as its agent registered it",
             )
-        return b"".join(chunks)
+        if whole is None:
+            return _unsent(
+                f"the engine's answer to the probe ran past {MAX_ANSWER_BYTES} bytes",
+                "check that the worker's base URL is an engine's OpenAI API",
+            )
+        return whole
 
     def _token_check(self, info: WorkerInfo, router_tokens: int, answer: bytes) -> Check:
         usage = response_usage(answer)
@@ -212,6 +225,17 @@ class WiringProbe:
             f"within {wait_s:g} s",
             fix,
         )
+
+
+async def _bounded(answer: UpstreamAnswer) -> bytes | None:
+    """The whole answer, or None past MAX_ANSWER_BYTES."""
+    chunks, size = [answer.first_chunk], len(answer.first_chunk)
+    async for chunk in answer.rest():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _unsent(detail: str, fix: str) -> Check:

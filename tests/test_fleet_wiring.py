@@ -8,7 +8,9 @@ One router in front of three engines:
 - `other-tokenizer`: wired right, but its engine tokenises with another tokenizer than
   the router's, so none of the router's keys can ever match the engine's;
 - `dropping`: wired right, but its engine publishes nothing (every batch dropped), as an
-  engine with events configured and none ever sent.
+  engine with events configured and none ever sent;
+- `crossed`: its agent probes one engine and subscribes to another's events (`good`'s):
+  an agent pointed at the wrong engine, whose events flow and say nothing of its own.
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ def fleet() -> Iterator[Fleet]:
             )
         )
         logs = {}
+        endpoints: dict[str, tuple[int, int]] = {}
         for worker, engine_host, engine_args, agent_args in [
             ("good", "*", [], []),
             ("miswired", "127.0.0.1", [], []),
             ("other-tokenizer", "*", ["--tokenizer", str(tokenizer_dir)], []),
             ("dropping", "*", ["--drop-event-fraction", "1"], ["--events-silent-after-s", "2"]),
+            ("crossed", "*", [], []),
         ]:
             port, events, replay = free_port(), free_port(), free_port()
+            endpoints[worker] = (events, replay)
             engine_url = f"http://127.0.0.1:{port}"
             stack.enter_context(
                 spawn_kvplane(
@@ -86,6 +91,8 @@ def fleet() -> Iterator[Fleet]:
                     engine_url + "/health",
                 )
             )  # fmt: skip
+            if worker == "crossed":
+                events, replay = endpoints["good"]
             logs[worker] = Path(scratch) / f"{worker}.log"
             log: IO[bytes] = stack.enter_context(logs[worker].open("wb"))
             stack.enter_context(
@@ -98,7 +105,7 @@ def fleet() -> Iterator[Fleet]:
                     log=log,
                 )
             )  # fmt: skip
-        _wait_for(lambda: len(_workers(router_url)) == 4, "four workers registered")
+        _wait_for(lambda: len(_workers(router_url)) == 5, "five workers registered")
         yield Fleet(router_url, logs)
 
 
@@ -222,6 +229,18 @@ def test_an_engine_that_caches_and_publishes_nothing_is_reported_silent(fleet: F
     assert "--enable-prefix-caching" in events["detail"]
     # The good engine served the same kind of traffic, and its agent heard every block.
     assert "events silent" not in fleet.agent_logs["good"].read_text()
+
+
+def test_an_agent_that_reads_another_engines_events_fails_the_probe(fleet: Fleet) -> None:
+    result = kvplane_check(fleet.router_url, "--json", "--wait-s", "2")
+    rows = {row["worker_id"]: row for row in json.loads(result.stdout)["workers"]}
+    crossed = {check["name"]: check for check in rows["crossed"]["checks"]}
+    assert crossed["probe_tokenizer"]["status"] == "pass"
+    assert crossed["probe_index"]["status"] == "fail"
+    assert "reads another engine" in crossed["probe_index"]["fix"]
+    assert crossed["events"]["status"] != "fail"  # its agent hears events: someone's
+    assert rows["crossed"]["blind"]
+    assert rows["good"]["ok"]  # the engine it reads is fine, and checked fine
 
 
 def test_kvplane_check_fails_naming_each_broken_worker_and_its_fix(fleet: Fleet) -> None:

@@ -231,16 +231,12 @@ class WiringWatch:
             report.events,
             report.replay,
         )
-        if problem and (changed or now - self._logged_at >= LOG_REPEAT_S):
-            log.warning(
-                "wiring: events %s, replay %s: %s",
-                report.events.value,
-                report.replay.value,
-                "; ".join(part for part in (report.events_detail, report.replay_detail) if part),
-            )
-            self._logged, self._logged_at = report, now
-        elif changed and not problem and previous is not None:
-            log.info("wiring: events %s, replay %s", report.events.value, report.replay.value)
-            self._logged, self._logged_at = report, now
-        elif previous is None:
-            self._logged, self._logged_at = report, now
+        if not (changed or (problem and now - self._logged_at >= LOG_REPEAT_S)):
+            return
+        states = f"wiring: events {report.events.value}, replay {report.replay.value}"
+        if problem:
+            details = (report.events_detail, report.replay_detail)
+            log.warning("%s: %s", states, "; ".join(part for part in details if part))
+        elif previous is not None:  # a change for the better; nothing to say at start
+            log.info("%s", states)
+        self._logged, self._logged_at = report, now

@@ -206,7 +206,8 @@ def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> Non
 def check_wiring(url: str, token: str = ADMIN_TOKEN) -> dict[str, Any]:
     """`kvplane check` against one replica, for the evidence; BlindFleet if it failed."""
     verdict = require_wiring(url, token)
-    return {"ok": verdict.ok, "workers_probed": len(verdict.workers)}
+    probed = sum(any(c.name == "probe_index" for c in w.checks) for w in verdict.workers)
+    return {"ok": verdict.ok, "workers_probed": probed}
 
 
 def _admin_get(url: str, path: str) -> Any:

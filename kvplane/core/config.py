@@ -239,8 +239,8 @@ class AgentSettings(_Section):
     events_silent_after_s: float = Field(
         default=10.0,
         gt=0,
-        description="how long the engine may compute new prompt tokens with no KV event "
-        "arriving before the agent reports its events silent",
+        description="how long after the engine's counters prove that it cached a new "
+        "block no KV event may arrive before the agent reports its events silent",
     )
     max_pending_blocks: int = Field(
         default=2_000_000,

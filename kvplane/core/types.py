@@ -75,7 +75,7 @@ class EventsState(enum.Enum):
     NOT_CONNECTED = "not_connected"  # no publisher accepted the event socket's connection
     NEVER_SEEN = "never_seen"  # connected; no event yet, nor any sign the engine cached
     FLOWING = "flowing"
-    SILENT = "silent"  # the engine computed new prompt tokens and no event came
+    SILENT = "silent"  # the engine's counters prove it cached a block; no event came
 
 
 class ReplayState(enum.Enum):

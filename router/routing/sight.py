@@ -4,7 +4,8 @@ engine answered with, whether its index entries vouched for its hits)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 from kvplane.core.types import WorkerInfo
 from router.control_plane.workers import WorkerView
@@ -18,6 +19,12 @@ from router.routing.wiring import (
     model_routing,
     worker_checks,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Sight:
+    checks: dict[str, list[Check]]  # by worker id
+    routing: dict[str, RoutingMode]  # by model, over the routable workers
 
 
 class FleetSight:
@@ -51,6 +58,14 @@ class FleetSight:
             )
         )
 
-    def routing(self, workers: Iterable[WorkerInfo]) -> dict[str, RoutingMode]:
-        """Per served model: cache-aware, or on this router's predictions only."""
-        return model_routing((info.model, is_blind(self.checks(info))) for info in workers)
+    def see(self, workers: Iterable[WorkerInfo], routable: Collection[str]) -> Sight:
+        """Each worker's checks; per model of the `routable` workers (ids), whether it
+        is routed cache-aware or on this router's predictions only."""
+        workers = list(workers)
+        checks = {info.worker_id: self.checks(info) for info in workers}
+        routing = model_routing(
+            (info.model, is_blind(checks[info.worker_id]))
+            for info in workers
+            if info.worker_id in routable
+        )
+        return Sight(checks, routing)

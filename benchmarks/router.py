@@ -54,6 +54,7 @@ from kvplane.core.keys import BlockKey
 from kvplane.core.serving import free_port
 from kvplane.core.tokenizer import load_tokenizer
 from kvplane.core.types import BlocksStored, Tier, WorkerInfo
+from router.check import TOKEN_VARIABLE, require_wiring
 from router.control_plane.workers import WorkerView
 from router.index.base import LocationIndex
 from router.index.instrumented import InstrumentedIndex
@@ -74,6 +75,7 @@ from simulations.processes import spawn_kvplane
 from simulations.reporting import percentile
 
 MODEL = "bench"
+_ADMIN_TOKEN = "bench-router-admin"  # loopback only: the wiring check before measuring
 BLOCK_SIZE = 16
 PROMPTS = 8  # distinct prompts per length, sharing their first eighth
 UNRELATED_CHAINS = 4  # per worker
@@ -415,9 +417,11 @@ def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -
     events, replay = free_port(), free_port()
     grpc_port, http_port = free_port(), free_port()
     router_url = f"http://127.0.0.1:{http_port}"
+    # The engine binds (`*`); the agent connects. Given 127.0.0.1 the engine would connect
+    # too, and the router would be measured blind (docs/troubleshooting.md).
     kv_config = (
-        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events}", '
-        f'"replay_endpoint": "tcp://127.0.0.1:{replay}"}}'
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
+        f'"replay_endpoint": "tcp://*:{replay}"}}'
     )
     quiet = ("--log-level", "WARNING")
     with ExitStack() as stack:
@@ -429,6 +433,7 @@ def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -
                 ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                  "--index", "memory", *quiet],
                 router_url + "/readyz",
+                env={TOKEN_VARIABLE: _ADMIN_TOKEN},
             )
         )  # fmt: skip
         stack.enter_context(
@@ -441,6 +446,7 @@ def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -
             )
         )  # fmt: skip
         _wait_routable(router_url)
+        require_wiring(router_url, _ADMIN_TOKEN)  # BlindFleet: no figures from a blind router
         return asyncio.run(
             _proxy_runs(
                 sim.base_url,

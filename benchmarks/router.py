@@ -296,28 +296,28 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     repeats = max(10, 200_000 // prompt_tokens)
     history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 
-    def request(suffix: str) -> tuple[ParsedRequest, int]:
+    def request(suffix: str) -> ParsedRequest:
         raw = msgspec.json.encode({"model": MODEL, "prompt": text + suffix})
-        return parse_body(raw, Endpoint.COMPLETIONS), len(raw)
+        return parse_body(raw, Endpoint.COMPLETIONS)
 
-    def chat(suffix: str) -> tuple[ParsedRequest, int]:
+    def chat(suffix: str) -> ParsedRequest:
         messages = [
             {"role": "system", "content": history},
             {"role": "user", "content": question + suffix},
         ]
         raw = msgspec.json.encode({"model": MODEL, "messages": messages})
-        return parse_body(raw, Endpoint.CHAT), len(raw)
+        return parse_body(raw, Endpoint.CHAT)
 
     async def fresh() -> None:
-        await prompt_tokens_of.of(*request(f" {time.perf_counter_ns()}"), "")
+        await prompt_tokens_of.of(request(f" {time.perf_counter_ns()}"), "")
 
     repeated_request = request("")
 
     async def repeated() -> None:
-        await prompt_tokens_of.of(*repeated_request, "")
+        await prompt_tokens_of.of(repeated_request, "")
 
     async def shared_prefix() -> None:
-        await prompt_tokens_of.of(*chat(f" {time.perf_counter_ns()}"), "")
+        await prompt_tokens_of.of(chat(f" {time.perf_counter_ns()}"), "")
 
     await _timed_us(fresh, 3)  # warm-up
     await _timed_us(repeated, 3)

@@ -24,7 +24,12 @@ from starlette.routing import BaseRoute
 
 from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings, Settings
-from kvplane.core.serving import cancel_task, serving_http, wait_for_stop_signal
+from kvplane.core.serving import (
+    cancel_task,
+    freeze_startup_heap,
+    serving_http,
+    wait_for_stop_signal,
+)
 from kvplane.core.types import BlocksRemoved, Tier
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
@@ -37,6 +42,7 @@ from router.metrics import RouterMetrics, WorkerLoadSample, WorkerWiringSample
 from router.probe import WiringProbe
 from router.proxy.service import ProxyService
 from router.proxy.upstream import Upstream
+from router.routes import HotPaths
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
@@ -230,7 +236,12 @@ async def running_router(
         public_routes = [*proxy.routes(), *([] if separate_admin else fleet_api.routes())]
         public_app = http_app(public_routes, serve_metrics=not separate_admin)
         http_port = await stack.enter_async_context(
-            serving_http(public_app, http.host, http.port, stop_grace_s=_HTTP_STOP_GRACE_S)
+            serving_http(
+                HotPaths(public_app, public_routes),
+                http.host,
+                http.port,
+                stop_grace_s=_HTTP_STOP_GRACE_S,
+            )
         )
         admin_port = admin_app = None
         if http.admin_port is not None:
@@ -285,6 +296,7 @@ async def serve(settings: Settings) -> None:
             router.http_port,
             settings.index.backend,
         )
+        freeze_startup_heap()
         await wait_for_stop_signal()
         log.info("stopping")
 

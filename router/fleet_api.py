@@ -410,38 +410,36 @@ class FleetApi:
         return Purged(tenant=name, cache_scope=tenant.cache_scope, generation=generation)
 
     async def locality(self, request: Request) -> Locality:
-        query, body_bytes = await self._query(request)
+        query = await self._query(request)
         name = query.get("tenant")
         if name is not None and not isinstance(name, str):
             raise BadRequest("'tenant' must be a string", "tenant")
         tenant = ANONYMOUS_TENANT if name is None else self.tenants.get(name)
         if tenant is None:
             raise ApiError(404, f"no tenant {name!r}", kind="NotFoundError")
-        decision, model = await self._decide(query, body_bytes, tenant)
+        decision, model = await self._decide(query, tenant)
         return _describe(decision, model, tenant, detailed=True)
 
     async def tenant_locality(self, request: Request, tenant: Tenant) -> Locality:
         """Its own scope only, and nothing of other tenants: eligible workers, their
         cached tokens and total scores, not the terms (the tenant term counts other
         tenants' requests) nor the workers of other tenants' pools."""
-        query, body_bytes = await self._query(request)
+        query = await self._query(request)
         if query.get("tenant", tenant.name) != tenant.name:
             raise ApiError(
                 403, "a tenant's key queries its own scope only", kind="PermissionDenied"
             )
-        decision, model = await self._decide(query, body_bytes, tenant)
+        decision, model = await self._decide(query, tenant)
         return _describe(decision, model, tenant, detailed=False)
 
-    async def _query(self, request: Request) -> tuple[dict[str, Any], int]:
+    async def _query(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.max_body_bytes)
         query = decode_json(raw)
         if not isinstance(query, dict):
             raise BadRequest("the request body must be a JSON object")
-        return query, len(raw)
+        return query
 
-    async def _decide(
-        self, query: Mapping[str, Any], body_bytes: int, tenant: Tenant
-    ) -> tuple[Decision, str]:
+    async def _decide(self, query: Mapping[str, Any], tenant: Tenant) -> tuple[Decision, str]:
         """The decision the proxy would make for the query, keyed and tokenised as the
         proxy would (same scope, same token cache, long prompts off the event loop)."""
         model = query.get("model")
@@ -463,7 +461,7 @@ class FleetApi:
             raise BadRequest("give one of 'prompt', 'messages' or 'token_ids'")
         parsed = ParsedRequest(endpoint, model, False, body)
         scope = key_scope(tenant, parsed)
-        tokens = await self.prompt_tokens.of(parsed, body_bytes, scope)
+        tokens = await self.prompt_tokens.of(parsed, scope)
         if tokens is None:
             raise BadRequest("the prompt or messages could not be tokenised")
         decision = await self.planner.decide(

@@ -105,7 +105,7 @@ class WiringProbe:
             text = "kvplane wiring probe " + " ".join(secrets.token_hex(3) for _ in range(words))
             body = {"model": model, "prompt": text}
             request = ParsedRequest(Endpoint.COMPLETIONS, model, False, body)
-            tokens = await self.prompt_tokens.of(request, len(text), _UNCACHED_SCOPE)
+            tokens = await self.prompt_tokens.of(request, _UNCACHED_SCOPE)
             if tokens is None:
                 return None
             if len(tokens) > PROBE_BLOCKS * block_size:

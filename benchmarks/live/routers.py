@@ -165,6 +165,8 @@ def _start_kvplane(
                 "suspect_workers": sum(bool(row["suspect"]) for row in workers),
                 # How much tokenising its caches spared (identical prompts, pieces).
                 "tokenisation": _metric_totals(url, _TOKENISATION_SERIES.__contains__),
+                # What the agents streamed to it, since it started: the cost of sight.
+                "events": _metric_totals(url, _EVENT_SERIES.__contains__),
             }
         return evidence
 
@@ -178,6 +180,14 @@ _TOKENISATION_SERIES = frozenset(
         "kvplane_token_cache_lookups",
         "kvplane_prompt_piece_tokens",
         "kvplane_piecewise_tokenisation_checks",
+    }
+)
+
+_EVENT_SERIES = frozenset(
+    {
+        "kvplane_batches_applied_total",
+        "kvplane_events_applied_total",
+        "kvplane_blocks_applied_total",
     }
 )
 

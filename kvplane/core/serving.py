@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import socket
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -35,6 +36,15 @@ def run_service(main: Coroutine[Any, Any, _T]) -> _T:
     parses HTTP with httptools, also a dependency.)"""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
+
+
+def freeze_startup_heap() -> None:
+    """Put every object alive once a server has started (its modules, app, tokenizers)
+    out of the garbage collector's reach for good. Full collections walk every tracked
+    object, and a router's start-up heap made them about 6% of its CPU under load; what
+    start-up built lives as long as the process anyway."""
+    gc.collect()
+    gc.freeze()
 
 
 def bind_http(host: str, port: int) -> socket.socket:

@@ -130,27 +130,64 @@ class _Relay:
     exchange: _Exchange
     usage: StreamUsage = field(default_factory=StreamUsage)
     outcome: str = "client_disconnected"  # until the stream ends otherwise
+    client_left: bool = False
     finished: bool = False
 
 
 class RelayResponse(StreamingResponse):
-    """A streamed answer whose `finish` runs however the response ends. A client that
-    leaves before the first chunk goes out can cancel the stream before its generator
-    runs at all, and a generator that never ran never reaches its `finally`: the
-    engine's connection, the router's connection slot and the worker's in-flight count
-    would stay taken."""
+    """A streamed answer, sent on as the engine's chunks arrive.
+
+    `finish` runs however the response ends: a client that leaves before the first
+    chunk goes out can end the response before its generator runs at all, and a
+    generator that never ran never reaches its `finally` (the engine's connection, the
+    router's connection slot and the worker's in-flight count would stay taken).
+    `client_left` runs when the client goes away mid-stream: it stops the engine's
+    answer, which ends the generator.
+
+    Starlette's own streaming costs a task group a response (a task to stream, one to
+    listen for the client) and a pass through its middleware a chunk; this costs one
+    task watching for the client, and none under a server whose `send` raises when the
+    client is gone (ASGI 2.4)."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], *, finish: Callable[[], Awaitable[None]], **kw: Any
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        finish: Callable[[], Awaitable[None]],
+        client_left: Callable[[], Awaitable[None]],
+        **kw: Any,
     ) -> None:
         super().__init__(content, **kw)
         self._finish = finish
+        self._client_left = client_left
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        spec = scope.get("asgi", {}).get("spec_version", "2.0")
+        watcher = None
+        if tuple(int(part) for part in spec.split(".")) < (2, 4):
+            watcher = asyncio.ensure_future(self._watch(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # an ASGI 2.4 server's word that the client is gone
+            raise ClientDisconnect from None
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await self._finish()
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        await self._client_left()
 
 
 class ProxyService:
@@ -242,7 +279,7 @@ class ProxyService:
             },
         ):
             scope = key_scope(tenant, parsed)
-            tokens = await self._tokenize(parsed, len(raw), scope)
+            tokens = await self._tokenize(parsed, scope)
             decision = await self.planner.decide(
                 model=parsed.model, tenant=tenant, cache_scope=scope, tokens=tokens or []
             )
@@ -253,12 +290,10 @@ class ProxyService:
             body = body_for_engine(raw, parsed, tenant.cache_salt)
             return await self._forward(request, parsed, tenant, decision, body)
 
-    async def _tokenize(
-        self, parsed: ParsedRequest, body_bytes: int, scope: str
-    ) -> Sequence[int] | None:
+    async def _tokenize(self, parsed: ParsedRequest, scope: str) -> Sequence[int] | None:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.tokenize") as span:
-            tokens = await self.prompt_tokens.of(parsed, body_bytes, scope)
+            tokens = await self.prompt_tokens.of(parsed, scope)
             span.set_attribute("kvplane.prompt_tokens", -1 if tokens is None else len(tokens))
         self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return tokens
@@ -355,6 +390,7 @@ class ProxyService:
             return RelayResponse(
                 self._relay(relay, outcome),
                 finish=functools.partial(self._finish, relay),
+                client_left=functools.partial(self._client_left, relay),
                 status_code=answer.status,
                 headers=response_headers,
             )
@@ -408,6 +444,8 @@ class ProxyService:
                 yield chunk
             relay.outcome = outcome
         except UpstreamBroken as error:
+            if relay.client_left:
+                return  # its answer was stopped for it
             # Bytes went out already: no retry. Say so in the stream's own error form,
             # so that the client sees a failure, not a short answer.
             relay.outcome = "broken_stream"
@@ -416,6 +454,12 @@ class ProxyService:
             yield b"data: " + msgspec.json.encode(message) + b"\n\n"
         finally:
             await self._finish(relay)
+
+    async def _client_left(self, relay: _Relay) -> None:
+        """The client went away mid-stream: close the engine's answer, which cancels the
+        request there and ends the relay."""
+        relay.client_left = True
+        await relay.answer.close()
 
     async def _finish(self, relay: _Relay) -> None:
         """Close the engine's answer and account for it, once, however the stream ended."""

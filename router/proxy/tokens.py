@@ -24,9 +24,10 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import xxhash
@@ -38,9 +39,11 @@ from router.proxy.bodies import Endpoint, ParsedRequest, PromptText, prompt_inpu
 
 logger = logging.getLogger(__name__)
 
-OFF_LOOP_BODY_BYTES = 8 * 1024
-"""Bodies longer than this are tokenised in a worker thread, so that one long prompt
-(milliseconds of work) does not hold up every other request's bytes."""
+OFF_LOOP_CHARS = 8 * 1024
+"""Text to tokenise (what the caches do not hold) longer than this is tokenised in a
+worker thread, so that one long new prompt (milliseconds of work) does not hold up
+every other request's bytes; a long prompt made of pieces seen before is assembled on
+the event loop."""
 
 MIN_CACHED_PIECE_CHARS = 64
 """Shorter pieces (a newline between two role tokens) are tokenised every time: cheaper
@@ -49,12 +52,14 @@ MAX_PIECES = 1024
 """A prompt cut into more pieces than this is tokenised whole: a chat makes a few pieces
 a message, and a body stuffed with added tokens would otherwise cost a step of Python
 for each of them where the tokenizer spends nanoseconds."""
-CHECKED_FIRST_USES = 32
+CHECKED_FIRST_USES = 8
 CHECK_ONE_IN = 1024
 """Piecewise results compared with whole tokenisation: every one of a tokenizer's first
 uses, then one in this many."""
 
 _encoder = msgspec.json.Encoder()
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 
 class Tokenizers:
@@ -181,7 +186,7 @@ class PromptTokens:
             piecewise_differences=self._differences,
         )
 
-    async def of(self, request: ParsedRequest, body_bytes: int, scope: str) -> Sequence[int] | None:
+    async def of(self, request: ParsedRequest, scope: str) -> Sequence[int] | None:
         """The request's token ids; `scope` is the cache scope it is keyed in."""
         try:
             key = tokenisation_key(request, scope)
@@ -191,36 +196,32 @@ class PromptTokens:
             cached = self.cache.get(key)
             if cached is not None:
                 return cached
-        tokenizer = self.tokenizers.for_model(request.model)
-        if body_bytes > OFF_LOOP_BODY_BYTES:
-            token_ids = await asyncio.to_thread(self._tokenise, request, tokenizer, scope)
-        else:
-            token_ids = self._tokenise(request, tokenizer, scope)
+        token_ids = await self._tokenise(request, self.tokenizers.for_model(request.model), scope)
         if token_ids is None or key is None:
             return token_ids
         return self.cache.put(key, token_ids)
 
-    def _tokenise(
+    async def _tokenise(
         self, request: ParsedRequest, tokenizer: PromptTokenizer, scope: str
     ) -> list[int] | None:
         prompt = prompt_input(request, tokenizer)
         if not isinstance(prompt, PromptText):
             return prompt
         pieces = tokenizer.pieces
-        if (
-            pieces is None
+        parts = (
+            None
+            if pieces is None
             or tokenizer.path in self._piecewise_off
             or (prompt.add_special_tokens and pieces.wrap is None)
-        ):
-            return prompt.whole_tokens(tokenizer)
-        parts = pieces.split(prompt.text)
-        if len(parts) > MAX_PIECES:
-            return prompt.whole_tokens(tokenizer)
-        token_ids = self._piecewise(pieces, parts, prompt.add_special_tokens, scope)
+            else pieces.split(prompt.text)
+        )
+        if pieces is None or parts is None or len(parts) > MAX_PIECES:
+            return await _off_loop_if(len(prompt.text), prompt.whole_tokens, tokenizer)
+        token_ids = await self._piecewise(pieces, parts, prompt.add_special_tokens, scope)
         uses = self._uses[tokenizer.path] = self._uses.get(tokenizer.path, 0) + 1
         if uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0:
             self._checks += 1
-            whole = prompt.whole_tokens(tokenizer)
+            whole = await _off_loop_if(len(prompt.text), prompt.whole_tokens, tokenizer)
             if whole != token_ids:
                 self._differences += 1
                 self._piecewise_off.add(tokenizer.path)
@@ -233,7 +234,7 @@ class PromptTokens:
                 return whole
         return token_ids
 
-    def _piecewise(
+    async def _piecewise(
         self, pieces: PieceTokenizer, parts: list[Piece], add_special_tokens: bool, scope: str
     ) -> list[int]:
         found: list[Sequence[int] | None] = []
@@ -250,13 +251,26 @@ class PromptTokens:
                     found.append(cached)
                     continue
             found.append(None)
-        missing = [at for at, piece_ids in enumerate(found) if piece_ids is None]
-        for at, new in zip(missing, pieces.encode([parts[at] for at in missing]), strict=True):
-            self._tokenised += len(new)
-            found[at] = self.pieces.put(keys[at], new) if at in keys else new
+        missing = [parts[at] for at, piece_ids in enumerate(found) if piece_ids is None]
+        new_text = sum(len(piece.text) for piece in missing)
+        encoded = iter(await _off_loop_if(new_text, pieces.encode, missing))
+        for at, piece_ids in enumerate(found):
+            if piece_ids is None:
+                new = next(encoded)
+                self._tokenised += len(new)
+                found[at] = self.pieces.put(keys[at], new) if at in keys else new
         before, after = pieces.wrap if add_special_tokens and pieces.wrap else ([], [])
         token_ids = list(before)
         for piece_ids in found:
             token_ids.extend(piece_ids or ())
         token_ids.extend(after)
         return token_ids
+
+
+async def _off_loop_if(text_chars: int, work: Callable[[_A], _R], argument: _A) -> _R:
+    """`work(argument)`, in a worker thread when it tokenises more than OFF_LOOP_CHARS of
+    text: a thread hop costs more than tokenising a short text, and a long one would
+    hold up every other request's bytes."""
+    if text_chars > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(work, argument)
+    return work(argument)

@@ -9,7 +9,7 @@ client: the rest of the stream is passed on as it arrives and never retried.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -61,17 +61,24 @@ class UpstreamAnswer:
     async def rest(self) -> AsyncIterator[bytes]:
         """The chunks after the first, as they arrive. Raises UpstreamBroken when the
         connection breaks or the engine is silent for longer than the idle timeout."""
-        while True:
-            try:
-                async with asyncio.timeout(self.idle_timeout_s):
+        watchdog = _IdleWatchdog(self.idle_timeout_s, self._response.close)
+        try:
+            while True:
+                watchdog.reading()
+                try:
                     chunk = await self._response.content.readany()
-            except TimeoutError:
-                raise UpstreamBroken("silent past the idle timeout") from None
-            except aiohttp.ClientError as error:
-                raise UpstreamBroken(type(error).__name__) from None
-            if not chunk:
-                return
-            yield chunk
+                except aiohttp.ClientError as error:
+                    if watchdog.fired:
+                        raise UpstreamBroken("silent past the idle timeout") from None
+                    raise UpstreamBroken(type(error).__name__) from None
+                watchdog.read()
+                if not chunk:
+                    if watchdog.fired:
+                        raise UpstreamBroken("silent past the idle timeout")
+                    return
+                yield chunk
+        finally:
+            watchdog.stop()
 
     async def close(self) -> None:
         """A connection whose answer was read to the end goes back to the pool; closing
@@ -84,6 +91,39 @@ class UpstreamAnswer:
         else:
             self._response.close()
         self._slot.release()
+
+
+class _IdleWatchdog:
+    """Closes the engine's connection once a read has waited `idle_s`. One timer a
+    stream, moved on lazily, where a timeout around each read would set and cancel a
+    timer a chunk; time the relay spends sending to the client is not counted."""
+
+    def __init__(self, idle_s: float, close: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle_s = idle_s
+        self._close = close
+        self._reading_since: float | None = None
+        self.fired = False
+        self._timer = self._loop.call_later(idle_s, self._check)
+
+    def reading(self) -> None:
+        self._reading_since = self._loop.time()
+
+    def read(self) -> None:
+        self._reading_since = None
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        since = self._reading_since
+        now = self._loop.time()
+        if since is not None and now - since >= self._idle_s:
+            self.fired = True
+            self._close()
+            return
+        due = self._idle_s if since is None else since + self._idle_s - now
+        self._timer = self._loop.call_later(due, self._check)
 
 
 class Upstream:

@@ -18,7 +18,7 @@ from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import (
     MAX_PIECES,
     MIN_CACHED_PIECE_CHARS,
-    OFF_LOOP_BODY_BYTES,
+    OFF_LOOP_CHARS,
     PromptTokens,
     TokenCache,
     piece_key,
@@ -73,8 +73,8 @@ def test_the_cache_evicts_the_least_recently_used_within_its_token_budget() -> N
 
 async def test_identical_prompts_are_tokenised_once_and_alike() -> None:
     tokens = PromptTokens(ProxySettings())
-    first = await tokens.of(request(), 100, "")
-    again = await tokens.of(request(max_tokens=3), 100, "")
+    first = await tokens.of(request(), "")
+    again = await tokens.of(request(max_tokens=3), "")
     assert first is not None
     assert list(first) == load_tokenizer().chat_tokens(MESSAGES)
     assert again is first
@@ -83,8 +83,9 @@ async def test_identical_prompts_are_tokenised_once_and_alike() -> None:
 
 async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result() -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 400
+    assert len(text) > OFF_LOOP_CHARS
     tokens = PromptTokens(ProxySettings(token_cache_tokens=0))
-    long = await tokens.of(request(Endpoint.COMPLETIONS, prompt=text), OFF_LOOP_BODY_BYTES + 1, "")
+    long = await tokens.of(request(Endpoint.COMPLETIONS, prompt=text), "")
     assert long is not None
     assert list(long) == load_tokenizer().completion_tokens(text)
     assert tokens.cache.tokens == 0  # a budget of 0 keeps nothing
@@ -93,9 +94,9 @@ async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result() ->
 async def test_a_growing_conversation_tokenises_only_its_new_text() -> None:
     tokenizer = load_tokenizer()
     tokens = PromptTokens(ProxySettings())
-    await tokens.of(request(messages=FIRST_TURN), 100, "")
+    await tokens.of(request(messages=FIRST_TURN), "")
     before = tokens.stats()
-    second = await tokens.of(request(messages=SECOND_TURN), 100, "")
+    second = await tokens.of(request(messages=SECOND_TURN), "")
     after = tokens.stats()
 
     assert second is not None
@@ -110,8 +111,8 @@ async def test_a_growing_conversation_tokenises_only_its_new_text() -> None:
 
 async def test_pieces_are_reused_within_their_scope_only() -> None:
     tokens = PromptTokens(ProxySettings())
-    await tokens.of(request(messages=FIRST_TURN), 100, "a-tenants-salt")
-    await tokens.of(request(messages=SECOND_TURN), 100, "another-tenants-salt")
+    await tokens.of(request(messages=FIRST_TURN), "a-tenants-salt")
+    await tokens.of(request(messages=SECOND_TURN), "another-tenants-salt")
     assert tokens.stats().piece_tokens_reused == 0
 
 
@@ -125,8 +126,8 @@ async def test_a_piecewise_result_that_differs_turns_pieces_off_for_that_tokeniz
     )
     tokens.pieces.put(piece_key("", system), [7, 7, 7])  # a corrupted entry
 
-    first = await tokens.of(request(messages=FIRST_TURN), 100, "")
-    second = await tokens.of(request(messages=SECOND_TURN), 100, "")
+    first = await tokens.of(request(messages=FIRST_TURN), "")
+    second = await tokens.of(request(messages=SECOND_TURN), "")
 
     assert first is not None
     assert list(first) == tokenizer.chat_tokens(FIRST_TURN)  # the whole result wins
@@ -143,7 +144,7 @@ async def test_completions_prompts_get_the_tokenizers_special_tokens_piecewise()
     tokens = PromptTokens(ProxySettings())
     for question in ("What does the cache remember?", "And what does it forget?"):
         prompt = f"<|system|>\n{SYSTEM}</s>\n{question}"
-        ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), 100, "")
+        ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), "")
         assert ids is not None
         assert list(ids) == tokenizer.completion_tokens(prompt)
     stats = tokens.stats()
@@ -166,7 +167,7 @@ async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(
     assert "strips spaces" in caplog.text
 
     prompt = SYSTEM + " <mask> " + SYSTEM
-    ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), 100, "")
+    ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), "")
     assert ids is not None
     assert list(ids) == load_tokenizer(tmp_path).completion_tokens(prompt)
     assert tokens.stats().piece_tokens_tokenised == 0  # no pieces
@@ -175,7 +176,7 @@ async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(
 async def test_a_prompt_stuffed_with_added_tokens_is_tokenised_whole() -> None:
     prompt = "<s>a" * (MAX_PIECES // 2 + 1)  # two pieces each
     tokens = PromptTokens(ProxySettings())
-    ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), 100, "")
+    ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), "")
     assert ids is not None
     assert list(ids) == load_tokenizer().completion_tokens(prompt)
     assert tokens.stats().piece_tokens_tokenised == 0

@@ -281,7 +281,7 @@ class ControlPlanePublisher:
             blocks += size
         self._outbox_blocks -= blocks
         sequence = self._acked + 1
-        return _Batch(sequence, events_message(sequence, events))
+        return _Batch(sequence, events_message(sequence, coalesced(events)))
 
     def _rejected(self, reject: pb.Reject) -> None:
         code = pb.RejectCode.Name(reject.code)
@@ -310,6 +310,39 @@ class ControlPlanePublisher:
             ),
         )
         return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def coalesced(events: Sequence[KvEvent]) -> list[KvEvent]:
+    """The same changes in fewer events: removals next to each other on one tier become
+    one, and so does a stored run that continues the run just before it. Engines
+    announce each evicted block alone, and the control plane pays for every event it
+    parses; the order of changes that do not merge is kept, so the result is the same."""
+    merged: list[KvEvent] = []
+    for event in events:
+        previous = merged[-1] if merged else None
+        if (
+            isinstance(event, BlocksRemoved)
+            and isinstance(previous, BlocksRemoved)
+            and previous.tier is event.tier
+        ):
+            merged[-1] = BlocksRemoved([*previous.keys, *event.keys], event.tier)
+        elif (
+            isinstance(event, BlocksStored)
+            and isinstance(previous, BlocksStored)
+            and previous.tier is event.tier
+            and previous.keys
+            and event.parent_key == previous.keys[-1]
+            and event.first_position == previous.first_position + len(previous.keys)
+        ):
+            merged[-1] = BlocksStored(
+                [*previous.keys, *event.keys],
+                previous.tier,
+                previous.first_position,
+                previous.parent_key,
+            )
+        else:
+            merged.append(event)
+    return merged
 
 
 def _blocks(event: KvEvent) -> int:

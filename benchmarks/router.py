@@ -60,12 +60,13 @@ from router.index.base import LocationIndex
 from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
 from router.metrics import RouterMetrics
-from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
+from router.proxy.bodies import Endpoint, ParsedRequest, body_for_engine, parse_body
 from router.proxy.tokens import CHECKED_FIRST_USES, PromptTokens
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
+from router.routing.known_keys import KnownPrefixKeys
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import configured_policy
 from router.tenants import ANONYMOUS_TENANT
@@ -77,6 +78,7 @@ from simulations.reporting import percentile
 MODEL = "bench"
 _ADMIN_TOKEN = "bench-router-admin"  # loopback only: the wiring check before measuring
 BLOCK_SIZE = 16
+WORKER = "worker-0"
 PROMPTS = 8  # distinct prompts per length, sharing their first eighth
 UNRELATED_CHAINS = 4  # per worker
 UNRELATED_BLOCKS = 512
@@ -108,6 +110,7 @@ class DecisionFigures:
     tokenize_p50_us: float
     tokenize_repeat_p50_us: float  # the same prompt again: the proxy's token cache
     tokenize_shared_p50_us: float  # a chat whose messages but the last were seen before
+    route_shared_p50_us: float  # that chat from its body to its request to the engine
 
 
 @dataclass(frozen=True)
@@ -177,9 +180,9 @@ def worker_holdings(
         yield info, events
 
 
-def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
+def _planner(backend: LocationIndex, *, key_cache_blocks: int) -> tuple[RoutingPlanner, Fleet]:
     """A RoutingPlanner wired as router/app.py wires it (its index instrumented), with
-    default settings."""
+    default settings but its cache of known prefixes' keys."""
     proxy = ProxySettings()
     tracer = SPANLESS
     index = InstrumentedIndex(backend, RouterMetrics(), tracer)
@@ -194,6 +197,7 @@ def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
         block_size=BLOCK_SIZE,
         index_timeout_s=proxy.index_timeout_s,
         tracer=tracer,
+        known_keys=KnownPrefixKeys(key_cache_blocks),
         rng=random.Random(0),
     )
     return planner, fleet
@@ -221,8 +225,10 @@ class DecisionCase:
 async def measure_decisions(
     index: LocationIndex, index_name: str, case: DecisionCase
 ) -> DecisionFigures:
-    """Fill `index` with the case's fleet, then time the planner's decisions."""
-    planner, fleet = _planner(index)
+    """Fill `index` with the case's fleet, then time the planner's decisions; every
+    prompt keyed whole (the cache of known prefixes off), as a prompt seen for the
+    first time is."""
+    planner, fleet = _planner(index, key_cache_blocks=0)
     prompts = bench_prompts(case.prompt_tokens, case.seed)
     prompt_keys = [planner.keys(MODEL, "", tokens) for tokens in prompts]
     holdings = worker_holdings(prompt_keys, case.workers, case.seed, host_tier=case.host_tier)
@@ -266,6 +272,7 @@ async def measure_decisions(
         tokenize_p50_us=round(case.tokenize.fresh_us, 1),
         tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
         tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
+        route_shared_p50_us=round(case.tokenize.shared_route_us, 1),
     )
 
 
@@ -285,6 +292,9 @@ class TokenizeFigures:
     fresh_us: float  # a completions prompt not seen before
     repeated_us: float  # the same prompt again: the cache of identical prompts
     shared_prefix_us: float  # a chat whose messages but the last (1/16) were seen before
+    # That chat routed: body parsed, tokenised, keyed, looked up, scored, its body for
+    # the engine made (the router's work from a body received to a request sent).
+    shared_route_us: float
 
 
 def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
@@ -293,6 +303,8 @@ def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
 
 async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures:
     prompt_tokens_of = PromptTokens(ProxySettings())
+    index = MemoryLocationIndex()
+    planner, fleet = _planner(index, key_cache_blocks=ProxySettings().key_cache_blocks)
     repeats = max(10, 200_000 // prompt_tokens)
     history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 
@@ -300,13 +312,15 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         raw = msgspec.json.encode({"model": MODEL, "prompt": text + suffix})
         return parse_body(raw, Endpoint.COMPLETIONS)
 
-    def chat(suffix: str) -> ParsedRequest:
+    def chat_body(suffix: str) -> bytes:
         messages = [
             {"role": "system", "content": history},
             {"role": "user", "content": question + suffix},
         ]
-        raw = msgspec.json.encode({"model": MODEL, "messages": messages})
-        return parse_body(raw, Endpoint.CHAT)
+        return msgspec.json.encode({"model": MODEL, "messages": messages})
+
+    def chat(suffix: str) -> ParsedRequest:
+        return parse_body(chat_body(suffix), Endpoint.CHAT)
 
     async def fresh() -> None:
         await prompt_tokens_of.of(request(f" {time.perf_counter_ns()}"), "")
@@ -319,15 +333,45 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     async def shared_prefix() -> None:
         await prompt_tokens_of.of(chat(f" {time.perf_counter_ns()}"), "")
 
+    async def shared_route() -> None:
+        raw = chat_body(f" {time.perf_counter_ns()}")  # as received: the clock starts here
+        started = time.perf_counter_ns()
+        parsed = parse_body(raw, Endpoint.CHAT)
+        tokens = await prompt_tokens_of.of(parsed, "")
+        decision = await planner.decide(
+            model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=tokens or []
+        )
+        body_for_engine(raw, parsed, None)
+        route_us.append((time.perf_counter_ns() - started) / 1000)
+        if not decision.index_answered or decision.matched_blocks[WORKER].get(Tier.DEVICE, 0) < (
+            len(decision.keys) * 7 // 8
+        ):
+            raise RuntimeError("the shared prefix was not found where it was stored")
+
+    # One worker holds the conversation so far, as its engine would after the last turn.
+    await index.register(WorkerInfo(WORKER, 1, "http://127.0.0.1:1", MODEL, BLOCK_SIZE), LEASE_S)
+    held = planner.keys(MODEL, "", await prompt_tokens_of.of(chat(""), "") or [])
+    await index.apply(WORKER, 1, _runs(held, Tier.DEVICE, 0, None))
+    await fleet.refresh()
     await _timed_us(fresh, 3)  # warm-up
     await _timed_us(repeated, 3)
     # Past the first uses, which are compared with whole tokenisation: the steady state.
     await _timed_us(shared_prefix, CHECKED_FIRST_USES)
-    return TokenizeFigures(
-        statistics.median(await _timed_us(fresh, repeats)),
-        statistics.median(await _timed_us(repeated, repeats)),
-        statistics.median(await _timed_us(shared_prefix, repeats)),
+    route_us: list[float] = []
+    await _timed_us(shared_route, 3)
+    route_us.clear()
+    fresh_us = await _timed_us(fresh, repeats)
+    repeated_us = await _timed_us(repeated, repeats)
+    shared_us = await _timed_us(shared_prefix, repeats)
+    await _timed_us(shared_route, repeats)  # timed inside, from the body received
+    figures = TokenizeFigures(
+        statistics.median(fresh_us),
+        statistics.median(repeated_us),
+        statistics.median(shared_us),
+        statistics.median(route_us),
     )
+    await index.close()
+    return figures
 
 
 def _decisions_for(prompt_tokens: int, workers: int, decisions: int) -> int:
@@ -517,7 +561,7 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
         print(
             f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
             f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'tokenize p50':>13} "
-            f"{'repeated':>9} {'shared':>9}"
+            f"{'repeated':>9} {'shared':>9} {'route shared':>13}"
         )
         for row in decisions:
             print(
@@ -525,7 +569,7 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
                 f"{row.decision_p50_us:>9.0f}µs {row.decision_p99_us:>9.0f}µs "
                 f"{row.keys_p50_us:>8.0f}µs {row.lookup_p50_us:>9.0f}µs "
                 f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs "
-                f"{row.tokenize_shared_p50_us:>7.0f}µs"
+                f"{row.tokenize_shared_p50_us:>7.0f}µs {row.route_shared_p50_us:>11.0f}µs"
             )
     if proxy is not None:
         print(

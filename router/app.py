@@ -47,6 +47,7 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
+from router.routing.known_keys import KnownPrefixKeys
 from router.routing.predicted import PredictedPrefixes
 from router.routing.sight import FleetSight, Sight
 from router.routing.token_agreement import TokenCountAgreement
@@ -126,6 +127,7 @@ async def running_router(
             block_size=cp.block_size,
             index_timeout_s=proxy_settings.index_timeout_s,
             tracer=tracer,
+            known_keys=KnownPrefixKeys(proxy_settings.key_cache_blocks),
             clock=clock,
         )
         with contextlib.suppress(LocationIndexError):  # the index is down: the tasks below retry

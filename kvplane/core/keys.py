@@ -80,7 +80,8 @@ def root_key(namespace: KeyNamespace) -> BlockKey:
     return BlockKey(_hash64(encoded))
 
 
-def _tokens_as_u32le(tokens: Sequence[int]) -> bytes:
+def tokens_as_u32le(tokens: Sequence[int]) -> bytes:
+    """Token ids as the bytes block keys hash: unsigned 32-bit, little-endian."""
     try:
         packed = array.array("I", tokens)
     except OverflowError:
@@ -102,7 +103,7 @@ def chain_keys(parent: BlockKey, tokens: Sequence[int], block_size: int) -> list
         raise ValueError("parent key must be an unsigned 64-bit integer")
     if block_size < 1:
         raise ValueError("block_size must be positive")
-    data = _tokens_as_u32le(tokens)
+    data = tokens_as_u32le(tokens)
     stride = block_size * 4
     end = (len(tokens) // block_size) * stride
     keys: list[int] = []

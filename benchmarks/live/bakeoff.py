@@ -37,6 +37,7 @@ from router.check import BlindFleet
 from simulations.reporting import percentile
 
 DRAIN_S = 30.0  # the longest a cell waits for its last responses after the schedule ends
+REST_S = 3.0  # the window that times the deployment at rest, before the traffic
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class CellResult:
     router_cpu_s: float = 0.0  # the router's processes (and kvplane's agents)
     cpu_s_by_process: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_request: float = 0.0
+    rest_cpu_ms_per_s: float = 0.0  # the same processes with no traffic, before it
     evidence: dict[str, Any] = field(default_factory=dict)
     # Tenant workloads: cached blocks in the engines' unsalted scope at the end. Any at
     # all means a router dropped the tenants' `cache_salt` and tenants shared cache.
@@ -109,6 +111,7 @@ def run_cell(
         result.commands = [shlex.join(child.command) for child in deployment.charged]
         # What the start did to the engines (kvplane's wiring probes) is not the cell's.
         totals_before = fleet.totals()
+        result.rest_cpu_ms_per_s = _rest_cpu_ms_per_s(deployment)
         cpu_before = deployment.cpu_seconds()
         traffic = Traffic(
             deployment.urls,
@@ -204,6 +207,15 @@ def _figures(
     result.preemptions = sum(total.preemptions for total in totals.values())
     routed = sum(not outcome.direct for outcome in outcomes)
     result.cpu_ms_per_request = result.router_cpu_s * 1000 / routed if routed else 0.0
+
+
+def _rest_cpu_ms_per_s(deployment: Deployment) -> float:
+    """The CPU the router's processes spend a second with no request to serve (for
+    kvplane: the agents' probes and heartbeats, the router's answers to them)."""
+    before = deployment.cpu_seconds()
+    time.sleep(REST_S)
+    after = deployment.cpu_seconds()
+    return round(sum(after[name] - before.get(name, 0.0) for name in after) * 1000 / REST_S, 2)
 
 
 def _slug(text: str) -> str:

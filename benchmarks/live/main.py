@@ -115,7 +115,8 @@ def run_live_benchmark(
             f"error: {result.error.splitlines()[0]}"
             if result.error
             else f"hit {result.engine_hit_rate:.1%}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
-            f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req"
+            f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req, "
+            f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest"
         )
         print(f"[{number}/{len(to_run)}] {cell.key}: {figures}", flush=True)
         if json_path is not None:  # after every cell: a run cut short keeps what it measured

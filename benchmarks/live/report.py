@@ -48,6 +48,7 @@ def render_tables(results: Sequence[CellResult]) -> str:
                 "failed",
                 "busiest/mean",
                 "CPU ms/req",
+                "at rest ms/s",
             )
         ]
         notes = []
@@ -67,6 +68,7 @@ def render_tables(results: Sequence[CellResult]) -> str:
                     _runs([float(run.failed) for run in ok], ".0f"),
                     _runs([run.imbalance for run in ok], ".2f"),
                     _runs([run.cpu_ms_per_request for run in ok], ".1f"),
+                    _runs([run.rest_cpu_ms_per_s for run in ok], ".1f"),
                 )
             )
             notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]

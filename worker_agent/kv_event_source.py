@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -84,6 +85,7 @@ class KvEventSource:
         # engine's and must not be delivered.
         self._epoch = 0
         self._catch_up_tries = 0
+        self._endless_poll: asyncio.Future[Any] | None = None
         # What proves the wiring, times on `clock`:
         self.subscribed_at: float | None = None  # when the SUB socket started connecting
         # Since when no publisher is on the other end (one that completed the handshake
@@ -103,6 +105,8 @@ class KvEventSource:
         self._last = None
         self._replayed = {}
         self._catch_up_tries = _CATCH_UP_TRIES
+        if self._endless_poll is not None:
+            self._endless_poll.cancel()
         self.replay_answered = None  # the next life's endpoint is judged afresh
 
     def close(self) -> None:
@@ -128,7 +132,7 @@ class KvEventSource:
             # socket seen synchronously.
             draining: zmq.Socket[bytes] = zmq.Socket.shadow(subscriber.underlying)
             while True:
-                if not await subscriber.poll(_IDLE_POLL_MS):
+                if not await self._readable(subscriber):
                     if self._catch_up_tries:
                         self._catch_up_tries -= 1
                         async for item in self._replay_from(self._next_expected(), idle=True):
@@ -150,6 +154,23 @@ class KvEventSource:
                 subscriber.disable_monitor()
             monitor.close(linger=0)
             subscriber.close(linger=0)
+
+    async def _readable(self, subscriber: zmq.asyncio.Socket) -> bool:
+        """Whether a message waits; False after an idle poll while catching up. Outside
+        catch-up the wait has no timeout, so that an idle engine costs the agent no
+        wake-up at all: engine_went_down() ends that wait to start catching up."""
+        if self._catch_up_tries:
+            return bool(await subscriber.poll(_IDLE_POLL_MS))
+        poll = self._endless_poll = asyncio.ensure_future(subscriber.poll())
+        try:
+            return bool(await poll)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the source itself is being stopped
+            return False  # ended by engine_went_down()
+        finally:
+            self._endless_poll = None
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         """Keep `unconnected_since` None exactly while a publisher is on the other end."""

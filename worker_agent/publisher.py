@@ -81,6 +81,7 @@ class ControlPlanePublisher:
         self.incarnation = new_incarnation_id()
         self._outbox: deque[KvEvent] = deque()
         self._outbox_blocks = 0
+        self._outbox_since = 0.0  # monotonic time of the oldest event the outbox holds
         self._outbox_limit = agent.max_pending_blocks
         self._in_flight: _Batch | None = None
         self._acked = 0
@@ -99,6 +100,8 @@ class ControlPlanePublisher:
     def submit(self, events: Sequence[KvEvent]) -> None:
         if self._engine_down or not events:
             return
+        if not self._outbox:
+            self._outbox_since = time.monotonic()
         self._outbox.extend(events)
         self._outbox_blocks += sum(_blocks(event) for event in events)
         # Bounded: past the limit the pending events are replaced by the snapshot (which
@@ -198,6 +201,10 @@ class ControlPlanePublisher:
                 )
                 continue  # an incarnation may have begun meanwhile: register it first
             if self._in_flight is None and self._outbox:
+                lingering = self._outbox_since + self._agent.batch_linger_s - time.monotonic()
+                if lingering > 0 and self._outbox_blocks < self._limits.max_batch_blocks:
+                    await asyncio.sleep(lingering)  # more of the engine's steps join it
+                    continue
                 self._in_flight = self._next_batch()
             if self._in_flight is not None:
                 await self._send_batch(stream, self._in_flight)

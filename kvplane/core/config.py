@@ -245,6 +245,14 @@ class AgentSettings(_Section):
         description="how long after the engine's counters prove that it cached a new "
         "block no KV event may arrive before the agent reports its events silent",
     )
+    batch_linger_s: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="how long events wait for the engine's next steps to join them in "
+        "one batch: each batch costs the control plane a message, a parse and an "
+        "acknowledgement, and engines publish every step",
+    )
     max_pending_blocks: int = Field(
         default=2_000_000,
         ge=1,

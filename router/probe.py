@@ -102,7 +102,10 @@ class WiringProbe:
         block_size = self.planner.block_size
         words = PROBE_BLOCKS * block_size // 4  # each word is a token or more
         for _ in range(6):
-            text = "kvplane wiring probe " + " ".join(secrets.token_hex(3) for _ in range(words))
+            # Random from its first token: a fixed opening would make every probe's first
+            # block the same, and an agent reading another engine that was probed before
+            # would hold it (and pass this worker's probe on it).
+            text = " ".join(secrets.token_hex(3) for _ in range(words)) + " (kvplane wiring probe)"
             body = {"model": model, "prompt": text}
             request = ParsedRequest(Endpoint.COMPLETIONS, model, False, body)
             tokens = await self.prompt_tokens.of(request, _UNCACHED_SCOPE)

@@ -118,7 +118,7 @@ class WorkerAgent:
                 if model is None:
                     async with http.get("/v1/models") as response:
                         response.raise_for_status()
-                        model = str((await response.json())["data"][0]["id"])
+                        model = str((await response.json(content_type=None))["data"][0]["id"])
                 async with http.get("/metrics") as response:
                     cache = self.adapter.parse_cache_config(await response.text())
                 return model, cache
@@ -251,9 +251,11 @@ async def _probe(http: _EngineHttp) -> str | None:
         async with http.get("/health") as health:
             if health.status != 200:
                 return None
+        # /health alone says whether the engine is up: metrics that fail or do not parse
+        # cost the load report, not the engine.
         async with http.get("/metrics") as metrics:
-            return await metrics.text() if metrics.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return await metrics.text(errors="replace")
+    except (aiohttp.ClientError, TimeoutError):
         return None
 
 

@@ -86,6 +86,7 @@ class KvEventSource:
         self._epoch = 0
         self._catch_up_tries = 0
         self._endless_poll: asyncio.Future[Any] | None = None
+        self._poll_ended = False  # engine_went_down() cancelled the endless poll
         # What proves the wiring, times on `clock`:
         self.subscribed_at: float | None = None  # when the SUB socket started connecting
         # Since when no publisher is on the other end (one that completed the handshake
@@ -106,6 +107,7 @@ class KvEventSource:
         self._replayed = {}
         self._catch_up_tries = _CATCH_UP_TRIES
         if self._endless_poll is not None:
+            self._poll_ended = True
             self._endless_poll.cancel()
         self.replay_answered = None  # the next life's endpoint is judged afresh
 
@@ -166,11 +168,11 @@ class KvEventSource:
             return bool(await poll)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if not self._poll_ended or (task is not None and task.cancelling()):
                 raise  # the source itself is being stopped
-            return False  # ended by engine_went_down()
+            return False
         finally:
-            self._endless_poll = None
+            self._endless_poll, self._poll_ended = None, False
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         """Keep `unconnected_since` None exactly while a publisher is on the other end."""

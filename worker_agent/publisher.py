@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -26,6 +27,7 @@ import grpc
 import grpc.aio
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
+from kvplane.core.keys import BlockKey
 from kvplane.core.types import BlocksRemoved, BlocksStored, KvEvent, WiringReport, WorkerInfo
 from kvplane.wire.codec import events_message, load_message, register_message
 from kvplane.wire.stream import AgentStream, StreamClosed
@@ -90,6 +92,7 @@ class ControlPlanePublisher:
         self._engine_down = False
         self._down_report_pending = False
         self._wakeup = asyncio.Event()
+        self._filled = asyncio.Event()  # the outbox holds a whole batch
         self._registered = False
         self._connected = asyncio.Event()
         self._flushed = asyncio.Event()
@@ -108,7 +111,16 @@ class ControlPlanePublisher:
         # the engine's capacity bounds) under a new incarnation.
         if self._outbox_blocks > self._outbox_limit:
             self.start_new_incarnation("the outbox overflowed while disconnected")
+        if self._batch_full():
+            self._filled.set()
         self._wakeup.set()
+
+    def _batch_full(self) -> bool:
+        """Whether the outbox holds a whole batch: it goes without lingering."""
+        return (
+            self._outbox_blocks >= self._limits.max_batch_blocks
+            or len(self._outbox) >= self._limits.max_batch_events
+        )
 
     def report_load(self, load: EngineLoad) -> None:
         self._load = load
@@ -202,8 +214,12 @@ class ControlPlanePublisher:
                 continue  # an incarnation may have begun meanwhile: register it first
             if self._in_flight is None and self._outbox:
                 lingering = self._outbox_since + self._agent.batch_linger_s - time.monotonic()
-                if lingering > 0 and self._outbox_blocks < self._limits.max_batch_blocks:
-                    await asyncio.sleep(lingering)  # more of the engine's steps join it
+                if lingering > 0 and not self._batch_full():
+                    # More of the engine's steps join it, unless it fills up first.
+                    self._filled.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(lingering):
+                            await self._filled.wait()
                     continue
                 self._in_flight = self._next_batch()
             if self._in_flight is not None:
@@ -325,31 +341,37 @@ def coalesced(events: Sequence[KvEvent]) -> list[KvEvent]:
     announce each evicted block alone, and the control plane pays for every event it
     parses; the order of changes that do not merge is kept, so the result is the same."""
     merged: list[KvEvent] = []
+    run: list[BlockKey] = []  # the keys of merged[-1] while it may still grow
     for event in events:
         previous = merged[-1] if merged else None
         if (
             isinstance(event, BlocksRemoved)
             and isinstance(previous, BlocksRemoved)
             and previous.tier is event.tier
-        ):
-            merged[-1] = BlocksRemoved([*previous.keys, *event.keys], event.tier)
-        elif (
+        ) or (
             isinstance(event, BlocksStored)
             and isinstance(previous, BlocksStored)
             and previous.tier is event.tier
-            and previous.keys
-            and event.parent_key == previous.keys[-1]
-            and event.first_position == previous.first_position + len(previous.keys)
+            and run
+            and event.parent_key == run[-1]
+            and event.first_position == previous.first_position + len(run)
         ):
-            merged[-1] = BlocksStored(
-                [*previous.keys, *event.keys],
-                previous.tier,
-                previous.first_position,
-                previous.parent_key,
-            )
+            run.extend(event.keys)
         else:
+            _close_run(merged, run)
             merged.append(event)
+            run = list(event.keys) if isinstance(event, BlocksStored | BlocksRemoved) else []
+    _close_run(merged, run)
     return merged
+
+
+def _close_run(merged: list[KvEvent], run: list[BlockKey]) -> None:
+    """merged[-1] with the keys its run gathered (built once, not at every merge)."""
+    last = merged[-1] if merged else None
+    if isinstance(last, BlocksRemoved) and len(run) > len(last.keys):
+        merged[-1] = BlocksRemoved(run, last.tier)
+    elif isinstance(last, BlocksStored) and len(run) > len(last.keys):
+        merged[-1] = BlocksStored(run, last.tier, last.first_position, last.parent_key)
 
 
 def _blocks(event: KvEvent) -> int:

@@ -131,7 +131,7 @@ class ProxySettings(_Section):
     # Each of the two token caches (whole prompts, prompt pieces) holds this many (4 B each).
     token_cache_tokens: int = Field(default=2_000_000, ge=0)
     # Block keys of prompts keyed before, reused by prompts that share their prefix
-    # (about 11 B each): a prompt keys only its blocks past what this holds.
+    # (about 15 B each): a prompt keys only its blocks past what this holds.
     key_cache_blocks: int = Field(default=250_000, ge=0)
 
 

@@ -182,6 +182,7 @@ class RelayResponse(StreamingResponse):
         finally:
             if watcher is not None:
                 watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
             await self._finish()
 
     async def _watch(self, receive: Receive) -> None:

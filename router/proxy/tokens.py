@@ -252,8 +252,10 @@ class PromptTokens:
                     continue
             found.append(None)
         missing = [parts[at] for at, piece_ids in enumerate(found) if piece_ids is None]
-        new_text = sum(len(piece.text) for piece in missing)
-        encoded = iter(await _off_loop_if(new_text, pieces.encode, missing))
+        if sum(len(piece.text) for piece in missing) > OFF_LOOP_CHARS:
+            encoded = iter(await asyncio.to_thread(pieces.encode_batch, missing))
+        else:
+            encoded = iter(pieces.encode(missing))
         for at, piece_ids in enumerate(found):
             if piece_ids is None:
                 new = next(encoded)

@@ -58,7 +58,6 @@ class KnownPrefixKeys:
             segment = self._segments.get(segment_hash)
             if segment is None:
                 break
-            self._segments.move_to_end(segment_hash)
             keys.extend(segment)
         known = len(keys)
         parent = BlockKey(keys[-1]) if keys else root
@@ -66,13 +65,22 @@ class KnownPrefixKeys:
         keys.extend(new)
         self.reused_blocks += known
         self.keyed_blocks += len(new)
-        for at in range(known // SEGMENT_BLOCKS, len(hashes)):
-            self._remember(hashes[at], keys[at * SEGMENT_BLOCKS : (at + 1) * SEGMENT_BLOCKS])
+        if self.max_segments:
+            self._remember(hashes, keys)
         return cast(list[BlockKey], keys)
 
-    def _remember(self, segment_hash: bytes, keys: Sequence[int]) -> None:
-        if not self.max_segments:
-            return
-        self._segments[segment_hash] = array.array("Q", keys)
-        while len(self._segments) > self.max_segments:
-            self._segments.popitem(last=False)
+    def _remember(self, hashes: list[bytes], keys: list[int]) -> None:
+        """Keep the prompt's segments, its first the most recently used: a segment is
+        found only after every one before it, so the deepest go first when the cache is
+        full (evicting the first would leave the rest unreachable)."""
+        segments = self._segments
+        for at in reversed(range(len(hashes))):
+            segment_hash = hashes[at]
+            if segment_hash in segments:
+                segments.move_to_end(segment_hash)
+            else:
+                segments[segment_hash] = array.array(
+                    "Q", keys[at * SEGMENT_BLOCKS : (at + 1) * SEGMENT_BLOCKS]
+                )
+        while len(segments) > self.max_segments:
+            segments.popitem(last=False)

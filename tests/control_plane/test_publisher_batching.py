@@ -4,6 +4,7 @@ and sends what piles up together: the control plane pays per batch, not per step
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
 from kvplane.core.keys import block_keys
@@ -19,7 +20,9 @@ STEPS = 5
 STEP_GAP_S = 0.05
 
 
-async def _publish_steps(router: RunningRouter, linger_s: float) -> float:
+async def _publish_steps(
+    router: RunningRouter, linger_s: float, *, steps: int = STEPS, max_batch_blocks: int = 4096
+) -> float:
     """Five engine steps, each storing the next block of one chain, STEP_GAP_S apart;
     the batches the control plane applied for them."""
     translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=1000)
@@ -28,15 +31,15 @@ async def _publish_steps(router: RunningRouter, linger_s: float) -> float:
         AgentSettings(
             control_plane_address=f"127.0.0.1:{router.grpc_port}", batch_linger_s=linger_s
         ),
-        ControlPlaneSettings(block_size=BLOCK_SIZE),
+        ControlPlaneSettings(block_size=BLOCK_SIZE, max_batch_blocks=max_batch_blocks),
         snapshot=translator.snapshot,
     )
-    tokens = list(range(STEPS * BLOCK_SIZE))
+    tokens = list(range(steps * BLOCK_SIZE))
     before = _batches_applied(router)
     task = asyncio.create_task(publisher.run())
     try:
         await publisher.wait_connected()
-        for step in range(STEPS):
+        for step in range(steps):
             block = tokens[step * BLOCK_SIZE : (step + 1) * BLOCK_SIZE]
             parent = None if step == 0 else EngineBlockHash(step)
             stored = EngineBlocksStored(
@@ -52,7 +55,7 @@ async def _publish_steps(router: RunningRouter, linger_s: float) -> float:
             await asyncio.sleep(STEP_GAP_S)
         await publisher.wait_flushed()
         match = (await router.index.lookup(block_keys(tokens, NAMESPACE)))["w1"]
-        assert match.blocks == STEPS  # every step arrived, whatever the batching
+        assert match.blocks == steps  # every step arrived, whatever the batching
     finally:
         await cancel_task(task)
     return _batches_applied(router) - before
@@ -71,3 +74,13 @@ async def test_steps_within_the_linger_go_in_one_batch() -> None:
 async def test_without_a_linger_each_step_goes_as_soon_as_nothing_is_in_flight() -> None:
     async with running_router(make_settings()) as router:
         assert await _publish_steps(router, linger_s=0.0) > 1
+
+
+async def test_a_whole_batch_goes_without_waiting_out_the_linger() -> None:
+    async with running_router(make_settings()) as router:
+        started = time.monotonic()
+        # One block a batch: each step fills one, so none waits out the second of linger
+        # (the first alone would have taken a second).
+        batches = await _publish_steps(router, linger_s=1.0, steps=3, max_batch_blocks=1)
+        assert batches == 3
+        assert time.monotonic() - started < 1.0

@@ -79,3 +79,11 @@ def test_token_ids_that_are_not_token_ids_are_refused_as_block_keys_refuses_them
         known.keys([1, 2, -3], SHARED)
     with pytest.raises(ValueError, match="token ids"):
         block_keys([1, 2, -3], SHARED)
+
+
+def test_a_full_cache_gives_up_a_prompts_deepest_segments_first() -> None:
+    known = KnownPrefixKeys(max_blocks=3 * SEGMENT_BLOCKS)
+    prompt = tokens(4 * SEGMENT)
+    known.keys(prompt, SHARED)  # four segments for room for three: the last one goes
+    assert known.keys(prompt, SHARED) == block_keys(prompt, SHARED)
+    assert known.reused_blocks == 3 * SEGMENT_BLOCKS

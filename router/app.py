@@ -219,6 +219,10 @@ async def running_router(
                 {model: mode == "predictions_only" for model, mode in seen.routing.items()},
             )
             metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
+            known_keys = planner.known_keys
+            metrics.set_prompt_keys(
+                reused=known_keys.reused_blocks, computed=known_keys.keyed_blocks
+            )
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
         def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> FastAPI:

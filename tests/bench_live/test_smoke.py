@@ -69,6 +69,9 @@ def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
     pieces = evidence["tokenisation"]  # the system prompts were tokenised once each
     assert pieces["kvplane_prompt_piece_tokens{source=reused}"] > 0
     assert pieces["kvplane_piecewise_tokenisation_checks{result=different}"] == 0
+    assert pieces["kvplane_prompt_key_blocks{source=reused}"] > 0  # and their keys once
+    assert evidence["events"]["kvplane_batches_applied_total"] > 0
+    assert kvplane["rest_cpu_ms_per_s"] > 0
     assert (tmp_path / "live.png").stat().st_size > 0
     assert "hit %" in completed.stdout  # the table
     assert _processes_marked(logs) == []  # it stopped everything it started

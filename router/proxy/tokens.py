@@ -252,10 +252,10 @@ class PromptTokens:
                     continue
             found.append(None)
         missing = [parts[at] for at, piece_ids in enumerate(found) if piece_ids is None]
-        if sum(len(piece.text) for piece in missing) > OFF_LOOP_CHARS:
-            encoded = iter(await asyncio.to_thread(pieces.encode_batch, missing))
-        else:
-            encoded = iter(pieces.encode(missing))
+        new_chars = sum(len(piece.text) for piece in missing)
+        # In a thread, the batch call: it lets the loop run while the library works.
+        encode = pieces.encode_batch if new_chars > OFF_LOOP_CHARS else pieces.encode
+        encoded = iter(await _off_loop_if(new_chars, encode, missing))
         for at, piece_ids in enumerate(found):
             if piece_ids is None:
                 new = next(encoded)

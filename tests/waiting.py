@@ -18,6 +18,8 @@ async def wait_until(
         result = condition()
         if inspect.isawaitable(result):
             result = await result
+        if callable(result):  # a factory of the check passed where the check was meant
+            raise TypeError(f"the condition for {what} returned a function, not a truth value")
         if result:
             return
         if time.monotonic() > deadline:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +211,7 @@ async def test_a_reset_and_a_restart_empty_the_index(index_settings: IndexSettin
             await running.send(client, prompt)
         await wait_until("the index matches the engine", running.matches_engine)
         await client.post(running.sim.base_url + "/reset_prefix_cache")
-        await wait_until("the reset reaches the index", lambda: _entries_are(running, 0))
+        await wait_until("the reset reaches the index", _entries_are(running, 0))
         await running.send(client, PROMPTS[3])
         await wait_until("the index matches the engine", running.matches_engine)
         before = running.incarnation
@@ -260,7 +260,7 @@ async def test_a_restarted_agent_rebuilds_the_index_from_replay(
         first = running.incarnation
         await cancel_task(running.agent_task)
         running.agent, running.agent_task = start_agent(running.settings)
-        await wait_until("the new agent registers", lambda: _newer(running, first))
+        await wait_until("the new agent registers", _newer(running, first))
         await wait_until("the index matches the engine", running.matches_engine)
         assert await running.index_entries() > 0
 
@@ -328,14 +328,14 @@ async def test_a_killed_engine_leaves_the_index_within_the_lease_and_comes_back(
                 await cancel_task(task)
 
 
-def _entries_are(running: Fleet, count: int) -> Any:
+def _entries_are(running: Fleet, count: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return await running.index_entries() == count
 
     return check
 
 
-def _newer(running: Fleet, incarnation: int) -> Any:
+def _newer(running: Fleet, incarnation: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         for status in await running.router.index.workers():
             if status.info.worker_id == WORKER and status.info.incarnation > incarnation:

@@ -167,6 +167,8 @@ def _start_kvplane(
                 "tokenisation": _metric_totals(url, _TOKENISATION_SERIES.__contains__),
                 # What the agents streamed to it, since it started: the cost of sight.
                 "events": _metric_totals(url, _EVENT_SERIES.__contains__),
+                # Why it routed as it did, and whether the engines' caches bore it out.
+                "routing": _metric_totals(url, _ROUTING_SERIES.__contains__),
             }
         return evidence
 
@@ -189,6 +191,16 @@ _EVENT_SERIES = frozenset(
         "kvplane_batches_applied_total",
         "kvplane_events_applied_total",
         "kvplane_blocks_applied_total",
+    }
+)
+
+
+_ROUTING_SERIES = frozenset(
+    {
+        "kvplane_routing_decisions_total",
+        "kvplane_predicted_cached_tokens_total",
+        "kvplane_reported_cached_tokens_total",
+        "kvplane_prediction_verdicts_total",
     }
 )
 

@@ -17,9 +17,11 @@ import argparse
 import json
 import os
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from typing import TextIO
 
-import httpx2
 from pydantic import ValidationError
 
 from router.fleet_models import FleetCheck
@@ -62,22 +64,33 @@ def require_wiring(router_url: str, token: str, *, wait_s: float = 5.0) -> Fleet
 def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True) -> FleetCheck:
     """The router's fleet check (`POST /fleet/check`); CheckUnavailable if there is none."""
     url = router_url.rstrip("/") + "/fleet/check"
+    query = urllib.parse.urlencode({"probe": str(probe).lower(), "wait_s": wait_s})
+    # One blocking call from a command line: the standard library's client is enough,
+    # and the router and the agent need no HTTP client but the proxy's (aiohttp).
+    request = _post(f"{url}?{query}", {"authorization": f"Bearer {token}"})
     try:
-        response = httpx2.post(
-            url,
-            params={"probe": str(probe).lower(), "wait_s": wait_s},
-            headers={"authorization": f"Bearer {token}"},
-            timeout=wait_s + _ROUTER_MARGIN_S,
-        )
-    except httpx2.HTTPError as error:
+        with urllib.request.urlopen(request, timeout=wait_s + _ROUTER_MARGIN_S) as response:
+            body = response.read()
+    except urllib.error.HTTPError as error:
+        hint = _HINTS.get(error.code, "")
+        raise CheckUnavailable(f"{url} answered {error.code}{hint}") from None
+    except OSError as error:  # URLError, timeouts, refusals
         raise CheckUnavailable(f"cannot reach {url} ({type(error).__name__})") from None
-    if response.status_code != 200:
-        hint = _HINTS.get(response.status_code, "")
-        raise CheckUnavailable(f"{url} answered {response.status_code}{hint}")
     try:
-        return FleetCheck.model_validate_json(response.content)
+        return FleetCheck.model_validate_json(body)
     except ValidationError:
         raise CheckUnavailable(f"{url} did not answer a fleet check") from None
+
+
+def _post(url: str, headers: dict[str, str]) -> urllib.request.Request:
+    """A POST to `url`; CheckUnavailable unless it is a well-formed http(s) URL (urllib
+    would also open file: and other schemes)."""
+    try:
+        if urllib.parse.urlsplit(url).scheme in ("http", "https"):
+            return urllib.request.Request(url, method="POST", headers=headers)
+    except ValueError:
+        pass
+    raise CheckUnavailable(f"{url.partition('?')[0]!r} is not an http:// or https:// URL")
 
 
 def run_check(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

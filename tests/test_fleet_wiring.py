@@ -302,3 +302,11 @@ def test_kvplane_check_without_a_token_or_a_router_cannot_ask() -> None:
     )
     assert no_token.returncode == 2
     assert "KVPLANE_HTTP__ADMIN_TOKEN" in no_token.stderr
+
+
+@pytest.mark.parametrize("router_url", ["127.0.0.1:8080", "file:///etc/hostname", "http://[::1"])
+def test_kvplane_check_refuses_what_is_not_an_http_url(router_url: str) -> None:
+    result = kvplane_check(router_url)
+    assert result.returncode == 2
+    assert "is not an http:// or https:// URL" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -41,7 +41,7 @@ def configure_logging(settings: LoggingSettings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level)
-    # httpx logs every request at INFO (the agent's probes, the proxy's upstream calls:
-    # thousands a minute); their failures reach kvplane's own logs as they matter.
+    # httpx and its fork httpx2 (the tools' clients, the openai client's) log every
+    # request at INFO: thousands a minute under a benchmark's load.
     for chatty in ("httpx", "httpcore", "httpx2", "httpcore2"):
         logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))

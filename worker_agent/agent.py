@@ -16,6 +16,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import aiohttp
 
@@ -161,6 +162,7 @@ class WorkerAgent:
         agent = self.settings.agent
         failures = 0
         started_at: float | None = None
+        unread_metrics: str | None = None  # why the last probe could not read them
         load = EngineLoad(0, 0, 0.0)
         reported = dataclasses.replace(translator.counters)
         next_report = time.monotonic() + _COUNTERS_LOG_INTERVAL_S
@@ -170,15 +172,25 @@ class WorkerAgent:
                 if translator.counters != reported:
                     reported = dataclasses.replace(translator.counters)
                     log.info("translation so far: %s", dataclasses.asdict(reported))
-            metrics = await _probe(http)
-            failures = 0 if metrics is not None else failures + 1
+            healthy, metrics, metrics_error = await _probe(http)
+            failures = 0 if healthy else failures + 1
+            if (metrics_error is None) != (unread_metrics is None):  # logged as it changes
+                if metrics_error is not None:
+                    log.warning(
+                        "the engine's metrics could not be read (%s): load reports repeat "
+                        "the last until they can",
+                        metrics_error,
+                    )
+                else:
+                    log.info("the engine's metrics can be read again")
+                unread_metrics = metrics_error
             if failures >= agent.engine_down_after_failures and not self.engine_is_down:
                 log.warning("the engine at %s is down; publishing stops", agent.engine_url)
                 self.engine_is_down = True
                 translator.clear()
                 source.engine_went_down()
-            elif metrics is not None:
-                start = process_start_time(metrics)
+            elif healthy:
+                start = None if metrics is None else process_start_time(metrics)
                 if self.engine_is_down:
                     log.info("the engine at %s is back", agent.engine_url)
                     self.engine_is_down = False
@@ -193,22 +205,24 @@ class WorkerAgent:
                     _start_over("the engine process restarted", translator, publisher)
                 started_at = start if start is not None else started_at
                 try:
-                    load = self.adapter.parse_load(metrics)
+                    if metrics is not None:
+                        load = self.adapter.parse_load(metrics)
                 except ValueError as error:
                     log.warning("no load from the engine's metrics (%s): the last is sent", error)
                 publisher.report_wiring(self._judge_wiring(source, metrics))
             if self.engine_is_down:
                 publisher.report_engine_down()
-            elif metrics is not None:
+            elif healthy:
                 publisher.report_load(load)  # a heartbeat whether or not the metrics parsed
             await asyncio.sleep(agent.load_interval_s)
 
-    def _judge_wiring(self, source: KvEventSource, metrics: str) -> WiringReport:
+    def _judge_wiring(self, source: KvEventSource, metrics: str | None) -> WiringReport:
         assert self.wiring is not None
         try:
-            counters = self.adapter.parse_prefix_cache(metrics)
+            counters = None if metrics is None else self.adapter.parse_prefix_cache(metrics)
         except ValueError:
-            counters = None  # unreadable this time: silence is judged on the next probe
+            counters = None
+        # (None: unreadable this time; silence is judged on the next probe.)
         facts = SourceFacts(
             endpoint=source.endpoint,
             replay_endpoint=source.replay_endpoint,
@@ -245,18 +259,26 @@ class _EngineHttp:
         await self._session.close()
 
 
-async def _probe(http: _EngineHttp) -> str | None:
-    """The engine's metrics text if it is healthy, else None."""
+class _Probe(NamedTuple):
+    healthy: bool
+    metrics: str | None  # None: not read (unhealthy, or the read failed)
+    metrics_error: str | None = None  # why a healthy engine's metrics were not read
+
+
+async def _probe(http: _EngineHttp) -> _Probe:
+    """/health alone says whether the engine is up: metrics that fail, time out or do
+    not parse cost the load report, not the engine."""
     try:
         async with http.get("/health") as health:
             if health.status != 200:
-                return None
-        # /health alone says whether the engine is up: metrics that fail or do not parse
-        # cost the load report, not the engine.
-        async with http.get("/metrics") as metrics:
-            return await metrics.text(errors="replace")
+                return _Probe(False, None)
     except (aiohttp.ClientError, TimeoutError):
-        return None
+        return _Probe(False, None)
+    try:
+        async with http.get("/metrics") as metrics:
+            return _Probe(True, await metrics.text(errors="replace"))
+    except (aiohttp.ClientError, TimeoutError) as error:
+        return _Probe(True, None, type(error).__name__)
 
 
 def _start_over(reason: str, translator: BlockTranslator, publisher: ControlPlanePublisher) -> None:

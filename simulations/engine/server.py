@@ -12,7 +12,8 @@
 - `GET /sim/blocks`: the engine's true block set, each block tagged with its cache scope
   (`?prefixes=1`: and every token up to its end), and hits on another scope's blocks,
   for tests that compare the router's index with the engines.
-- `POST /sim/faults`: inject faults at run time (stall, drop event batches, restart, die).
+- `POST /sim/faults`: inject faults at run time (stall, drop event batches, restart, die,
+  slow metrics).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class FaultRequest(BaseModel):
     drop_event_fraction: float | None = Field(None, ge=0, le=1)
     restart: bool = False
     die: bool = False
+    # /metrics answers only after this long (0: at once again), as a scrape can when an
+    # engine's server is busy; /health is not affected.
+    metrics_stall_s: float | None = Field(None, ge=0, le=3600)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +270,11 @@ def create_engine_app(
     async def version(request: Request) -> Response:
         return _json_response({"version": protocol.VLLM_VERSION})
 
+    metrics_stall_s = 0.0
+
     async def metrics(request: Request) -> Response:
+        if metrics_stall_s:
+            await asyncio.sleep(metrics_stall_s)
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def reset_prefix_cache(request: Request) -> Response:
@@ -300,6 +308,7 @@ def create_engine_app(
         )
 
     async def faults(request: Request) -> Response:
+        nonlocal metrics_stall_s
         try:
             fault = FaultRequest.model_validate(await _json_body(request))
         except RequestError as error:
@@ -316,6 +325,8 @@ def create_engine_app(
             engine.publisher.drop_fraction = fault.drop_event_fraction
         if fault.restart:
             engine.restart()
+        if fault.metrics_stall_s is not None:
+            metrics_stall_s = fault.metrics_stall_s
         log.warning("fault injected: %s", fault.model_dump(exclude_defaults=True))
         return _json_response({"ok": True})
 

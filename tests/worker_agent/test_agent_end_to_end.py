@@ -343,3 +343,34 @@ def _newer(running: Fleet, incarnation: int) -> Callable[[], Awaitable[bool]]:
         return False
 
     return check
+
+
+async def test_an_engine_whose_metrics_fail_stays_up(index_settings: IndexSettings) -> None:
+    """/health alone decides that an engine is down: a /metrics that times out on every
+    probe costs the load report, not the worker. (The heartbeat waits for the probe, up
+    to its timeout a request: the lease here is the default's 5 s, which covers that.)"""
+    async with engine_sim(**sim_options()) as sim, httpx.AsyncClient() as client:
+        settings = agent_settings(sim, free_port(), index_settings)
+        lease = settings.control_plane.model_copy(update={"lease_s": 5.0})
+        settings = settings.model_copy(update={"control_plane": lease})
+        agent, task = start_agent(settings)
+        try:
+            async with running_router(settings) as router:
+                running = Fleet(sim, router, settings, agent, task)
+                await wait_until("the agent registers", running.registered)
+                await running.send(client, PROMPTS[0])
+                await wait_until("the index matches the engine", running.matches_engine)
+                stall = {"metrics_stall_s": 30}
+                assert (await client.post(sim.base_url + "/sim/faults", json=stall)).is_success
+                incarnation = running.incarnation
+                # Three probes' metrics timeouts (2 s each): two failed probes call it down.
+                await asyncio.sleep(3 * 2.0 + 1)
+                assert not agent.engine_is_down
+                record = router.workers.get(WORKER)
+                assert record is not None
+                assert record.state.value == "live"
+                assert running.incarnation == incarnation
+                await running.send(client, PROMPTS[1])
+                await wait_until("the index follows the engine still", running.matches_engine)
+        finally:
+            await cancel_task(task)

@@ -14,13 +14,15 @@ The admin token comes from KVPLANE_HTTP__ADMIN_TOKEN (a secret: never a flag).
 from __future__ import annotations
 
 import argparse
+import email.message
+import http.client
 import json
 import os
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import TextIO
+from typing import IO, TextIO
 
 from pydantic import ValidationError
 
@@ -61,20 +63,42 @@ def require_wiring(router_url: str, token: str, *, wait_s: float = 5.0) -> Fleet
     return verdict
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect answers as its own status: urllib would follow it with the token."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: email.message.Message,
+        newurl: str,
+    ) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
+
 def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True) -> FleetCheck:
     """The router's fleet check (`POST /fleet/check`); CheckUnavailable if there is none."""
     url = router_url.rstrip("/") + "/fleet/check"
     query = urllib.parse.urlencode({"probe": str(probe).lower(), "wait_s": wait_s})
     # One blocking call from a command line: the standard library's client is enough,
     # and the router and the agent need no HTTP client but the proxy's (aiohttp).
-    request = _post(f"{url}?{query}", {"authorization": f"Bearer {token}"})
+    request = _post(f"{url}?{query}", token)
     try:
-        with urllib.request.urlopen(request, timeout=wait_s + _ROUTER_MARGIN_S) as response:
+        with _NO_REDIRECTS.open(request, timeout=wait_s + _ROUTER_MARGIN_S) as response:
             body = response.read()
     except urllib.error.HTTPError as error:
         hint = _HINTS.get(error.code, "")
         raise CheckUnavailable(f"{url} answered {error.code}{hint}") from None
-    except OSError as error:  # URLError, timeouts, refusals
+    except urllib.error.URLError as error:
+        raise CheckUnavailable(f"cannot reach {url} ({error.reason})") from None
+    # Timeouts and refusals; not HTTP at the other end; a token or host that cannot go
+    # into a request.
+    except (OSError, http.client.HTTPException, ValueError) as error:
         raise CheckUnavailable(f"cannot reach {url} ({type(error).__name__})") from None
     try:
         return FleetCheck.model_validate_json(body)
@@ -82,13 +106,20 @@ def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True
         raise CheckUnavailable(f"{url} did not answer a fleet check") from None
 
 
-def _post(url: str, headers: dict[str, str]) -> urllib.request.Request:
-    """A POST to `url`; CheckUnavailable unless it is a well-formed http(s) URL (urllib
-    would also open file: and other schemes)."""
+def _post(url: str, token: str) -> urllib.request.Request:
+    """The check's POST; CheckUnavailable unless `url` is a well-formed http(s) URL
+    (urllib would also open file: and other schemes)."""
+    if not (token.isascii() and token.isprintable()):
+        raise CheckUnavailable(
+            f"{TOKEN_VARIABLE} holds a character no header can carry (a trailing newline?)"
+        )
     try:
-        if urllib.parse.urlsplit(url).scheme in ("http", "https"):
-            return urllib.request.Request(url, method="POST", headers=headers)
-    except ValueError:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme in ("http", "https") and parts.hostname and parts.port != 0:
+            request = urllib.request.Request(url, method="POST")
+            request.add_unredirected_header("Authorization", f"Bearer {token}")
+            return request
+    except ValueError:  # a malformed host or an out-of-range port
         pass
     raise CheckUnavailable(f"{url.partition('?')[0]!r} is not an http:// or https:// URL")
 

@@ -15,10 +15,12 @@ One router in front of three engines:
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -304,9 +306,52 @@ def test_kvplane_check_without_a_token_or_a_router_cannot_ask() -> None:
     assert "KVPLANE_HTTP__ADMIN_TOKEN" in no_token.stderr
 
 
-@pytest.mark.parametrize("router_url", ["127.0.0.1:8080", "file:///etc/hostname", "http://[::1"])
+@pytest.mark.parametrize(
+    "router_url",
+    ["127.0.0.1:8080", "file:///etc/hostname", "http://[::1", "http://127.0.0.1:abc", "http://:80"],
+)
 def test_kvplane_check_refuses_what_is_not_an_http_url(router_url: str) -> None:
     result = kvplane_check(router_url)
     assert result.returncode == 2
     assert "is not an http:// or https:// URL" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_kvplane_check_follows_no_redirect_with_the_token() -> None:
+    """A redirect is reported as the router's answer: following it would send the admin
+    token wherever the redirect points."""
+    seen: list[str] = []
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the check's request
+            seen.append(f"POST {self.headers.get('Authorization')}")
+            self.send_response(302)
+            self.send_header("location", "/elsewhere")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:  # where urllib would follow it
+            seen.append(f"GET {self.headers.get('Authorization')}")
+            self.send_response(404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Redirecting) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            result = kvplane_check(f"http://127.0.0.1:{server.server_port}")
+        finally:
+            server.shutdown()
+    assert result.returncode == 2
+    assert "answered 302" in result.stderr
+    assert seen == [f"POST Bearer {ADMIN_TOKEN}"]
+
+
+def test_kvplane_check_refuses_a_token_no_header_can_carry() -> None:
+    result = kvplane_check(f"http://127.0.0.1:{free_port()}", token="secret\n")
+    assert result.returncode == 2
+    assert "KVPLANE_HTTP__ADMIN_TOKEN holds a character no header can carry" in result.stderr

@@ -174,7 +174,8 @@ class WorkerAgent:
                     log.info("translation so far: %s", dataclasses.asdict(reported))
             healthy, metrics, metrics_error = await _probe(http)
             failures = 0 if healthy else failures + 1
-            if (metrics_error is None) != (unread_metrics is None):  # logged as it changes
+            # Logged as it changes (an engine that is down says nothing of its metrics).
+            if healthy and (metrics_error is None) != (unread_metrics is None):
                 if metrics_error is not None:
                     log.warning(
                         "the engine's metrics could not be read (%s): load reports repeat "
@@ -187,6 +188,7 @@ class WorkerAgent:
             if failures >= agent.engine_down_after_failures and not self.engine_is_down:
                 log.warning("the engine at %s is down; publishing stops", agent.engine_url)
                 self.engine_is_down = True
+                started_at = None  # its next life's start time is not a restart
                 translator.clear()
                 source.engine_went_down()
             elif healthy:
@@ -204,25 +206,26 @@ class WorkerAgent:
                     source.engine_went_down()
                     _start_over("the engine process restarted", translator, publisher)
                 started_at = start if start is not None else started_at
-                try:
-                    if metrics is not None:
+                if metrics is not None:  # else the last load and wiring verdict stand
+                    try:
                         load = self.adapter.parse_load(metrics)
-                except ValueError as error:
-                    log.warning("no load from the engine's metrics (%s): the last is sent", error)
-                publisher.report_wiring(self._judge_wiring(source, metrics))
+                    except ValueError as error:
+                        log.warning(
+                            "no load from the engine's metrics (%s): the last is sent", error
+                        )
+                    publisher.report_wiring(self._judge_wiring(source, metrics))
             if self.engine_is_down:
                 publisher.report_engine_down()
             elif healthy:
                 publisher.report_load(load)  # a heartbeat whether or not the metrics parsed
             await asyncio.sleep(agent.load_interval_s)
 
-    def _judge_wiring(self, source: KvEventSource, metrics: str | None) -> WiringReport:
+    def _judge_wiring(self, source: KvEventSource, metrics: str) -> WiringReport:
         assert self.wiring is not None
         try:
-            counters = None if metrics is None else self.adapter.parse_prefix_cache(metrics)
+            counters = self.adapter.parse_prefix_cache(metrics)
         except ValueError:
-            counters = None
-        # (None: unreadable this time; silence is judged on the next probe.)
+            counters = None  # unreadable this time: silence is judged on the next probe
         facts = SourceFacts(
             endpoint=source.endpoint,
             replay_endpoint=source.replay_endpoint,
@@ -276,6 +279,8 @@ async def _probe(http: _EngineHttp) -> _Probe:
         return _Probe(False, None)
     try:
         async with http.get("/metrics") as metrics:
+            if metrics.status != 200:
+                return _Probe(True, None, f"HTTP {metrics.status}")
             return _Probe(True, await metrics.text(errors="replace"))
     except (aiohttp.ClientError, TimeoutError) as error:
         return _Probe(True, None, type(error).__name__)

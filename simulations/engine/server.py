@@ -107,7 +107,7 @@ class FaultRequest(BaseModel):
     restart: bool = False
     die: bool = False
     # /metrics answers only after this long (0: at once again), as a scrape can when an
-    # engine's server is busy; /health is not affected.
+    # engine's server is busy; /health is not affected, and a restart keeps it.
     metrics_stall_s: float | None = Field(None, ge=0, le=3600)
 
 

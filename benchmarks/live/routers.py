@@ -109,12 +109,16 @@ def peer_version(distribution: str) -> str:
 
 # --- kvplane -------------------------------------------------------------------------
 
+# kvplane's processes log warnings only, unless the bake-off's own environment names a
+# level (KVPLANE_LOGGING__LEVEL=DEBUG with --logs keeps every routing decision).
+_LOG_LEVEL = () if "KVPLANE_LOGGING__LEVEL" in os.environ else ("--log-level", "WARNING")
+
 
 def _start_kvplane(
     spec: RouterSpec, fleet: EngineFleet, children: Children, replicas: int, workload: Workload
 ) -> Deployment:
     env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
-    flags = ["--policy", spec.policy, "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
+    flags = ["--policy", spec.policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
         _flush_redis()
         flags += ["--index", "redis", "--redis-url", REDIS_URL]
@@ -143,7 +147,7 @@ def _start_kvplane(
             "--kv-events-replay-endpoint", engine.replay_endpoint,
             "--control-plane-address", addresses,
             "--block-size", str(BLOCK_SIZE),
-            "--log-level", "WARNING",
+            *_LOG_LEVEL,
         ]  # fmt: skip
         agents.append(children.launch(f"kvplane-agent-{engine.name}", command))
     urls = [f"http://127.0.0.1:{http}" for _, http, _ in routers]

@@ -159,11 +159,10 @@ class RoutingPlanner:
 
     def routed(self, decision: Decision, worker_id: str) -> None:
         """The request went to `worker_id`: its prefix is predicted there from now on."""
-        self.predicted.record(
-            worker_id,
-            decision.keys[: servable_blocks(decision.prompt_tokens, self.block_size)],
-            self._clock(),
-        )
+        servable = decision.keys[: servable_blocks(decision.prompt_tokens, self.block_size)]
+        self.predicted.record(worker_id, servable, self._clock())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", _routed_line(decision, worker_id, servable[-1] if servable else None))
 
     async def _lookup(
         self, keys: list[BlockKey], wanted: bool
@@ -223,6 +222,30 @@ class RoutingPlanner:
 
 
 _NOTHING: Mapping[Tier, int] = MappingProxyType({})
+_LOGGED_CANDIDATES = 8  # a line per decision stays short in a fleet of thousands
+
+
+def _routed_line(decision: Decision, worker_id: str, last_key: BlockKey | None) -> str:
+    """One decision, for the debug log: numbers and hashes only, never the prompt. A
+    block key names its whole prefix, so the key where the longest match ends equals
+    the `prefix` key of the request that left it: a conversation's turns can be
+    followed without their text."""
+    candidates = "; ".join(
+        f"{b.worker_id} cached={b.cached_tokens} saved={b.saved_tokens:.0f} "
+        f"queue={b.queue_penalty:.0f} memory={b.memory_penalty:.0f} "
+        f"tenant={b.tenant_penalty:.0f}"
+        for b in decision.ranked[:_LOGGED_CANDIDATES]
+    )
+    longest = max((sum(m.values()) for m in decision.matched_blocks.values()), default=0)
+    return (
+        f"routed {decision.prompt_tokens} prompt tokens (prefix {_hex(last_key)}, longest "
+        f"match ending at {_hex(decision.keys[longest - 1] if longest else None)}) to "
+        f"{worker_id} by {decision.factor}; ranked: {candidates}"
+    )
+
+
+def _hex(key: BlockKey | None) -> str:
+    return "none" if key is None else f"{key:016x}"
 
 
 def _combined(

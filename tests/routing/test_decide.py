@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -201,6 +202,37 @@ async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
         tokens=[*TOKENS[:16], *range(5000, 5017)],
     )
     assert third.matched_blocks["w3"] == {Tier.DEVICE: 4}
+
+
+async def test_a_decision_is_logged_at_debug_with_numbers_and_hashes_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    planner = await make_planner()
+    first = await planner.decide(
+        model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
+    )
+    with caplog.at_level(logging.INFO, logger="router.routing.decide"):
+        planner.routed(first, "w3")
+    assert not caplog.records  # nothing unless debugging
+    planner.routed(first, "w3")
+    turn = [*TOKENS, *range(7000, 7008)]  # the same prefix, extended: a next turn
+    second = await planner.decide(model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=turn)
+    with caplog.at_level(logging.DEBUG, logger="router.routing.decide"):
+        planner.routed(first, "w1")
+        planner.routed(second, "w3")
+    lines = [record.getMessage() for record in caplog.records]
+    prefix = f"{first.keys[-1]:016x}"  # 33 tokens: all 8 blocks servable
+    assert lines[0].startswith(
+        f"routed 33 prompt tokens (prefix {prefix}, longest match ending at none) to w1 by tie;"
+    )
+    # The next turn names where the turn before it ended: turns can be followed.
+    assert lines[1].startswith(
+        f"routed 41 prompt tokens (prefix {second.keys[-1]:016x}, longest match ending at "
+        f"{prefix}) to w3 by cache;"
+    )
+    assert "w3 cached=32 saved=32" in lines[1]
+    logged = " ".join(lines)
+    assert not any(f" {token} " in logged or f"={token}" in logged for token in turn)
 
 
 async def test_a_prediction_extends_a_shorter_index_match() -> None:

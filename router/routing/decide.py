@@ -227,9 +227,9 @@ _LOGGED_CANDIDATES = 8  # a line per decision stays short in a fleet of thousand
 
 def _routed_line(decision: Decision, worker_id: str, last_key: BlockKey | None) -> str:
     """One decision, for the debug log: numbers and hashes only, never the prompt. A
-    block key names its whole prefix, so the key where the longest match ends equals
-    the `prefix` key of the request that left it: a conversation's turns can be
-    followed without their text."""
+    block key names its whole prefix: where the longest match ends at an earlier
+    request's `prefix` key, this request extends that one (a chat's next turn whose
+    engine did not also cache the answer), and it can be told without any text."""
     candidates = "; ".join(
         f"{b.worker_id} cached={b.cached_tokens} saved={b.saved_tokens:.0f} "
         f"queue={b.queue_penalty:.0f} memory={b.memory_penalty:.0f} "

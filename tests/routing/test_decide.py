@@ -225,7 +225,7 @@ async def test_a_decision_is_logged_at_debug_with_numbers_and_hashes_only(
     assert lines[0].startswith(
         f"routed 33 prompt tokens (prefix {prefix}, longest match ending at none) to w1 by tie;"
     )
-    # The next turn names where the turn before it ended: turns can be followed.
+    # A request extending an earlier one names where that one's prompt ended.
     assert lines[1].startswith(
         f"routed 41 prompt tokens (prefix {second.keys[-1]:016x}, longest match ending at "
         f"{prefix}) to w3 by cache;"

@@ -203,7 +203,7 @@ class PromptTokens:
 
     async def _tokenise(
         self, request: ParsedRequest, tokenizer: PromptTokenizer, scope: str
-    ) -> list[int] | None:
+    ) -> Sequence[int] | None:
         prompt = prompt_input(request, tokenizer)
         if not isinstance(prompt, PromptText):
             return prompt
@@ -222,7 +222,7 @@ class PromptTokens:
         if uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0:
             self._checks += 1
             whole = await _off_loop_if(len(prompt.text), prompt.whole_tokens, tokenizer)
-            if whole != token_ids:
+            if array.array("I", whole) != token_ids:
                 self._differences += 1
                 self._piecewise_off.add(tokenizer.path)
                 logger.warning(
@@ -236,7 +236,7 @@ class PromptTokens:
 
     async def _piecewise(
         self, pieces: PieceTokenizer, parts: list[Piece], add_special_tokens: bool, scope: str
-    ) -> list[int]:
+    ) -> array.array[int]:
         found: list[Sequence[int] | None] = []
         keys: dict[int, bytes] = {}
         for at, piece in enumerate(parts):
@@ -262,7 +262,9 @@ class PromptTokens:
                 self._tokenised += len(new)
                 found[at] = self.pieces.put(keys[at], new) if at in keys else new
         before, after = pieces.wrap if add_special_tokens and pieces.wrap else ([], [])
-        token_ids = list(before)
+        # An array, as the caches hold them: the cached pieces' ids are copied as bytes,
+        # where a list would make an int object of each (0.7 ms for 32k tokens).
+        token_ids = array.array("I", before)
         for piece_ids in found:
             token_ids.extend(piece_ids or ())
         token_ids.extend(after)

@@ -87,7 +87,7 @@ def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True
     query = urllib.parse.urlencode({"probe": str(probe).lower(), "wait_s": wait_s})
     # One blocking call from a command line: the standard library's client is enough,
     # and the router and the agent need no HTTP client but the proxy's (aiohttp).
-    request = _post(f"{url}?{query}", token)
+    request = _check_request(f"{url}?{query}", token)
     try:
         with _NO_REDIRECTS.open(request, timeout=wait_s + _ROUTER_MARGIN_S) as response:
             body = response.read()
@@ -106,7 +106,7 @@ def ask_router(router_url: str, token: str, *, wait_s: float, probe: bool = True
         raise CheckUnavailable(f"{url} did not answer a fleet check") from None
 
 
-def _post(url: str, token: str) -> urllib.request.Request:
+def _check_request(url: str, token: str) -> urllib.request.Request:
     """The check's POST; CheckUnavailable unless `url` is a well-formed http(s) URL
     (urllib would also open file: and other schemes)."""
     if not (token.isascii() and token.isprintable()):

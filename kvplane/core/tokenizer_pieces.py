@@ -117,7 +117,8 @@ class PieceTokenizer:
 
     @staticmethod
     def _ids(piece: Piece, encoding: Any) -> list[int]:
-        return list(encoding.ids) if piece.starts_text else list(encoding.ids[1:])
+        ids: list[int] = encoding.ids  # a new list at every read: no copy needed
+        return ids if piece.starts_text else ids[1:]
 
 
 def _special_token_wrap(backend: Any) -> tuple[list[int], list[int]] | None:

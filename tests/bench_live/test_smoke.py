@@ -71,6 +71,10 @@ def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
     assert pieces["kvplane_piecewise_tokenisation_checks{result=different}"] == 0
     assert pieces["kvplane_prompt_key_blocks{source=reused}"] > 0  # and their keys once
     assert evidence["events"]["kvplane_batches_applied_total"] > 0
+    routing = evidence["routing"]  # every request decided, and engines reported its hits
+    decided = sum(v for k, v in routing.items() if k.startswith("kvplane_routing_decisions"))
+    assert decided >= kvplane["requests"]
+    assert sum(v for k, v in routing.items() if k.startswith("kvplane_reported_cached")) > 0
     assert kvplane["rest_cpu_ms_per_s"] > 0
     assert (tmp_path / "live.png").stat().st_size > 0
     assert "hit %" in completed.stdout  # the table

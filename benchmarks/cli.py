@@ -16,11 +16,13 @@ def _run_bench_index(args: argparse.Namespace) -> int:
 
     return run_index_benchmark(
         json_path=args.json,
+        against=args.against,
         redis_url=args.redis_url,
         entries=args.entries,
-        workers=args.workers,
+        fleet_sizes=args.workers,
         lookups=args.lookups,
         redis_entries=args.redis_entries,
+        repeats=args.repeats,
     )
 
 
@@ -106,10 +108,18 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         default="redis://127.0.0.1:6379/0",
         help="Redis to measure (empty: skip the Redis backend)",
     )
-    index.add_argument("--redis-entries", type=int, default=1_000_000)
-    index.add_argument("--entries", type=int, default=10_000_000)
-    index.add_argument("--workers", type=int, default=64)
+    index.add_argument(
+        "--against",
+        choices=["dynamo"],
+        help="also run Dynamo's RadixTree on the same events and lookups (needs `make dynamo-env`)",
+    )
+    index.add_argument("--redis-entries", type=int, default=300_000)
+    index.add_argument("--entries", type=int, default=1_500_000)
+    index.add_argument(
+        "--workers", type=_int_list, default=[16, 64], help="fleet sizes, comma-separated"
+    )
     index.add_argument("--lookups", type=int, default=2000)
+    index.add_argument("--repeats", type=int, default=3, help="fills per index (median)")
     index.set_defaults(handler=_run_bench_index)
     sim = bench_kinds.add_parser("engine-sim", help="engine simulator throughput")
     sim.add_argument("--json", type=Path, help="also write the figures here")

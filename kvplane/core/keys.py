@@ -25,6 +25,8 @@ from typing import NewType, cast
 
 import xxhash
 
+from kvplane.core._chain import chain
+
 BlockKey = NewType("BlockKey", int)
 """kvplane's chained key of one full block, in one namespace: what the index stores and
 lookups ask for. Engines' own block hashes are a different thing (the agent translates
@@ -35,8 +37,8 @@ _ROOT_TAG = b"kvplane-block-key\x00"
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as unsigned 32-bit integers
 
 _hash64 = xxhash.xxh3_64_intdigest
-_pack_key = struct.Struct("<Q").pack
 _pack_u32 = struct.Struct("<I").pack
+_U32_ARRAYS_ARE_LE = sys.byteorder == "little" and array.array("I").itemsize == 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,18 +105,14 @@ def chain_keys(parent: BlockKey, tokens: Sequence[int], block_size: int) -> list
         raise ValueError("parent key must be an unsigned 64-bit integer")
     if block_size < 1:
         raise ValueError("block_size must be positive")
-    data = tokens_as_u32le(tokens)
-    stride = block_size * 4
-    end = (len(tokens) // block_size) * stride
-    keys: list[int] = []
-    append = keys.append
-    previous: int = parent
-    # The hot loop of both routing and ingest: kept to one hash call per block.
-    for offset in range(0, end, stride):
-        previous = _hash64(_pack_key(previous) + data[offset : offset + stride])
-        append(previous)
+    # An array('I') is already the bytes the keys hash (the tokenizer's output is one).
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and _U32_ARRAYS_ARE_LE:
+        data: bytes | array.array[int] = tokens
+    else:
+        data = tokens_as_u32le(tokens)
+    # The hot path of both routing and ingest: one C loop, one XXH3 call per block.
     # BlockKey is an int at run time: a cast, not a call per key.
-    return cast(list[BlockKey], keys)
+    return cast(list[BlockKey], chain(parent, data, block_size))
 
 
 def block_keys(tokens: Sequence[int], namespace: KeyNamespace) -> list[BlockKey]:

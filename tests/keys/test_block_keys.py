@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import array
 import json
+import struct
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
 
 from kvplane.core.keys import SCHEME_VERSION, KeyNamespace, block_keys, chain_keys, root_key
 
@@ -107,3 +110,28 @@ def test_bad_namespaces_are_refused(kwargs: dict[str, object], message: str) -> 
 def test_bad_parent_is_refused() -> None:
     with pytest.raises(ValueError, match="unsigned 64-bit"):
         chain_keys(2**64, [1, 2], 2)
+
+
+def _chain_in_python(parent: int, tokens: list[int], block_size: int) -> list[int]:
+    """The scheme as docs/block-keys.md writes it, one block at a time."""
+    keys, previous = [], parent
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        block = struct.pack(f"<{block_size}I", *tokens[start : start + block_size])
+        previous = xxh3_64_intdigest(struct.pack("<Q", previous) + block)
+        keys.append(previous)
+    return keys
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    parent=st.integers(0, 2**64 - 1),
+    block_size=st.sampled_from([1, 2, 3, 16, 64, 1025, 1100]),
+)
+def test_the_native_chain_is_the_scheme_for_every_form_of_tokens(
+    tokens: list[int], parent: int, block_size: int
+) -> None:
+    # 1025 tokens and up are hashed from a heap buffer rather than the stack's.
+    tokens = tokens * (1 + 2 * block_size // (len(tokens) + 1))
+    expected = _chain_in_python(parent, tokens, block_size)
+    for form in (tokens, tuple(tokens), array.array("I", tokens)):
+        assert chain_keys(parent, form, block_size) == expected  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ whole system's, the simulator and the load generator included.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import os
@@ -66,7 +67,6 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
-from router.routing.known_keys import KnownPrefixKeys
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import configured_policy
 from router.tenants import ANONYMOUS_TENANT
@@ -130,12 +130,15 @@ class ProxyFigures:
 # -- the decision path -------------------------------------------------------------
 
 
-def bench_prompts(prompt_tokens: int, seed: int) -> list[list[int]]:
-    """PROMPTS token-id prompts of `prompt_tokens`, sharing their first eighth."""
+def bench_prompts(prompt_tokens: int, seed: int) -> list[array.array[int]]:
+    """PROMPTS token-id prompts of `prompt_tokens`, sharing their first eighth; arrays
+    of uint32, as the proxy's tokenisation leaves them."""
     rng = random.Random(seed)
     shared = [rng.randrange(VOCAB) for _ in range(prompt_tokens // 8)]
     return [
-        shared + [rng.randrange(VOCAB) for _ in range(prompt_tokens - len(shared))]
+        array.array(
+            "I", shared + [rng.randrange(VOCAB) for _ in range(prompt_tokens - len(shared))]
+        )
         for _ in range(PROMPTS)
     ]
 
@@ -180,9 +183,9 @@ def worker_holdings(
         yield info, events
 
 
-def _planner(backend: LocationIndex, *, key_cache_blocks: int) -> tuple[RoutingPlanner, Fleet]:
+def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
     """A RoutingPlanner wired as router/app.py wires it (its index instrumented), with
-    default settings but its cache of known prefixes' keys."""
+    default settings."""
     proxy = ProxySettings()
     tracer = SPANLESS
     index = InstrumentedIndex(backend, RouterMetrics(), tracer)
@@ -197,7 +200,6 @@ def _planner(backend: LocationIndex, *, key_cache_blocks: int) -> tuple[RoutingP
         block_size=BLOCK_SIZE,
         index_timeout_s=proxy.index_timeout_s,
         tracer=tracer,
-        known_keys=KnownPrefixKeys(key_cache_blocks),
         rng=random.Random(0),
     )
     return planner, fleet
@@ -225,10 +227,8 @@ class DecisionCase:
 async def measure_decisions(
     index: LocationIndex, index_name: str, case: DecisionCase
 ) -> DecisionFigures:
-    """Fill `index` with the case's fleet, then time the planner's decisions; every
-    prompt keyed whole (the cache of known prefixes off), as a prompt seen for the
-    first time is."""
-    planner, fleet = _planner(index, key_cache_blocks=0)
+    """Fill `index` with the case's fleet, then time the planner's decisions."""
+    planner, fleet = _planner(index)
     prompts = bench_prompts(case.prompt_tokens, case.seed)
     prompt_keys = [planner.keys(MODEL, "", tokens) for tokens in prompts]
     holdings = worker_holdings(prompt_keys, case.workers, case.seed, host_tier=case.host_tier)
@@ -304,7 +304,7 @@ def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
 async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures:
     prompt_tokens_of = PromptTokens(ProxySettings())
     index = MemoryLocationIndex()
-    planner, fleet = _planner(index, key_cache_blocks=ProxySettings().key_cache_blocks)
+    planner, fleet = _planner(index)
     repeats = max(10, 200_000 // prompt_tokens)
     history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 

@@ -47,7 +47,6 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
-from router.routing.known_keys import KnownPrefixKeys
 from router.routing.predicted import PredictedPrefixes
 from router.routing.sight import FleetSight, Sight
 from router.routing.token_agreement import TokenCountAgreement
@@ -127,7 +126,6 @@ async def running_router(
             block_size=cp.block_size,
             index_timeout_s=proxy_settings.index_timeout_s,
             tracer=tracer,
-            known_keys=KnownPrefixKeys(proxy_settings.key_cache_blocks),
             clock=clock,
         )
         with contextlib.suppress(LocationIndexError):  # the index is down: the tasks below retry
@@ -219,10 +217,6 @@ async def running_router(
                 {model: mode == "predictions_only" for model, mode in seen.routing.items()},
             )
             metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
-            known_keys = planner.known_keys
-            metrics.set_prompt_keys(
-                reused=known_keys.reused_blocks, computed=known_keys.keyed_blocks
-            )
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
         def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> FastAPI:

@@ -282,13 +282,6 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
-        self.prompt_key_blocks = Gauge(
-            "kvplane_prompt_key_blocks",
-            "Block keys of prompts since start, by source: reused from the cache of known "
-            "prefixes' keys or computed",
-            ["source"],
-            registry=r,
-        )
         self.piecewise_checks = Gauge(
             "kvplane_piecewise_tokenisation_checks",
             "Piecewise tokenisations compared with whole tokenisation since start, by result "
@@ -377,10 +370,6 @@ class RouterMetrics:
         self.prompt_piece_tokens.labels(source="tokenised").set(piece_tokens_tokenised)
         self.piecewise_checks.labels(result="equal").set(piecewise_checks - piecewise_differences)
         self.piecewise_checks.labels(result="different").set(piecewise_differences)
-
-    def set_prompt_keys(self, *, reused: int, computed: int) -> None:
-        self.prompt_key_blocks.labels(source="reused").set(reused)
-        self.prompt_key_blocks.labels(source="computed").set(computed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

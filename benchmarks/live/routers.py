@@ -186,7 +186,6 @@ _TOKENISATION_SERIES = frozenset(
         "kvplane_token_cache_lookups",
         "kvplane_prompt_piece_tokens",
         "kvplane_piecewise_tokenisation_checks",
-        "kvplane_prompt_key_blocks",
     }
 )
 

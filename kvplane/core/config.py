@@ -130,9 +130,6 @@ class ProxySettings(_Section):
     max_connections: int = Field(default=1024, ge=1)  # upstream connections, all workers
     # Each of the two token caches (whole prompts, prompt pieces) holds this many (4 B each).
     token_cache_tokens: int = Field(default=2_000_000, ge=0)
-    # Block keys of prompts keyed before, reused by prompts that share their prefix
-    # (about 15 B each): a prompt keys only its blocks past what this holds.
-    key_cache_blocks: int = Field(default=250_000, ge=0)
 
 
 IsolationClass = Literal["shared", "private", "dedicated"]

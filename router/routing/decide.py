@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from kvplane.core.clock import Clock
-from kvplane.core.keys import BlockKey, KeyNamespace
+from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import Tier
 from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Candidate, Fleet
-from router.routing.known_keys import KnownPrefixKeys
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import RoutingPolicy
 from router.scoring.score import RequestFacts, ScoreBreakdown, WorkerFacts, queue_estimate
@@ -77,7 +76,6 @@ class RoutingPlanner:
         block_size: int,
         index_timeout_s: float,
         tracer: Tracer,
-        known_keys: KnownPrefixKeys,
         rng: random.Random | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
@@ -90,7 +88,6 @@ class RoutingPlanner:
         self.block_size = block_size
         self.index_timeout_s = index_timeout_s
         self.tracer = tracer
-        self.known_keys = known_keys
         self.rng = rng or random.Random()
         self._clock = clock
         self.index_answering = True
@@ -98,7 +95,7 @@ class RoutingPlanner:
 
     def keys(self, model: str, cache_scope: str, tokens: Sequence[int]) -> list[BlockKey]:
         namespace = KeyNamespace(model=model, block_size=self.block_size, cache_scope=cache_scope)
-        return self.known_keys.keys(tokens, namespace)
+        return block_keys(tokens, namespace)
 
     async def decide(
         self, *, model: str, tenant: Tenant, cache_scope: str, tokens: Sequence[int]

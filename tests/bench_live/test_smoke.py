@@ -69,7 +69,6 @@ def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
     pieces = evidence["tokenisation"]  # the system prompts were tokenised once each
     assert pieces["kvplane_prompt_piece_tokens{source=reused}"] > 0
     assert pieces["kvplane_piecewise_tokenisation_checks{result=different}"] == 0
-    assert pieces["kvplane_prompt_key_blocks{source=reused}"] > 0  # and their keys once
     assert evidence["events"]["kvplane_batches_applied_total"] > 0
     routing = evidence["routing"]  # every request decided, and engines reported its hits
     decided = sum(v for k, v in routing.items() if k.startswith("kvplane_routing_decisions"))

@@ -24,7 +24,6 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
-from router.routing.known_keys import KnownPrefixKeys
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import KvplaneScoring, RoundRobin, RoutingPolicy
 from router.tenants import ANONYMOUS_TENANT, Tenant
@@ -95,7 +94,6 @@ async def make_planner(
         block_size=BLOCK_SIZE,
         index_timeout_s=index_timeout_s,
         tracer=trace.NoOpTracer(),
-        known_keys=KnownPrefixKeys(max_blocks=10_000),
         rng=random.Random(0),
         clock=clock,
     )

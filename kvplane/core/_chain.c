@@ -25,6 +25,7 @@
 /* chain(parent: int, data: buffer of u32 LE tokens, block_size: int) -> list[int]
    The keys of the full blocks in data, continuing the chain after parent. */
 static PyObject *chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "chain() takes parent, data and block_size");
         return NULL;
@@ -79,7 +80,10 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvplane.core._chain", NULL, 0, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvplane.core._chain",
+    .m_size = 0,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__chain(void) { return PyModule_Create(&module); }

@@ -57,6 +57,7 @@ typedef struct {
     size_t mask;           /* capacity - 1; the capacity is a power of two */
     size_t used;           /* nonempty nodes */
     uint64_t seed;
+    uint64_t multiplier; /* odd, derived from the seed */
     int tiers;
     int64_t *slot_entries; /* [slot * tiers + tier]: entries held */
     size_t slots;          /* rows of slot_entries */
@@ -67,10 +68,12 @@ typedef struct {
     size_t array_bytes;    /* bytes of the holder arrays */
 } Table;
 
-static inline uint64_t mix(uint64_t key, uint64_t seed) {
-    /* MurmurHash3's 64-bit finaliser over the seeded key: every key bit reaches the
-       low bits the slot is taken from. */
-    key ^= seed;
+static inline uint64_t mix(uint64_t key, uint64_t seed, uint64_t multiplier) {
+    /* MurmurHash3's 64-bit finaliser over the key, seeded and first multiplied by a
+       secret odd number: after a XOR alone, keys with a chosen difference would
+       collide as often whatever the seed; the secret product scatters such pairs. Every
+       key bit reaches the low bits the slot is taken from. */
+    key = (key ^ seed) * multiplier;
     key ^= key >> 33;
     key *= 0xff51afd7ed558ccdULL;
     key ^= key >> 33;
@@ -86,16 +89,19 @@ static inline uint32_t *holders_of(const Table *t, Node *node) {
 static inline uint32_t holder_slot(uint32_t holder) { return holder >> 8; }
 
 static inline size_t home_of(const Table *t, uint64_t key) {
-    return (size_t)mix(key, t->seed) & t->mask;
+    return (size_t)mix(key, t->seed, t->multiplier) & t->mask;
+}
+
+/* The node holding `key`, or the empty node ending its probe run (where it would go);
+   the probe starts at its home, `at`. */
+static size_t probe(const Table *t, uint64_t key, size_t at) {
+    while (t->nodes[at].count && t->nodes[at].key != key) at = (at + 1) & t->mask;
+    return at;
 }
 
 static Node *find(const Table *t, uint64_t key, size_t at) {
-    for (;;) {
-        Node *node = &t->nodes[at];
-        if (!node->count) return NULL;
-        if (node->key == key) return node;
-        at = (at + 1) & t->mask;
-    }
+    Node *node = &t->nodes[probe(t, key, at)];
+    return node->count ? node : NULL;
 }
 
 /* Index of the first holder whose slot is >= slot, in holders[from..count). */
@@ -308,13 +314,7 @@ static int store(Table *t, uint32_t slot, int tier, const uint64_t *keys, Py_ssi
     const uint32_t bit = 1u << tier;
     for (Py_ssize_t i = 0; i < n; i++) {
         if ((t->used + 1) * 5 > (t->mask + 1) * 4 && grow(t) < 0) return -1;
-        size_t at = home_of(t, keys[i]);
-        Node *node;
-        for (;;) {
-            node = &t->nodes[at];
-            if (!node->count || node->key == keys[i]) break;
-            at = (at + 1) & t->mask;
-        }
+        Node *node = &t->nodes[probe(t, keys[i], home_of(t, keys[i]))];
         if (!node->count) { /* a new key: this holder is its first */
             int64_t depth = first_position + i;
             node->key = keys[i];
@@ -343,13 +343,8 @@ static int store(Table *t, uint32_t slot, int tier, const uint64_t *keys, Py_ssi
 static void remove_keys(Table *t, uint32_t slot, int tier, const uint64_t *keys, Py_ssize_t n) {
     const uint32_t bit = 1u << tier;
     for (Py_ssize_t i = 0; i < n; i++) {
-        size_t at = home_of(t, keys[i]);
-        Node *node;
-        for (;;) {
-            node = &t->nodes[at];
-            if (!node->count || node->key == keys[i]) break;
-            at = (at + 1) & t->mask;
-        }
+        size_t at = probe(t, keys[i], home_of(t, keys[i]));
+        Node *node = &t->nodes[at];
         if (!node->count) continue;
         uint32_t *holders = holders_of(t, node);
         uint32_t position = lower_bound(holders, 0, node->count, slot);
@@ -437,7 +432,15 @@ static int Table_init(Table *t, PyObject *args, PyObject *kwargs) {
     }
     t->tiers = tiers;
     t->seed = seed;
+    t->multiplier = mix(seed, 0x9e3779b97f4a7c15ULL, 1) | 1;
     return allocate(t, (size_t)capacity);
+}
+
+/* Methods of a table whose __init__ never ran (or failed) raise rather than crash. */
+static int not_ready(const Table *t) {
+    if (t->nodes != NULL) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "this LocationTable was not initialised");
+    return 1;
 }
 
 static int parse_slot(PyObject *object, uint32_t *slot) {
@@ -460,51 +463,73 @@ static PyObject *Table_apply(Table *t, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     uint32_t slot;
-    if (parse_slot(args[0], &slot) < 0) return NULL;
+    if (not_ready(t) || parse_slot(args[0], &slot) < 0) return NULL;
     PyObject *runs = args[1];
     Py_ssize_t count = PyList_GET_SIZE(runs), total = 0;
+    /* Each run read once, into C: nothing a second read could see differently. */
+    typedef struct {
+        long kind;
+        int tier;
+        long long first;
+        Py_ssize_t n;
+    } Run;
+    Run *parsed = PyMem_Malloc((count ? count : 1) * sizeof(Run));
+    if (parsed == NULL) return PyErr_NoMemory();
     for (Py_ssize_t r = 0; r < count; r++) {
         PyObject *run = PyList_GET_ITEM(runs, r);
         if (!PyTuple_Check(run) || PyTuple_GET_SIZE(run) != 4 ||
-            !PyList_Check(PyTuple_GET_ITEM(run, 2))) {
+            !PyList_Check(PyTuple_GET_ITEM(run, 2)) || !PyLong_Check(PyTuple_GET_ITEM(run, 0)) ||
+            !PyLong_Check(PyTuple_GET_ITEM(run, 1)) || !PyLong_Check(PyTuple_GET_ITEM(run, 3))) {
             PyErr_SetString(PyExc_TypeError, "a run is (kind, tier, list of keys, first_position)");
+            PyMem_Free(parsed);
             return NULL;
         }
         long kind = PyLong_AsLong(PyTuple_GET_ITEM(run, 0));
         long tier = PyLong_AsLong(PyTuple_GET_ITEM(run, 1));
         long long first = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 3));
-        if (PyErr_Occurred()) return NULL;
-        if (kind < RUN_STORE || kind > RUN_CLEAR || tier < 0 || tier >= t->tiers || first < 0) {
-            PyErr_SetString(PyExc_ValueError, "a run's kind, tier or first_position is out of range");
+        if (PyErr_Occurred()) {
+            PyMem_Free(parsed);
             return NULL;
         }
-        total += PyList_GET_SIZE(PyTuple_GET_ITEM(run, 2));
+        if (kind < RUN_STORE || kind > RUN_CLEAR || tier < 0 || tier >= t->tiers || first < 0) {
+            PyErr_SetString(PyExc_ValueError, "a run's kind, tier or first_position is out of range");
+            PyMem_Free(parsed);
+            return NULL;
+        }
+        /* Depths saturate at MAX_DEPTH: clamping here keeps first + i from overflowing. */
+        parsed[r] = (Run){kind, (int)tier, first < MAX_DEPTH ? first : MAX_DEPTH,
+                          PyList_GET_SIZE(PyTuple_GET_ITEM(run, 2))};
+        total += parsed[r].n;
     }
     uint64_t *keys = PyMem_Malloc((total ? total : 1) * sizeof(uint64_t));
-    if (keys == NULL) return PyErr_NoMemory();
+    if (keys == NULL) {
+        PyMem_Free(parsed);
+        return PyErr_NoMemory();
+    }
     Py_ssize_t offset = 0;
     for (Py_ssize_t r = 0; r < count; r++) {
         PyObject *list = PyTuple_GET_ITEM(PyList_GET_ITEM(runs, r), 2);
-        Py_ssize_t n = PyList_GET_SIZE(list);
+        Py_ssize_t n = parsed[r].n;
         if (read_keys(PySequence_Fast_ITEMS(list), n, keys + offset) < 0) {
+            PyMem_Free(parsed);
             PyMem_Free(keys);
             return NULL;
         }
         offset += n;
     }
     if (reserve_slot(t, slot) < 0) {
+        PyMem_Free(parsed);
         PyMem_Free(keys);
         return NULL;
     }
     offset = 0;
     for (Py_ssize_t r = 0; r < count; r++) {
-        PyObject *run = PyList_GET_ITEM(runs, r);
-        long kind = PyLong_AsLong(PyTuple_GET_ITEM(run, 0));
-        int tier = (int)PyLong_AsLong(PyTuple_GET_ITEM(run, 1));
-        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(run, 2));
+        long kind = parsed[r].kind;
+        int tier = parsed[r].tier;
+        Py_ssize_t n = parsed[r].n;
         if (kind == RUN_STORE) {
-            long long first = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 3));
-            if (store(t, slot, tier, keys + offset, n, first) < 0) {
+            if (store(t, slot, tier, keys + offset, n, parsed[r].first) < 0) {
+                PyMem_Free(parsed);
                 /* Only memory can fail here, after the runs before were applied. */
                 PyMem_Free(keys);
                 return NULL;
@@ -516,13 +541,14 @@ static PyObject *Table_apply(Table *t, PyObject *const *args, Py_ssize_t nargs) 
         }
         offset += n;
     }
+    PyMem_Free(parsed);
     PyMem_Free(keys);
     Py_RETURN_NONE;
 }
 
 static PyObject *Table_clear(Table *t, PyObject *slot_object) {
     uint32_t slot;
-    if (parse_slot(slot_object, &slot) < 0) return NULL;
+    if (not_ready(t) || parse_slot(slot_object, &slot) < 0) return NULL;
     clear_slot(t, slot);
     Py_RETURN_NONE;
 }
@@ -566,32 +592,42 @@ static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "lookup() takes a list of keys and the live bytes");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(args[0]);
-    PyObject *out = PyList_New(0);
-    if (out == NULL || n == 0 || t->used == 0) return out;
+    if (not_ready(t)) return NULL;
     Py_buffer live;
-    if (PyObject_GetBuffer(args[1], &live, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(out);
-        return NULL;
-    }
+    if (PyObject_GetBuffer(args[1], &live, PyBUF_SIMPLE) < 0) return NULL;
+    /* Read the keys only now: getting the buffer may have run Python code (__buffer__). */
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    Match *active = NULL, *results = NULL;
+    Py_ssize_t *result_blocks = NULL;
+    uint32_t result_count = 0;
+    PyObject *out = NULL;
+    if (n == 0 || t->used == 0) goto build;
     const unsigned char *is_live = live.buf;
     uint64_t *keys = PyMem_Malloc(n * (sizeof(uint64_t) + sizeof(size_t)));
-    Match *active = NULL;
     if (keys == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     size_t *homes = (size_t *)(keys + n);
-    if (read_keys(PySequence_Fast_ITEMS(args[0]), n, keys) < 0) goto fail;
+    if (read_keys(PySequence_Fast_ITEMS(args[0]), n, keys) < 0) {
+        PyMem_Free(keys);
+        goto fail;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         homes[i] = home_of(t, keys[i]);
         if (i < PREFETCH_AHEAD) __builtin_prefetch(&t->nodes[homes[i]]);
     }
-
+    /* From here to `build` no Python API is called: nothing can change the table. */
     Node *node = find(t, keys[0], homes[0]);
-    if (node == NULL) goto done;
+    if (node == NULL) {
+        PyMem_Free(keys);
+        goto build;
+    }
     active = PyMem_Malloc(node->count * sizeof(Match));
-    if (active == NULL) {
+    results = PyMem_Malloc(node->count * sizeof(Match));
+    result_blocks = PyMem_Malloc(node->count * sizeof(Py_ssize_t));
+    if (active == NULL || results == NULL || result_blocks == NULL) {
+        PyMem_Free(keys);
         PyErr_NoMemory();
         goto fail;
     }
@@ -599,7 +635,7 @@ static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs)
     const uint32_t *holders = holders_of(t, node);
     for (uint32_t h = 0; h < node->count; h++) {
         uint32_t slot = holder_slot(holders[h]);
-        if (slot >= (uint32_t)live.len || !is_live[slot]) continue;
+        if ((Py_ssize_t)slot >= live.len || !is_live[slot]) continue;
         Match *match = &active[matching++];
         memset(match, 0, sizeof(Match));
         match->slot = slot;
@@ -642,25 +678,35 @@ static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 active[a].by_tier[active[a].tier]++;
                 if (kept != a) active[kept] = active[a];
                 kept++;
-            } else if (emit(out, &active[a], length, t->tiers) < 0) {
-                goto fail;
+            } else {
+                results[result_count] = active[a];
+                result_blocks[result_count++] = length;
             }
         }
         matching = kept;
     }
     add_run(active, matching, run);
-    for (uint32_t a = 0; a < matching; a++)
-        if (emit(out, &active[a], length, t->tiers) < 0) goto fail;
-done:
-    PyMem_Free(active);
+    for (uint32_t a = 0; a < matching; a++) {
+        results[result_count] = active[a];
+        result_blocks[result_count++] = length;
+    }
     PyMem_Free(keys);
+build:
+    out = PyList_New(0);
+    if (out == NULL) goto fail;
+    for (uint32_t r = 0; r < result_count; r++)
+        if (emit(out, &results[r], result_blocks[r], t->tiers) < 0) goto fail;
+    PyMem_Free(active);
+    PyMem_Free(results);
+    PyMem_Free(result_blocks);
     PyBuffer_Release(&live);
     return out;
 fail:
+    Py_XDECREF(out);
     PyMem_Free(active);
-    PyMem_Free(keys);
+    PyMem_Free(results);
+    PyMem_Free(result_blocks);
     PyBuffer_Release(&live);
-    Py_DECREF(out);
     return NULL;
 }
 
@@ -668,6 +714,7 @@ fail:
    whose deeper-or-equal entries cover count, then entries at that depth until count
    is reached. */
 static PyObject *Table_evict_deepest(Table *t, PyObject *count_object) {
+    if (not_ready(t)) return NULL;
     long long wanted = PyLong_AsLongLong(count_object);
     if (wanted == -1 && PyErr_Occurred()) return NULL;
     if (wanted <= 0 || t->used == 0) return PyLong_FromLong(0);
@@ -682,13 +729,16 @@ static PyObject *Table_evict_deepest(Table *t, PyObject *count_object) {
     int threshold = MAX_DEPTH;
     int64_t covered = at_depth[MAX_DEPTH];
     while (threshold > 0 && covered < wanted) covered += at_depth[--threshold];
+    /* Entries to take at the threshold depth: what the deeper ones leave of the count. */
+    const int64_t budget = wanted - (covered - at_depth[threshold]);
     PyMem_Free(at_depth);
-    int64_t removed = 0;
+    int64_t removed = 0, taken = 0;
     for (size_t at = 0; at <= t->mask;) {
         Node *node = &t->nodes[at];
-        if (node->count && (node->depth > threshold || (node->depth == threshold && removed < wanted))) {
+        if (node->count && (node->depth > threshold || (node->depth == threshold && taken < budget))) {
             const uint32_t *holders = holders_of(t, node);
             for (uint32_t h = 0; h < node->count; h++) {
+                if (node->depth == threshold) taken += popcount8(holders[h]);
                 removed += popcount8(holders[h]);
                 count_entries(t, holder_slot(holders[h]), holders[h], -1);
             }
@@ -710,8 +760,10 @@ static PyObject *Table_slot_entries(Table *t, PyObject *slot_object) {
 }
 
 static PyObject *Table_depth(Table *t, PyObject *key_object) {
+    if (not_ready(t)) return NULL;
     unsigned long long key = PyLong_AsUnsignedLongLong(key_object);
     if (key == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (t->used == 0) Py_RETURN_NONE;
     Node *node = find(t, key, home_of(t, key));
     if (node == NULL) Py_RETURN_NONE;
     return PyLong_FromLong(node->depth);
@@ -774,7 +826,9 @@ static PyTypeObject TableType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "router.index._table", NULL, 0, NULL,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "router.index._table",
+    .m_size = 0,
 };
 
 PyMODINIT_FUNC PyInit__table(void) {

@@ -127,3 +127,33 @@ def test_growth_keeps_every_holder() -> None:
     assert sorted(everyone) == [
         (slot, 3, tuple(3 if t == slot % TIERS else 0 for t in range(TIERS))) for slot in range(300)
     ]
+
+
+def test_eviction_stops_at_the_count_within_the_threshold_depth() -> None:
+    table = LocationTable(TIERS, seed=5)
+    shallow, deep = list(range(1000, 1100)), list(range(2000, 2100))
+    table.apply(0, [(RUN_STORE, 0, [key], 0) for key in shallow])
+    table.apply(0, [(RUN_STORE, 0, [key], 1) for key in deep])
+    # All 100 entries at depth 1 go, then 50 of the 100 at depth 0 (the threshold), however
+    # the scan meets them: never entries past the count at the threshold depth.
+    assert table.evict_deepest(150) == 150
+    assert [table.depth(key) for key in deep] == [None] * 100
+    assert sum(table.depth(key) is not None for key in shallow) == 50
+
+
+@pytest.mark.parametrize(
+    "run",
+    [(RUN_STORE, 0.0, [1], 0), (RUN_STORE, 0, (1,), 0), (RUN_STORE, 0, [1], "0"), (RUN_STORE,)],
+)
+def test_runs_of_the_wrong_types_change_nothing(run: tuple[object, ...]) -> None:
+    table = LocationTable(TIERS, seed=1)
+    table.apply(0, [(RUN_STORE, 0, [7], 0)])
+    with pytest.raises(TypeError, match="a run is"):
+        table.apply(0, [(RUN_REMOVE, 0, [7], 0), run])  # type: ignore[list-item]
+    assert table.lookup([7], b"\x01") == [(0, 1, (1, 0, 0))]
+
+
+def test_an_uninitialised_table_raises() -> None:
+    table = LocationTable.__new__(LocationTable)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        table.lookup([1], b"\x01")

@@ -84,6 +84,8 @@ def root_key(namespace: KeyNamespace) -> BlockKey:
 
 def tokens_as_u32le(tokens: Sequence[int]) -> bytes:
     """Token ids as the bytes block keys hash: unsigned 32-bit, little-endian."""
+    if isinstance(tokens, bytes | bytearray | memoryview):  # array() would take them as packed
+        raise ValueError("token ids must be integers, not bytes")
     try:
         packed = array.array("I", tokens)
     except OverflowError:

@@ -839,6 +839,7 @@ PyMODINIT_FUNC PyInit__table(void) {
     if (PyModule_AddIntConstant(m, "RUN_STORE", RUN_STORE) < 0 ||
         PyModule_AddIntConstant(m, "RUN_REMOVE", RUN_REMOVE) < 0 ||
         PyModule_AddIntConstant(m, "RUN_CLEAR", RUN_CLEAR) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SLOT", MAX_SLOT) < 0 ||
         PyModule_AddObject(m, "LocationTable", (PyObject *)&TableType) < 0) {
         Py_DECREF(&TableType);
         Py_DECREF(m);

@@ -3,6 +3,7 @@ from typing_extensions import Buffer
 RUN_STORE: int
 RUN_REMOVE: int
 RUN_CLEAR: int
+MAX_SLOT: int  # the highest worker slot
 
 class LocationTable:
     """Block key -> the worker slots holding it, per tier, and its depth (_table.c)."""

@@ -24,9 +24,10 @@ from kvplane.core.types import (
     Tier,
     WorkerInfo,
 )
-from router.index._table import RUN_CLEAR, RUN_REMOVE, RUN_STORE, LocationTable
+from router.index._table import MAX_SLOT, RUN_CLEAR, RUN_REMOVE, RUN_STORE, LocationTable
 from router.index.base import (
     IndexStats,
+    LocationIndexError,
     PrefixMatch,
     StaleIncarnation,
     UnknownWorker,
@@ -98,6 +99,11 @@ class MemoryLocationIndex:
                 self._live = None
                 return
             self._drop(current)
+        elif not self._free_slots and len(self._slot_owner) > MAX_SLOT:
+            raise LocationIndexError(
+                f"the in-memory index holds at most {MAX_SLOT + 1} workers at once; "
+                f"worker {info.worker_id!r} was not registered"
+            )
         worker = _Worker(info=info, slot=self._take_slot(), lease_deadline=self._clock() + lease_s)
         self._slot_owner[worker.slot] = worker
         self._workers[info.worker_id] = worker

@@ -8,7 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index._table import RUN_CLEAR, RUN_REMOVE, RUN_STORE, LocationTable
+from kvplane.core.types import WorkerInfo
+from router.index._table import MAX_SLOT, RUN_CLEAR, RUN_REMOVE, RUN_STORE, LocationTable
+from router.index.base import LocationIndexError
+from router.index.memory import MemoryLocationIndex
 
 TIERS = 3
 SLOTS = 4
@@ -157,3 +160,14 @@ def test_an_uninitialised_table_raises() -> None:
     table = LocationTable.__new__(LocationTable)
     with pytest.raises(RuntimeError, match="not initialised"):
         table.lookup([1], b"\x01")
+
+
+async def test_the_memory_index_refuses_a_worker_past_the_last_slot() -> None:
+    index = MemoryLocationIndex()
+    for n in range(MAX_SLOT + 1):
+        await index.register(WorkerInfo(f"w{n}", 1, "http://w:8000", "m", 16), 60.0)
+    with pytest.raises(LocationIndexError, match="at most 65535 workers"):
+        await index.register(WorkerInfo("one-more", 1, "http://w:8000", "m", 16), 60.0)
+    assert len(await index.workers()) == MAX_SLOT + 1
+    await index.drop_worker("w7")  # a freed slot takes the next one
+    await index.register(WorkerInfo("one-more", 1, "http://w:8000", "m", 16), 60.0)

@@ -87,7 +87,12 @@ def test_a_changed_token_changes_its_block_and_every_later_one() -> None:
 
 @pytest.mark.parametrize(
     ("tokens", "message"),
-    [([-1], "token ids must be in"), ([2**32], "token ids must be in"), (["7"], "integers")],
+    [
+        ([-1], "token ids must be in"),
+        ([2**32], "token ids must be in"),
+        (["7"], "integers"),
+        (b"\x01\x00\x00\x00", "not bytes"),
+    ],
 )
 def test_bad_tokens_are_refused(tokens: list[object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

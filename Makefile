@@ -51,8 +51,8 @@ test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) lint typeche
 
 $(TOOLS)/xxhash/usr/include/xxhash.h:
 	rm -rf $(TOOLS)/xxhash && mkdir -p $(TOOLS)/xxhash
-	cd $(TOOLS)/xxhash && apt-get download libxxhash-dev && dpkg -x libxxhash-dev_*.deb . \
-	  && rm libxxhash-dev_*.deb
+	cd $(TOOLS)/xxhash && (apt-get download libxxhash-dev || (apt-get update -qq \
+	  && apt-get download libxxhash-dev)) && dpkg -x libxxhash-dev_*.deb . && rm libxxhash-dev_*.deb
 	test -f $@
 
 ## helm, in .tools/ (tests/deploy renders and lints the chart with it).

@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import random
 import struct
 import sys
 import time
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any, NamedTuple, NoReturn, assert_never
@@ -89,7 +91,14 @@ ROUND_TRIP_TIMEOUT_S = 2.0
 _EVICT_HEADROOM = 0.9  # evict down to this share of the cap, so eviction is rare
 _EVICT_SAMPLE = 256  # fields per HRANDFIELD round of eviction
 _EVICT_BUDGET = 1024  # most entries one evict call removes: bounds how long it blocks
-_KEY_COUNT_SAMPLE = 32  # fields sampled per worker to estimate the distinct keys
+# Estimating the distinct keys: entries sampled (at most), and the most (sampled block,
+# worker) checks one estimate makes, whatever the fleet. Every sampled block is checked
+# on every worker, inside Redis scripts that cannot be interrupted: with a sample per
+# worker, 1,000 workers made tens of millions of checks. With the budget, stats() over
+# 1,000 workers and 508,000 entries took about 250 ms in all on the development machine
+# (262 sampled entries; the estimate within 1% there).
+_KEY_COUNT_SAMPLES = 512
+_KEY_COUNT_CHECKS = 262_144
 _MAX_INCARNATION = 2**64  # incarnations are uint64 on the wire
 _STORE, _REMOVE, _CLEAR = 1, 2, 3  # operation codes of an encoded batch (apply.lua)
 _FIRST_BLOCK, _PARENT_KEY, _PARENT_UNKNOWN = 0, 1, 2  # parent kinds of a stored run
@@ -482,22 +491,36 @@ class RedisLocationIndex:
         )
 
     async def _estimate_distinct_keys(self, workers: list[tuple[bytes, int]]) -> int:
-        """Sum over workers of (blocks it holds) x (the mean, over a random sample of
-        them, of 1 / the number of workers holding the block): each block counts once."""
-        drawn = await self._run([("HRANDFIELD", name, _KEY_COUNT_SAMPLE) for name, _ in workers])
-        samples = [[field for field in fields if _is_block(field)] for fields in drawn]
-        sampled = list(dict.fromkeys(key for sample in samples for key in sample))
+        """Entries x the mean of 1 / (workers holding its block) over entries sampled
+        uniformly (a worker drawn by its entry count, then one of its fields): summed
+        over all entries, 1 / holders counts each block once."""
+        samples = max(1, min(_KEY_COUNT_SAMPLES, _KEY_COUNT_CHECKS // len(workers)))
+        drawn_from = Counter(
+            random.choices(range(len(workers)), weights=[count for _, count in workers], k=samples)
+        )
+        sources = list(drawn_from)
+        drawn = await self._run([("HRANDFIELD", workers[i][0], drawn_from[i]) for i in sources])
+        sample = [
+            (source, field)
+            for source, fields in zip(sources, drawn, strict=True)
+            for field in fields
+            if _is_block(field)
+        ]
+        sampled = list(dict.fromkeys(field for _, field in sample))
+        if not sampled:
+            return 0
         # One byte per sampled block per worker: 1 where the worker holds that block.
         held = await self._run([_HOLDERS.call((name,), b"".join(sampled)) for name, _ in workers])
         position = {key: i for i, key in enumerate(sampled)}
         holders = [sum(column) for column in zip(*held, strict=True)]
-        estimate = 0.0
-        for (_, count), sample, mine in zip(workers, samples, held, strict=True):
-            # A sampled block may be a placeholder (see entries.lua), not a held one.
-            shares = [1 / holders[position[key]] for key in sample if mine[position[key]]]
-            if shares:
-                estimate += count * sum(shares) / len(shares)
-        return round(estimate)
+        # A sampled field may be a placeholder (see entries.lua), not an entry: skipped.
+        shares = [
+            1 / holders[position[field]]
+            for source, field in sample
+            if held[source][position[field]]
+        ]
+        total = sum(count for _, count in workers)
+        return round(total * sum(shares) / len(shares)) if shares else 0
 
     async def scope_generations(self) -> dict[str, int]:
         (generations,) = await self._run([("HGETALL", self._scopes)])

@@ -621,6 +621,24 @@ async def test_distinct_keys_are_estimated_above_the_exact_limit(redises: Redise
     assert stats.bytes > 8 * 1000 * 8
 
 
+async def test_the_key_estimate_stays_cheap_in_a_large_fleet(redises: Redises) -> None:
+    # Every sampled block is checked on every worker: with a sample per worker, 1,000
+    # workers made a million checks per estimate, past the round-trip timeout (and
+    # Redis runs the scripts to the end even when the caller gave up).
+    index = redises.index_over_client(exact_key_count_limit=0)
+    shared = chain(70, 8)
+    for n in range(1000):
+        await index.register(info(f"w{n}"), LEASE)
+        await index.apply(f"w{n}", 1, [run(shared), run(chain(1000 + n, 8))])
+
+    stats = await index.stats()
+
+    assert stats.entries == 16_000
+    # 262 sampled entries here (the check budget over 1,000 workers): a standard error
+    # of about 6%, so 30% is five of them.
+    assert 0.7 * 8008 <= stats.keys <= 1.3 * 8008
+
+
 # -- round trips ---------------------------------------------------------------------
 
 

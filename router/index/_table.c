@@ -66,6 +66,8 @@ typedef struct {
     uint32_t *free_arrays; /* numbers of the pool not in use */
     size_t array_count, free_count, pool_capacity;
     size_t array_bytes;    /* bytes of the holder arrays */
+    PyTypeObject *match_type; /* a tuple subclass: (worker id, incarnation, blocks, by tier) */
+    PyObject *by_tier;        /* blocks per tier (a tuple) -> the mapping a match carries */
 } Table;
 
 static inline uint64_t mix(uint64_t key, uint64_t seed, uint64_t multiplier) {
@@ -408,16 +410,25 @@ static void Table_dealloc(Table *t) {
         PyMem_Free(t->free_arrays);
     }
     PyMem_Free(t->slot_entries);
+    Py_XDECREF(t->match_type);
+    Py_XDECREF(t->by_tier);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
 static int Table_init(Table *t, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"tiers", "seed", "capacity", NULL};
+    static char *names[] = {"tiers", "seed", "match", "by_tier", "capacity", NULL};
     int tiers;
     unsigned long long seed;
+    PyObject *match_type = NULL, *by_tier = NULL;
     Py_ssize_t capacity = 1024;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iK|n", names, &tiers, &seed, &capacity))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iK|$OOn", names, &tiers, &seed, &match_type,
+                                     &by_tier, &capacity))
         return -1;
+    if (match_type == NULL || by_tier == NULL || !PyType_Check(match_type) ||
+        !PyType_IsSubtype((PyTypeObject *)match_type, &PyTuple_Type) || !PyCallable_Check(by_tier)) {
+        PyErr_SetString(PyExc_TypeError, "match must be a tuple type and by_tier a callable");
+        return -1;
+    }
     if (tiers < 1 || tiers > MAX_TIERS) {
         PyErr_Format(PyExc_ValueError, "tiers must be in 1..%d", MAX_TIERS);
         return -1;
@@ -432,6 +443,10 @@ static int Table_init(Table *t, PyObject *args, PyObject *kwargs) {
     }
     t->tiers = tiers;
     t->seed = seed;
+    Py_INCREF(match_type);
+    t->match_type = (PyTypeObject *)match_type;
+    Py_INCREF(by_tier);
+    t->by_tier = by_tier;
     t->multiplier = mix(seed, 0x9e3779b97f4a7c15ULL, 1) | 1;
     return allocate(t, (size_t)capacity);
 }
@@ -566,30 +581,55 @@ static void add_run(Match *active, uint32_t matching, int32_t run) {
     for (uint32_t a = 0; a < matching; a++) active[a].by_tier[active[a].tier] += run;
 }
 
-static int emit(PyObject *out, const Match *match, Py_ssize_t blocks, int tiers) {
-    PyObject *by_tier = PyTuple_New(tiers);
-    if (by_tier == NULL) return -1;
-    for (int tier = 0; tier < tiers; tier++) {
+/* Put the match of `slot` into `out`: worker id -> match_type(worker id, incarnation,
+   blocks, by_tier(blocks per tier)). names[slot] is the slot's (worker id, incarnation). */
+static int emit(Table *t, PyObject *out, PyObject *names, const Match *match, Py_ssize_t blocks) {
+    PyObject *name = (Py_ssize_t)match->slot < PyList_GET_SIZE(names)
+                         ? PyList_GET_ITEM(names, match->slot)
+                         : NULL;
+    if (name == NULL || !PyTuple_Check(name) || PyTuple_GET_SIZE(name) != 2) {
+        PyErr_Format(PyExc_ValueError, "live slot %u has no (worker id, incarnation)", match->slot);
+        return -1;
+    }
+    PyObject *counts = PyTuple_New(t->tiers);
+    if (counts == NULL) return -1;
+    for (int tier = 0; tier < t->tiers; tier++) {
         PyObject *value = PyLong_FromLong(match->by_tier[tier]);
         if (value == NULL) {
-            Py_DECREF(by_tier);
+            Py_DECREF(counts);
             return -1;
         }
-        PyTuple_SET_ITEM(by_tier, tier, value);
+        PyTuple_SET_ITEM(counts, tier, value);
     }
-    PyObject *item = Py_BuildValue("(InN)", match->slot, blocks, by_tier);
-    if (item == NULL) return -1;
-    int failed = PyList_Append(out, item);
-    Py_DECREF(item);
+    PyObject *by_tier = PyObject_CallOneArg(t->by_tier, counts);
+    Py_DECREF(counts);
+    PyObject *length = by_tier ? PyLong_FromSsize_t(blocks) : NULL;
+    /* A tuple subclass is built as tuple.__new__ builds one: allocated, then filled. */
+    PyObject *result = length ? t->match_type->tp_alloc(t->match_type, 4) : NULL;
+    if (result == NULL) {
+        Py_XDECREF(by_tier);
+        Py_XDECREF(length);
+        return -1;
+    }
+    PyObject *worker_id = PyTuple_GET_ITEM(name, 0);
+    Py_INCREF(worker_id);
+    PyTuple_SET_ITEM(result, 0, worker_id);
+    Py_INCREF(PyTuple_GET_ITEM(name, 1));
+    PyTuple_SET_ITEM(result, 1, PyTuple_GET_ITEM(name, 1));
+    PyTuple_SET_ITEM(result, 2, length);
+    PyTuple_SET_ITEM(result, 3, by_tier);
+    int failed = PyDict_SetItem(out, worker_id, result);
+    Py_DECREF(result);
     return failed;
 }
 
-/* lookup(keys, live) -> [(slot, blocks, blocks per tier)] for each slot marked live
-   (a nonzero byte in `live`) that holds keys[0]: its longest consecutive matched
-   prefix; a block held on several tiers counts on its fastest. */
+/* lookup(keys, live, names) -> {worker id: match} for each slot marked live (a nonzero
+   byte in `live`) that holds keys[0]: its longest consecutive matched prefix, a block
+   held on several tiers counted on its fastest; names[slot] is the slot's (worker id,
+   incarnation). */
 static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "lookup() takes a list of keys and the live bytes");
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "lookup() takes a list of keys, the live bytes and a list of names");
         return NULL;
     }
     if (not_ready(t)) return NULL;
@@ -692,10 +732,10 @@ static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs)
     }
     PyMem_Free(keys);
 build:
-    out = PyList_New(0);
+    out = PyDict_New();
     if (out == NULL) goto fail;
     for (uint32_t r = 0; r < result_count; r++)
-        if (emit(out, &results[r], result_blocks[r], t->tiers) < 0) goto fail;
+        if (emit(t, out, args[2], &results[r], result_blocks[r]) < 0) goto fail;
     PyMem_Free(active);
     PyMem_Free(results);
     PyMem_Free(result_blocks);
@@ -796,7 +836,7 @@ static PyMethodDef Table_methods[] = {
      "apply(slot, runs): store, remove or clear, run by run, all checked first"},
     {"clear", (PyCFunction)Table_clear, METH_O, "clear(slot): drop every entry of the slot"},
     {"lookup", (PyCFunction)(void (*)(void))Table_lookup, METH_FASTCALL,
-     "lookup(keys, live) -> [(slot, blocks, blocks per tier)]"},
+     "lookup(keys, live, names) -> {worker id: match}"},
     {"evict_deepest", (PyCFunction)Table_evict_deepest, METH_O,
      "evict_deepest(count) -> entries removed, deepest blocks first"},
     {"slot_entries", (PyCFunction)Table_slot_entries, METH_O,

@@ -52,9 +52,10 @@ class _Worker:
 class _Live:
     """The live workers by slot, valid until the first lease runs out."""
 
-    names: dict[int, tuple[str, int]]  # by slot: (worker id, incarnation), for results
+    names: list[tuple[str, int] | None]  # by slot: (worker id, incarnation); None: not live
     mask: bytes  # a nonzero byte at each live slot, for the table's lookups
     valid_until: float
+    empty: bool  # no worker is live
 
 
 @lru_cache(maxsize=4096)
@@ -79,7 +80,9 @@ class MemoryLocationIndex:
         self._clock = clock
         # A secret seed: keys come from agents, and with a known one a handful of chosen
         # keys could share one cluster of the table.
-        self._table = LocationTable(len(_TIERS), secrets.randbits(64))
+        self._table = LocationTable(
+            len(_TIERS), secrets.randbits(64), match=PrefixMatch, by_tier=_by_tier
+        )
         self._workers: dict[str, _Worker] = {}
         self._slot_owner: list[_Worker | None] = []
         self._free_slots: list[int] = []
@@ -182,8 +185,10 @@ class MemoryLocationIndex:
         for worker in live:
             mask[worker.slot] = 1
         valid_until = min((w.lease_deadline for w in live), default=float("inf"))
-        names = {w.slot: (w.info.worker_id, w.info.incarnation) for w in live}
-        self._live = _Live(names, bytes(mask), valid_until)
+        names: list[tuple[str, int] | None] = [None] * len(self._slot_owner)
+        for worker in live:
+            names[worker.slot] = (worker.info.worker_id, worker.info.incarnation)
+        self._live = _Live(names, bytes(mask), valid_until, not live)
         return self._live
 
     # -- events ----------------------------------------------------------------------
@@ -223,14 +228,11 @@ class MemoryLocationIndex:
 
     async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
         live = self._live_view()
-        if not live.names or not keys:
+        if not keys or live.empty:
             return {}
-        matches: dict[str, PrefixMatch] = {}
-        found = self._table.lookup(keys if isinstance(keys, list) else list(keys), live.mask)
-        for slot, blocks, counts in found:
-            worker_id, incarnation = live.names[slot]
-            matches[worker_id] = PrefixMatch(worker_id, incarnation, blocks, _by_tier(counts))
-        return matches
+        # The table builds the PrefixMatch records itself (see __init__).
+        keys_list = keys if isinstance(keys, list) else list(keys)
+        return self._table.lookup(keys_list, live.mask, live.names)
 
     # -- introspection ---------------------------------------------------------------
 

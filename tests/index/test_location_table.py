@@ -4,6 +4,8 @@ nodes all happen; and lookups against a walk written the obvious way."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +26,27 @@ runs = st.tuples(
     st.integers(0, 70_000),
 )
 Model = dict[int, tuple[int, dict[int, set[int]]]]  # key -> (depth, slot -> tiers)
+
+
+class _Row(NamedTuple):
+    worker_id: str
+    incarnation: int
+    blocks: int
+    by_tier: tuple[int, ...]
+
+
+def _table(seed: int, capacity: int = 1024) -> LocationTable:
+    return LocationTable(TIERS, seed, match=_Row, by_tier=lambda counts: counts, capacity=capacity)
+
+
+def _lookup(
+    table: LocationTable, keys: list[int], live: bytes
+) -> set[tuple[int, int, tuple[int, ...]]]:
+    """(slot, blocks, blocks per tier) of every match, each slot named after itself."""
+    names: list[tuple[str, int] | None] = [(f"w{slot}", slot) for slot in range(len(live))]
+    matches = table.lookup(keys, live, names)
+    assert all(key == match.worker_id for key, match in matches.items())
+    return {(match.incarnation, match.blocks, match.by_tier) for match in matches.values()}
 
 
 def _apply_to_model(model: Model, slot: int, run: tuple[int, int, list[int], int]) -> None:
@@ -74,7 +97,7 @@ def test_table_agrees_with_a_model(
     query: list[int],
     live: list[bool],
 ) -> None:
-    table = LocationTable(TIERS, seed=7, capacity=2)
+    table = _table(7, capacity=2)
     model: Model = {}
     for slot, slot_runs in steps:
         table.apply(slot, slot_runs)
@@ -88,13 +111,13 @@ def test_table_agrees_with_a_model(
             held = sum(len(h.get(slot_number, ())) for _, h in model.values())
             assert table.slot_entries(slot_number) == held
     mask = bytes(live)
-    assert set(table.lookup(query, mask)) == _walk(model, query, mask)
+    assert _lookup(table, query, mask) == _walk(model, query, mask)
     for key in model:
-        assert set(table.lookup([key], mask)) == _walk(model, [key], mask)
+        assert _lookup(table, [key], mask) == _walk(model, [key], mask)
 
 
 def test_a_bad_run_changes_nothing() -> None:
-    table = LocationTable(TIERS, seed=1)
+    table = _table(1)
     table.apply(0, [(RUN_STORE, 0, [1, 2, 3], 0)])
     for bad in ([4, -1], [4, 2**64], [4, "5"]):
         with pytest.raises(ValueError, match="unsigned 64-bit"):
@@ -102,11 +125,11 @@ def test_a_bad_run_changes_nothing() -> None:
     with pytest.raises(ValueError, match="out of range"):
         table.apply(0, [(RUN_REMOVE, 0, [1], 0), (RUN_STORE, TIERS, [4], 3)])
     assert (table.entries, table.keys) == (3, 3)
-    assert table.lookup([1, 2, 3], b"\x01") == [(0, 3, (3, 0, 0))]
+    assert _lookup(table, [1, 2, 3], b"\x01") == {(0, 3, (3, 0, 0))}
 
 
 def test_eviction_takes_the_deepest_entries_first() -> None:
-    table = LocationTable(TIERS, seed=1, capacity=2)
+    table = _table(1, capacity=2)
     chain = list(range(100, 120))
     table.apply(0, [(RUN_STORE, 0, chain, 0)])
     table.apply(1, [(RUN_STORE, 1, chain[:10], 0)])
@@ -119,21 +142,21 @@ def test_eviction_takes_the_deepest_entries_first() -> None:
 
 
 def test_growth_keeps_every_holder() -> None:
-    table = LocationTable(TIERS, seed=3, capacity=2)
+    table = _table(3, capacity=2)
     keys = [key * 0x9E3779B97F4A7C15 % 2**64 for key in range(1, 20_001)]
     for slot in range(300):  # slots past 255 need more than the holder's low byte
         table.apply(slot, [(RUN_STORE, slot % TIERS, keys[:3], 0)])
     table.apply(0, [(RUN_STORE, 0, keys, 0)])
     assert table.keys == len(keys)
     assert table.capacity >= len(keys) / 0.8
-    everyone = table.lookup(keys[:3], b"\x01" * 300)
+    everyone = _lookup(table, keys[:3], b"\x01" * 300)
     assert sorted(everyone) == [
         (slot, 3, tuple(3 if t == slot % TIERS else 0 for t in range(TIERS))) for slot in range(300)
     ]
 
 
 def test_eviction_stops_at_the_count_within_the_threshold_depth() -> None:
-    table = LocationTable(TIERS, seed=5)
+    table = _table(5)
     shallow, deep = list(range(1000, 1100)), list(range(2000, 2100))
     table.apply(0, [(RUN_STORE, 0, [key], 0) for key in shallow])
     table.apply(0, [(RUN_STORE, 0, [key], 1) for key in deep])
@@ -149,17 +172,17 @@ def test_eviction_stops_at_the_count_within_the_threshold_depth() -> None:
     [(RUN_STORE, 0.0, [1], 0), (RUN_STORE, 0, (1,), 0), (RUN_STORE, 0, [1], "0"), (RUN_STORE,)],
 )
 def test_runs_of_the_wrong_types_change_nothing(run: tuple[object, ...]) -> None:
-    table = LocationTable(TIERS, seed=1)
+    table = _table(1)
     table.apply(0, [(RUN_STORE, 0, [7], 0)])
     with pytest.raises(TypeError, match="a run is"):
         table.apply(0, [(RUN_REMOVE, 0, [7], 0), run])  # type: ignore[list-item]
-    assert table.lookup([7], b"\x01") == [(0, 1, (1, 0, 0))]
+    assert _lookup(table, [7], b"\x01") == {(0, 1, (1, 0, 0))}
 
 
 def test_an_uninitialised_table_raises() -> None:
     table = LocationTable.__new__(LocationTable)
     with pytest.raises(RuntimeError, match="not initialised"):
-        table.lookup([1], b"\x01")
+        table.lookup([1], b"\x01", [("w", 1)])
 
 
 async def test_the_memory_index_refuses_a_worker_past_the_last_slot() -> None:

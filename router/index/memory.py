@@ -118,7 +118,17 @@ class MemoryLocationIndex:
         worker = self._live_worker(worker_id, incarnation)
         worker.lease_deadline = self._clock() + lease_s
         worker.draining = worker.draining or draining
-        self._live = None
+        # A heartbeat leaves the live view as it is (in a large fleet, one arrives before
+        # almost every lookup, and rebuilding the view costs a step per worker): a
+        # worker in it whose lease now ends no sooner than the view expires changes
+        # nothing the view says. (Draining workers are looked up like the others.)
+        live = self._live
+        if (
+            live is None
+            or live.names[worker.slot] is None
+            or worker.lease_deadline < live.valid_until
+        ):
+            self._live = None
 
     async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
         worker = self._workers.get(worker_id)

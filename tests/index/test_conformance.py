@@ -285,6 +285,25 @@ async def test_lease_runs_out_with_time(make_index: IndexFactory, pass_time: Pas
     assert await index.purge_expired() == ["a"]
 
 
+async def test_a_lease_renewed_shorter_runs_out_at_its_new_end(
+    make_index: IndexFactory, pass_time: PassTime
+):
+    index = await make_index()
+    prompt = chain(21, 2)
+    await index.register(info("a"), 30.0)
+    await index.register(info("b"), 30.0)
+    await index.apply("a", 1, [stored(prompt)])
+    await index.apply("b", 1, [stored(prompt)])
+    assert set(await index.lookup(prompt)) == {"a", "b"}
+    await index.renew("b", 1, 30.0)  # a heartbeat between lookups changes nothing
+    assert set(await index.lookup(prompt)) == {"a", "b"}
+
+    await index.renew("a", 1, 0.3)
+    await pass_time(0.5)
+
+    assert set(await index.lookup(prompt)) == {"b"}
+
+
 async def test_renew_keeps_a_worker_alive_and_marks_draining(
     make_index: IndexFactory, pass_time: PassTime
 ):

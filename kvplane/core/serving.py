@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import random
 import signal
 import socket
 from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
@@ -94,10 +96,36 @@ async def serving_http(
             await task
 
 
+_EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago, for a server that must be told its port."""
+    """A port that was free a moment ago, for a server that must be told its port.
+
+    Picked at random below the kernel's ephemeral range where it can be: a port from
+    that range (what binding port 0 gives) may become the source port of any outgoing
+    connection on the machine before the server binds it, and a fleet started for a
+    test makes hundreds. Never the same port twice in one process."""
+    try:
+        first_ephemeral = int(_EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    candidates = range(max(1024, first_ephemeral - 16384), first_ephemeral)
+    for _ in range(64):
+        port = random.choice(candidates)
+        if port in _handed_out:
+            continue
+        try:
+            with contextlib.closing(socket.create_server((host, port))):
+                pass
+        except OSError:  # in use
+            continue
+        _handed_out.add(port)
+        return port
     with contextlib.closing(socket.create_server((host, 0))) as probe:
-        port: int = probe.getsockname()[1]
+        port = int(probe.getsockname()[1])
+        _handed_out.add(port)
         return port
 
 

@@ -623,26 +623,24 @@ static int emit(Table *t, PyObject *out, PyObject *names, const Match *match, Py
     return failed;
 }
 
-/* lookup(keys, live, names) -> {worker id: match} for each slot marked live (a nonzero
-   byte in `live`) that holds keys[0]: its longest consecutive matched prefix, a block
-   held on several tiers counted on its fastest; names[slot] is the slot's (worker id,
-   incarnation). */
+/* lookup(keys, names) -> {worker id: match} for each live slot that holds keys[0]: its
+   longest consecutive matched prefix, a block held on several tiers counted on its
+   fastest. names[slot] is a live slot's (worker id, incarnation), None for any other. */
 static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "lookup() takes a list of keys, the live bytes and a list of names");
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "lookup() takes a list of keys and a list of names");
         return NULL;
     }
     if (not_ready(t)) return NULL;
-    Py_buffer live;
-    if (PyObject_GetBuffer(args[1], &live, PyBUF_SIMPLE) < 0) return NULL;
-    /* Read the keys only now: getting the buffer may have run Python code (__buffer__). */
+    /* Neither list can change below: nothing runs Python code until the results are
+       built, after the walk. */
+    PyObject *names = args[1];
     Py_ssize_t n = PyList_GET_SIZE(args[0]);
     Match *active = NULL, *results = NULL;
     Py_ssize_t *result_blocks = NULL;
     uint32_t result_count = 0;
     PyObject *out = NULL;
     if (n == 0 || t->used == 0) goto build;
-    const unsigned char *is_live = live.buf;
     uint64_t *keys = PyMem_Malloc(n * (sizeof(uint64_t) + sizeof(size_t)));
     if (keys == NULL) {
         PyErr_NoMemory();
@@ -675,7 +673,8 @@ static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs)
     const uint32_t *holders = holders_of(t, node);
     for (uint32_t h = 0; h < node->count; h++) {
         uint32_t slot = holder_slot(holders[h]);
-        if ((Py_ssize_t)slot >= live.len || !is_live[slot]) continue;
+        if ((Py_ssize_t)slot >= PyList_GET_SIZE(names) || PyList_GET_ITEM(names, slot) == Py_None)
+            continue;
         Match *match = &active[matching++];
         memset(match, 0, sizeof(Match));
         match->slot = slot;
@@ -735,18 +734,16 @@ build:
     out = PyDict_New();
     if (out == NULL) goto fail;
     for (uint32_t r = 0; r < result_count; r++)
-        if (emit(t, out, args[2], &results[r], result_blocks[r]) < 0) goto fail;
+        if (emit(t, out, names, &results[r], result_blocks[r]) < 0) goto fail;
     PyMem_Free(active);
     PyMem_Free(results);
     PyMem_Free(result_blocks);
-    PyBuffer_Release(&live);
     return out;
 fail:
     Py_XDECREF(out);
     PyMem_Free(active);
     PyMem_Free(results);
     PyMem_Free(result_blocks);
-    PyBuffer_Release(&live);
     return NULL;
 }
 
@@ -836,7 +833,7 @@ static PyMethodDef Table_methods[] = {
      "apply(slot, runs): store, remove or clear, run by run, all checked first"},
     {"clear", (PyCFunction)Table_clear, METH_O, "clear(slot): drop every entry of the slot"},
     {"lookup", (PyCFunction)(void (*)(void))Table_lookup, METH_FASTCALL,
-     "lookup(keys, live, names) -> {worker id: match}"},
+     "lookup(keys, names) -> {worker id: match}"},
     {"evict_deepest", (PyCFunction)Table_evict_deepest, METH_O,
      "evict_deepest(count) -> entries removed, deepest blocks first"},
     {"slot_entries", (PyCFunction)Table_slot_entries, METH_O,

@@ -1,8 +1,6 @@
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from typing_extensions import Buffer
-
 _Match = TypeVar("_Match", bound=tuple[object, ...])
 
 RUN_STORE: int
@@ -29,11 +27,9 @@ class LocationTable:
         """Store, remove or clear, run by run: (kind, tier, keys, first position). Every
         run is checked first: ValueError and nothing applied if one is bad."""
     def clear(self, slot: int) -> None: ...
-    def lookup(
-        self, keys: list[int], live: Buffer, names: list[tuple[str, int] | None]
-    ) -> dict[str, Any]:
-        """{worker id: match} for every live slot holding keys[0]; names[slot] is the
-        slot's (worker id, incarnation)."""
+    def lookup(self, keys: list[int], names: list[tuple[str, int] | None]) -> dict[str, Any]:
+        """{worker id: match} for every live slot holding keys[0]; names[slot] is a live
+        slot's (worker id, incarnation), None for any other."""
     def evict_deepest(self, count: int) -> int: ...
     def slot_entries(self, slot: int) -> int: ...
     def depth(self, key: int) -> int | None: ...

@@ -53,9 +53,13 @@ class _Live:
     """The live workers by slot, valid until the first lease runs out."""
 
     names: list[tuple[str, int] | None]  # by slot: (worker id, incarnation); None: not live
-    mask: bytes  # a nonzero byte at each live slot, for the table's lookups
     valid_until: float
     empty: bool  # no worker is live
+
+
+def _as_list(keys: Sequence[int]) -> list[int]:
+    """Keys as the table takes them: a list (most already are one: not copied again)."""
+    return keys if isinstance(keys, list) else list(keys)
 
 
 @lru_cache(maxsize=4096)
@@ -191,14 +195,11 @@ class MemoryLocationIndex:
         if self._live is not None and now < self._live.valid_until:
             return self._live
         live = [w for w in self._workers.values() if w.lease_deadline > now]
-        mask = bytearray(len(self._slot_owner))
-        for worker in live:
-            mask[worker.slot] = 1
         valid_until = min((w.lease_deadline for w in live), default=float("inf"))
         names: list[tuple[str, int] | None] = [None] * len(self._slot_owner)
         for worker in live:
             names[worker.slot] = (worker.info.worker_id, worker.info.incarnation)
-        self._live = _Live(names, bytes(mask), valid_until, not live)
+        self._live = _Live(names, valid_until, not live)
         return self._live
 
     # -- events ----------------------------------------------------------------------
@@ -221,9 +222,9 @@ class MemoryLocationIndex:
                 first = event.first_position
                 if not 0 <= first <= MAX_CHAIN_END - len(event.keys):
                     raise ValueError(f"first_position {first} is outside 0..{MAX_CHAIN_END}")
-                runs.append((RUN_STORE, _TIER_INDEX[event.tier], list(event.keys), first))
+                runs.append((RUN_STORE, _TIER_INDEX[event.tier], _as_list(event.keys), first))
             else:
-                runs.append((RUN_REMOVE, _TIER_INDEX[event.tier], list(event.keys), 0))
+                runs.append((RUN_REMOVE, _TIER_INDEX[event.tier], _as_list(event.keys), 0))
         return runs
 
     async def _evict(self, count: int) -> None:
@@ -241,8 +242,7 @@ class MemoryLocationIndex:
         if not keys or live.empty:
             return {}
         # The table builds the PrefixMatch records itself (see __init__).
-        keys_list = keys if isinstance(keys, list) else list(keys)
-        return self._table.lookup(keys_list, live.mask, live.names)
+        return self._table.lookup(_as_list(keys), live.names)
 
     # -- introspection ---------------------------------------------------------------
 

@@ -43,8 +43,8 @@ def _lookup(
     table: LocationTable, keys: list[int], live: bytes
 ) -> set[tuple[int, int, tuple[int, ...]]]:
     """(slot, blocks, blocks per tier) of every match, each slot named after itself."""
-    names: list[tuple[str, int] | None] = [(f"w{slot}", slot) for slot in range(len(live))]
-    matches = table.lookup(keys, live, names)
+    names = [(f"w{slot}", slot) if alive else None for slot, alive in enumerate(live)]
+    matches = table.lookup(keys, names)
     assert all(key == match.worker_id for key, match in matches.items())
     return {(match.incarnation, match.blocks, match.by_tier) for match in matches.values()}
 
@@ -182,7 +182,7 @@ def test_runs_of_the_wrong_types_change_nothing(run: tuple[object, ...]) -> None
 def test_an_uninitialised_table_raises() -> None:
     table = LocationTable.__new__(LocationTable)
     with pytest.raises(RuntimeError, match="not initialised"):
-        table.lookup([1], b"\x01", [("w", 1)])
+        table.lookup([1], [("w", 1)])
 
 
 async def test_the_memory_index_refuses_a_worker_past_the_last_slot() -> None:

@@ -52,7 +52,7 @@ import numpy as np
 
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys, chain_keys, root_key
 from kvplane.core.types import BlocksRemoved, BlocksStored, KvEvent, Tier, WorkerInfo
-from router.index.base import LocationIndex
+from router.index.base import IndexStats, LocationIndex
 from router.index.memory import MemoryLocationIndex
 from simulations.reporting import percentile
 
@@ -232,8 +232,8 @@ class KvplaneIndex:
         self._batches = _kvplane_batches(fleet)
 
     async def fill(self, fleet: Fleet) -> float:
-        if self._index is not None:
-            await self._index.close()
+        """A fresh index holding the fleet (close() the last one first); returns the
+        seconds spent in apply()."""
         self._index = index = await self._make()
         for worker in range(fleet.workers):
             await index.register(_worker_info(worker), LEASE_S)
@@ -276,13 +276,9 @@ class KvplaneIndex:
         await self._index.drop_worker(info.worker_id)
         return SMALL_BATCHES / seconds
 
-    async def entries(self) -> int:
+    async def stats(self) -> IndexStats:
         assert self._index is not None
-        return (await self._index.stats()).entries
-
-    async def table_nbytes(self) -> int:
-        assert self._index is not None
-        return (await self._index.stats()).bytes
+        return await self._index.stats()
 
     async def close(self) -> None:
         if self._index is not None:
@@ -438,10 +434,12 @@ async def compare(
         figures = _figures(side.name, fleet.workers, entries, fills[side.name], *samples[side.name])
         figures.bytes_per_entry = grown[side.name] / entries
         if isinstance(side, KvplaneIndex):
-            held = await side.entries()
-            if held != entries:
-                raise RuntimeError(f"{side.name} holds {held:,} entries, the fleet {entries:,}")
-            figures.table_bytes_per_entry = await side.table_nbytes() / entries
+            stats = await side.stats()
+            if stats.entries != entries:
+                raise RuntimeError(
+                    f"{side.name} holds {stats.entries:,} entries, the fleet {entries:,}"
+                )
+            figures.table_bytes_per_entry = stats.bytes / entries
             figures.apply_small_batches_per_s = await side.small_batches_per_s()
         report.indexes.append(figures)
     for side in sides:
@@ -494,7 +492,7 @@ async def _redis_figures(url: str, fleet: Fleet) -> IndexFigures:
             _, total_us, index_us = await side.lookup(tokens)
             with_hashing.append(total_us)
             index_only.append(index_us)
-        entries = await side.entries()
+        entries = (await side.stats()).entries
         rate = (fleet.stored_blocks + fleet.removed_blocks) / seconds
         figures = _figures("redis", fleet.workers, entries, [rate], with_hashing, index_only)
         figures.bytes_per_entry = used / max(1, entries)

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import httpx2
 import msgspec
+import numpy as np
 
 from benchmarks.engine_sim import _load, _prompts
 from kvplane.core.config import ProxySettings, ScoringSettings
@@ -189,18 +190,22 @@ def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
     proxy = ProxySettings()
     tracer = SPANLESS
     index = InstrumentedIndex(backend, RouterMetrics(), tracer)
-    fleet = Fleet(index, WorkerView(), unreachable_backoff_s=proxy.unreachable_backoff_s)
+    fleet = Fleet(
+        index,
+        WorkerView(),
+        evictions=RecentEvictions(ScoringSettings().eviction_horizon_s),
+        accuracy=PredictionAccuracy(proxy.suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
+        unreachable_backoff_s=proxy.unreachable_backoff_s,
+    )
     planner = RoutingPlanner(
         index=index,
         fleet=fleet,
         predicted=PredictedPrefixes(proxy.predicted_ttl_s),
-        accuracy=PredictionAccuracy(proxy.suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
-        evictions=RecentEvictions(ScoringSettings().eviction_horizon_s),
         policy=configured_policy(ScoringSettings()),
         block_size=BLOCK_SIZE,
         index_timeout_s=proxy.index_timeout_s,
         tracer=tracer,
-        rng=random.Random(0),
+        rng=np.random.default_rng(0),
     )
     return planner, fleet
 

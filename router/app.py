@@ -106,22 +106,25 @@ async def running_router(
         # metrics or spans of their own.
         index = InstrumentedIndex(backend, metrics, tracer)
         tenants = TenantDirectory.from_settings(settings.tenants)
-        fleet = Fleet(
-            index, view, unreachable_backoff_s=proxy_settings.unreachable_backoff_s, clock=clock
-        )
         predicted = PredictedPrefixes(proxy_settings.predicted_ttl_s)
         accuracy = PredictionAccuracy(
             proxy_settings.suspect_after_misses, tolerance_tokens=cp.block_size
         )
         evictions = RecentEvictions(settings.scoring.eviction_horizon_s)
+        fleet = Fleet(
+            index,
+            view,
+            evictions=evictions,
+            accuracy=accuracy,
+            unreachable_backoff_s=proxy_settings.unreachable_backoff_s,
+            clock=clock,
+        )
         agreement = TokenCountAgreement()
         sight = FleetSight(view, accuracy, agreement, cp.block_size)
         planner = RoutingPlanner(
             index=index,
             fleet=fleet,
             predicted=predicted,
-            accuracy=accuracy,
-            evictions=evictions,
             policy=configured_policy(settings.scoring),
             block_size=cp.block_size,
             index_timeout_s=proxy_settings.index_timeout_s,

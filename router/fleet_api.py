@@ -380,10 +380,7 @@ class FleetApi:
     def _set_drained(self, worker_id: str, *, drained: bool) -> Drained:
         if self.fleet.status(worker_id) is None:
             raise ApiError(404, f"no worker {worker_id!r}", kind="NotFoundError")
-        if drained:
-            self.fleet.drained.add(worker_id)
-        else:
-            self.fleet.drained.discard(worker_id)
+        self.fleet.drain(worker_id, drained=drained)
         return Drained(worker_id=worker_id, drained=drained)
 
     async def purge_tenant(self, name: TenantName) -> Purged:

@@ -75,10 +75,19 @@ def needs_renewal(record: WorkerRecord, now: float, lease_s: float) -> bool:
 class WorkerView:
     """Records by worker id. Methods that take an incarnation ignore calls for any
     other than the recorded one: a slow stream of an older incarnation must not
-    overwrite what a newer one did meanwhile."""
+    overwrite what a newer one did meanwhile.
+
+    The workers whose record changed in a way routing reads (incarnation, state, load)
+    are noted until `take_changed()`: the router's Fleet re-reads only those."""
 
     def __init__(self) -> None:
         self._records: dict[str, WorkerRecord] = {}
+        self._changed: set[str] = set()
+
+    def take_changed(self) -> set[str]:
+        """The workers whose record changed since the last call (one reader only)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._records.get(worker_id)
@@ -95,6 +104,7 @@ class WorkerView:
         self, info: WorkerInfo, *, stream: int, now: float, lease_s: float
     ) -> WorkerRecord:
         """The index accepted `info`; `stream` now speaks for the worker."""
+        self._changed.add(info.worker_id)
         record = self._records.get(info.worker_id)
         if record is None or record.incarnation != info.incarnation:
             record = WorkerRecord(
@@ -126,6 +136,7 @@ class WorkerView:
         if record is not None:
             record.lease_deadline = now + lease_s
             record.renewed_at = now
+            self._changed.add(worker_id)
             if draining:
                 record.state = WorkerState.DRAINING
             elif record.state is WorkerState.DEAD:
@@ -138,6 +149,7 @@ class WorkerView:
         if record is not None:
             record.last_load = report
             record.last_heartbeat_at = now
+            self._changed.add(worker_id)
 
     def dead(self, worker_id: str, now: float) -> None:
         """The worker's entries are gone (dropped, purged or expired)."""
@@ -145,6 +157,7 @@ class WorkerView:
         if record is not None and record.state is not WorkerState.DEAD:
             record.state = WorkerState.DEAD
             record.dead_since = now
+            self._changed.add(worker_id)
 
     def disconnected(self, worker_id: str, stream: int) -> None:
         record = self._records.get(worker_id)
@@ -162,6 +175,7 @@ class WorkerView:
         for worker_id, record in list(self._records.items()):
             if record.dead_since is not None and record.dead_since < forget_before:
                 del self._records[worker_id]
+                self._changed.add(worker_id)
 
     def _current(self, worker_id: str, incarnation: int) -> WorkerRecord | None:
         record = self._records.get(worker_id)

@@ -325,12 +325,12 @@ class ProxyService:
         headers = {"content-type": "application/json"}
         failures: list[str] = []
         for attempt, breakdown in enumerate(decision.ranked[: self.settings.max_attempts]):
-            candidate = decision.candidates[breakdown.worker_id]
+            candidate = decision.info(breakdown.worker_id)
             predicted = decision.predicted_tokens(candidate.worker_id)
             exchange = _Exchange(
                 worker_id=candidate.worker_id,
-                incarnation=candidate.info.incarnation,
-                model=candidate.info.model,
+                incarnation=candidate.incarnation,
+                model=candidate.model,
                 predicted_tokens=predicted,
                 indexed_tokens=decision.indexed_tokens(candidate.worker_id),
                 prompt_tokens=decision.prompt_tokens,
@@ -343,7 +343,7 @@ class ProxyService:
                 sent_at=time.perf_counter(),
             )
             self.planner.routed(decision, candidate.worker_id)
-            url = candidate.info.base_url.rstrip("/") + path
+            url = candidate.base_url.rstrip("/") + path
             try:
                 with self.tracer.start_as_current_span(
                     "kvplane.upstream",

@@ -55,6 +55,13 @@ class PredictionAccuracy:
         self.suspect_after_misses = suspect_after_misses
         self.tolerance_tokens = tolerance_tokens
         self._records: dict[str, _Record] = {}
+        self._changed: set[str] = set()
+
+    def take_changed(self) -> set[str]:
+        """The workers whose suspicion may have changed since the last call (one reader
+        only): the router's Fleet keeps it as a column and re-reads only those."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def observe(
         self,
@@ -70,14 +77,18 @@ class PredictionAccuracy:
         record = self._records.get(worker_id)
         if record is None or record.incarnation != incarnation:
             record = self._records[worker_id] = _Record(incarnation)
+            self._changed.add(worker_id)
         if reported_tokens > self.tolerance_tokens and (predicted_tokens or self_predicted_tokens):
             record.hits_vouched.append(predicted_tokens > 0)
         verdict = judge(predicted_tokens, reported_tokens, self.tolerance_tokens)
+        suspected = record.misses_in_a_row >= self.suspect_after_misses
         if verdict is Verdict.STALE:
             record.misses_in_a_row += 1
         elif predicted_tokens > 0 or verdict is Verdict.BETTER:
             # Only a prediction of something, borne out, clears a suspicion.
             record.misses_in_a_row = 0
+        if suspected != (record.misses_in_a_row >= self.suspect_after_misses):
+            self._changed.add(worker_id)
         return verdict
 
     def is_suspect(self, worker_id: str, incarnation: int) -> bool:
@@ -98,7 +109,8 @@ class PredictionAccuracy:
 
     def forget(self, worker_id: str) -> None:
         """The worker's entries are gone (new incarnation, resync, death)."""
-        self._records.pop(worker_id, None)
+        if self._records.pop(worker_id, None) is not None:
+            self._changed.add(worker_id)
 
     def suspects(self) -> set[str]:
         return {

@@ -9,23 +9,23 @@ with load and this router's own predicted entries only, and says so.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
+
+import numpy as np
+import numpy.typing as npt
 
 from kvplane.core.clock import Clock
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
-from kvplane.core.types import Tier
+from kvplane.core.types import Tier, WorkerInfo
 from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
-from router.routing.accuracy import PredictionAccuracy
-from router.routing.evictions import RecentEvictions
-from router.routing.fleet import Candidate, Fleet
+from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
+from router.routing.roster import Roster
 from router.scoring.policy import RoutingPolicy
-from router.scoring.score import RequestFacts, ScoreBreakdown, WorkerFacts, queue_estimate
-from router.tenants import POOL_LABEL, Tenant
+from router.scoring.score import TIERS, RankedWorkers, RequestFacts
+from router.tenants import Tenant
 from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,14 @@ INDEX_PROBE_INTERVAL_S = 0.5
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    ranked: list[ScoreBreakdown]  # eligible workers, best first
-    candidates: Mapping[str, Candidate]
-    matched_blocks: Mapping[str, Mapping[Tier, int]]  # per worker, what was believed
-    indexed_blocks: Mapping[str, int]  # per worker, the part the index vouched for
+    ranked: RankedWorkers  # eligible workers, best first
+    candidates: Sequence[str]  # every worker considered, by id
+    roster: Roster  # the workers as registered when decided: see info()
+    # Per candidate (rows as `candidates`): the blocks per tier (columns as TIERS)
+    # believed cached there, and the part of them that the index vouched for.
+    believed: npt.NDArray[np.int64]
+    indexed: npt.NDArray[np.int64]
+    candidate_of_row: npt.NDArray[np.intp]  # roster row -> candidate row, -1: none
     keys: list[BlockKey]
     prompt_tokens: int
     block_size: int
@@ -47,14 +51,39 @@ class Decision:
     factor: str
     seconds: float
 
+    def matched(self, worker_id: str) -> Mapping[Tier, int]:
+        """The blocks per tier believed cached at a candidate (empty: none, or not a
+        candidate)."""
+        row = self._row(worker_id)
+        if row < 0:
+            return {}
+        believed = self.believed[row].tolist()
+        return {tier: blocks for tier, blocks in zip(TIERS, believed, strict=True) if blocks}
+
+    @property
+    def matched_blocks(self) -> dict[str, Mapping[Tier, int]]:
+        """matched() of every candidate that matched anything."""
+        matching = np.flatnonzero(self.believed.any(axis=1)).tolist()
+        return {self.candidates[row]: self.matched(self.candidates[row]) for row in matching}
+
     def predicted_tokens(self, worker_id: str) -> int:
         """The cached prefix the router expects the engine to report for this request."""
-        return sum(self.matched_blocks.get(worker_id, {}).values()) * self.block_size
+        row = self._row(worker_id)
+        return 0 if row < 0 else int(self.believed[row].sum()) * self.block_size
 
     def indexed_tokens(self, worker_id: str) -> int:
         """The part of the prediction the worker's own events vouched for (a predicted
         entry may still be prefilling on the engine, which cannot share it yet)."""
-        return self.indexed_blocks.get(worker_id, 0) * self.block_size
+        row = self._row(worker_id)
+        return 0 if row < 0 else int(self.indexed[row]) * self.block_size
+
+    def info(self, worker_id: str) -> WorkerInfo:
+        """A candidate's registration (its address, incarnation, model)."""
+        return self.roster.info(worker_id)
+
+    def _row(self, worker_id: str) -> int:
+        roster_row = self.roster.position.get(worker_id)
+        return -1 if roster_row is None else int(self.candidate_of_row[roster_row])
 
 
 def servable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -70,25 +99,21 @@ class RoutingPlanner:
         index: LocationIndex,
         fleet: Fleet,
         predicted: PredictedPrefixes,
-        accuracy: PredictionAccuracy,
-        evictions: RecentEvictions,
         policy: RoutingPolicy,
         block_size: int,
         index_timeout_s: float,
         tracer: Tracer,
-        rng: random.Random | None = None,
+        rng: np.random.Generator | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.index = index
         self.fleet = fleet
         self.predicted = predicted
-        self.accuracy = accuracy
-        self.evictions = evictions
         self.policy = policy
         self.block_size = block_size
         self.index_timeout_s = index_timeout_s
         self.tracer = tracer
-        self.rng = rng or random.Random()
+        self.rng = rng or np.random.default_rng()
         self._clock = clock
         self.index_answering = True
         self._next_lookup_probe = 0.0  # while the index is down: when to try it again
@@ -110,28 +135,28 @@ class RoutingPlanner:
         # No worker registered under the model's name: it may be a LoRA adapter, which
         # engines serve under the base model's registration. Any worker may take it on
         # load, and the engine judges whether it serves the model.
-        serving = self.fleet.candidates(model) or self.fleet.candidates()
-        candidates = {c.worker_id: c for c in serving}
-        index_matches, answered = await self._lookup(keys, bool(candidates))
+        wanted = len(self.fleet.candidate_rows(model)) or len(self.fleet.candidate_rows())
+        index_matches, answered = await self._lookup(keys, bool(wanted))
         with self.tracer.start_as_current_span("kvplane.score") as span:
             span.set_attribute("kvplane.index_answered", answered)
             now = self._clock()
+            roster = self.fleet.roster  # (after the lookup's await: the current one)
+            rows = self.fleet.candidate_rows(model)
+            if not len(rows):
+                rows = self.fleet.candidate_rows()
+            facts = self.fleet.facts(roster, rows, tenant.name, now)
             self.predicted.prune(now)
-            predicted = self.predicted.match(keys, now) if candidates else {}
+            predicted = self.predicted.match(keys, now) if len(rows) else {}
+            # Where each roster row sits among the candidates; -1: not one (and the
+            # extra last row stands for workers the roster does not know).
+            candidate_of_row = np.full(len(roster) + 1, -1, dtype=np.intp)
+            candidate_of_row[rows] = np.arange(len(rows), dtype=np.intp)
+            index_tiers = _index_tiers(index_matches, roster, candidate_of_row, len(rows))
             limit = servable_blocks(len(tokens), self.block_size)
-            matched = {
-                worker_id: _combined(index_matches.get(worker_id), predicted.get(worker_id), limit)
-                for worker_id in candidates
-            }
-            indexed = {
-                worker_id: min(match.blocks, limit)
-                for worker_id, match in index_matches.items()
-                if worker_id in candidates
-            }
-            facts = [
-                self._facts(candidate, matched[worker_id], tenant, now)
-                for worker_id, candidate in candidates.items()
-            ]
+            believed = believed_blocks(
+                index_tiers, _predicted(predicted, roster, candidate_of_row, len(rows)), limit
+            )
+            facts.matched_tokens[:] = believed * self.block_size
             request = RequestFacts(
                 prompt_tokens=len(tokens),
                 isolation=tenant.isolation,
@@ -139,13 +164,15 @@ class RoutingPlanner:
                 pool=tenant.pool,
             )
             ranked, factor = self.policy.rank(request, facts, self.rng)
-            span.set_attribute("kvplane.candidates", len(candidates))
+            span.set_attribute("kvplane.candidates", len(rows))
             span.set_attribute("kvplane.factor", factor)
         return Decision(
             ranked=ranked,
-            candidates=candidates,
-            matched_blocks=matched,
-            indexed_blocks=indexed,
+            candidates=facts.worker_ids,
+            roster=roster,
+            believed=believed,
+            indexed=np.minimum(index_tiers.sum(axis=1), limit),
+            candidate_of_row=candidate_of_row,
             keys=keys,
             prompt_tokens=len(tokens),
             block_size=self.block_size,
@@ -187,38 +214,7 @@ class RoutingPlanner:
         self.index_answering = True
         return matches, True
 
-    def _facts(
-        self, candidate: Candidate, matched: Mapping[Tier, int], tenant: Tenant, now: float
-    ) -> WorkerFacts:
-        info, load, traffic = candidate.info, candidate.load, candidate.traffic
-        # Without a report (the agent streams to another router replica) this router's
-        # own traffic is all it knows.
-        received_at = candidate.load_received_at
-        reported = None if load is None or received_at is None else (load.waiting, load.running)
-        waiting, running = queue_estimate(
-            reported,
-            0 if received_at is None else traffic.prefilling_sent_after(received_at),
-            traffic.in_flight,
-            traffic.prefilling,
-        )
-        return WorkerFacts(
-            worker_id=info.worker_id,
-            matched_tokens={tier: blocks * self.block_size for tier, blocks in matched.items()}
-            if matched
-            else _NOTHING,
-            waiting_requests=waiting,
-            running_requests=running,
-            queued_prefill_tokens=traffic.prefill_tokens,
-            kv_usage=load.kv_usage if load is not None else 0.0,
-            evicted_share=self.evictions.share(info.worker_id, info.kv_capacity_blocks, now),
-            other_tenants_running=traffic.in_flight - traffic.by_tenant.get(tenant.name, 0),
-            labels=info.labels,
-            pool=info.labels.get(POOL_LABEL),
-            suspect=self.accuracy.is_suspect(info.worker_id, info.incarnation),
-        )
 
-
-_NOTHING: Mapping[Tier, int] = MappingProxyType({})
 _LOGGED_CANDIDATES = 8  # a line per decision stays short in a fleet of thousands
 
 
@@ -245,29 +241,58 @@ def _hex(key: BlockKey | None) -> str:
     return "none" if key is None else f"{key:016x}"
 
 
-def _combined(
-    index_match: PrefixMatch | None, predicted_blocks: int | None, limit: int
-) -> Mapping[Tier, int]:
-    """Blocks per tier the worker is believed to hold: the index's match, extended on
-    the device tier by a longer prediction, cut to what the engine can serve."""
-    if index_match is None and predicted_blocks is None:
-        return _NOTHING  # most workers, for most requests: kept cheap
-    if (
-        index_match is not None
-        and (predicted_blocks is None or predicted_blocks <= index_match.blocks)
-        and index_match.blocks <= limit
-    ):
-        return index_match.by_tier
-    by_tier = dict(index_match.by_tier) if index_match is not None else {}
-    held = sum(by_tier.values())
-    if predicted_blocks is not None and predicted_blocks > held:
-        by_tier[Tier.DEVICE] = by_tier.get(Tier.DEVICE, 0) + predicted_blocks - held
-        held = predicted_blocks
-    excess = held - limit
-    for tier in sorted(by_tier, reverse=True):  # the slowest tiers give way first
-        if excess <= 0:
-            break
-        cut = min(excess, by_tier[tier])
-        by_tier[tier] -= cut
+def _index_tiers(
+    matches: Mapping[str, PrefixMatch],
+    roster: Roster,
+    candidate_of_row: npt.NDArray[np.intp],
+    candidates: int,
+) -> npt.NDArray[np.int64]:
+    """The index's matched blocks per candidate and tier. (In a fleet whose workers
+    share a system prompt every worker matches: read in bulk, the mixed tiers apart.)"""
+    tiers = np.zeros((candidates, len(TIERS)), dtype=np.int64)
+    if not matches:
+        return tiers
+    found = list(matches.values())
+    unknown = len(roster)
+    where = candidate_of_row[
+        np.fromiter((roster.position.get(m.worker_id, unknown) for m in found), np.intp, len(found))
+    ]
+    blocks = np.fromiter((m.blocks for m in found), np.int64, len(found))
+    device = np.fromiter((m.by_tier.get(Tier.DEVICE, 0) for m in found), np.int64, len(found))
+    kept = where >= 0
+    tiers[where[kept], 0] = device[kept]
+    for position in np.flatnonzero(kept & (device != blocks)):  # other tiers too: rare
+        for tier, count in found[position].by_tier.items():
+            tiers[where[position], tier - Tier.DEVICE] = count
+    return tiers
+
+
+def _predicted(
+    predicted: Mapping[str, int],
+    roster: Roster,
+    candidate_of_row: npt.NDArray[np.intp],
+    candidates: int,
+) -> npt.NDArray[np.int64]:
+    """This router's predicted blocks per candidate."""
+    blocks = np.zeros(candidates, dtype=np.int64)
+    for worker_id, count in predicted.items():
+        row = candidate_of_row[roster.position.get(worker_id, len(roster))]
+        if row >= 0:
+            blocks[row] = count
+    return blocks
+
+
+def believed_blocks(
+    index_tiers: npt.NDArray[np.int64], predicted: npt.NDArray[np.int64], limit: int
+) -> npt.NDArray[np.int64]:
+    """Blocks per tier each worker is believed to hold (rows as the arguments'): the
+    index's match, extended on the device tier by a longer prediction, cut to the
+    `limit` the engine can serve, the slowest tiers giving way first."""
+    tiers = index_tiers.copy()
+    tiers[:, 0] += np.maximum(predicted - tiers.sum(axis=1), 0)
+    excess = np.maximum(tiers.sum(axis=1) - limit, 0)
+    for column in reversed(range(len(TIERS))):
+        cut = np.minimum(excess, tiers[:, column])
+        tiers[:, column] -= cut
         excess -= cut
-    return {tier: blocks for tier, blocks in by_tier.items() if blocks > 0}
+    return tiers

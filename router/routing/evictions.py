@@ -15,22 +15,49 @@ reusable.
 
 from __future__ import annotations
 
-import math
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+Moment = TypeVar("Moment", float, npt.NDArray[np.float64])
+
+
+def decayed(blocks: Moment, as_of: Moment, now: float, horizon_s: float) -> Moment:
+    """`blocks` evicted as of `as_of`, as they count at `now` (scalars or columns)."""
+    return blocks * np.exp(-np.maximum(0.0, now - as_of) / horizon_s)  # type: ignore[no-any-return]
 
 
 class RecentEvictions:
+    """Workers whose count changed are noted until `take_changed()`: the router's
+    Fleet keeps the counts as columns and re-reads only those."""
+
     def __init__(self, horizon_s: float) -> None:
         self.horizon_s = horizon_s
         self._evicted: dict[str, tuple[float, float]] = {}  # worker -> (blocks, as of)
+        self._changed: set[str] = set()
 
     def record(self, worker_id: str, blocks: int, now: float) -> None:
         if self.horizon_s <= 0 or blocks <= 0:
             return
         self._evicted[worker_id] = (self._decayed(worker_id, now) + blocks, now)
+        self._changed.add(worker_id)
 
     def forget(self, worker_id: str) -> None:
         """The worker's cache was cleared or it left: what it evicted before is moot."""
-        self._evicted.pop(worker_id, None)
+        if self._evicted.pop(worker_id, None) is not None:
+            self._changed.add(worker_id)
+
+    def recorded(self, worker_id: str) -> tuple[float, float]:
+        """(blocks, as of): the worker's count when last recorded, (0.0, 0.0) if none;
+        `decayed()` tells what it counts for later."""
+        return self._evicted.get(worker_id, (0.0, 0.0))
+
+    def take_changed(self) -> set[str]:
+        """The workers whose count was recorded or forgotten since the last call (one
+        reader only)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def share(self, worker_id: str, capacity_blocks: int, now: float) -> float:
         """The recently evicted blocks as a share of the worker's cache, 0.0 to 1.0
@@ -42,4 +69,4 @@ class RecentEvictions:
 
     def _decayed(self, worker_id: str, now: float) -> float:
         blocks, as_of = self._evicted.get(worker_id, (0.0, now))
-        return blocks * math.exp(-max(0.0, now - as_of) / self.horizon_s)
+        return float(decayed(blocks, as_of, now, self.horizon_s))

@@ -7,7 +7,16 @@ Three sources, each the authority on something:
   engine-down flags, drains, deaths seen before the next re-read;
 - this router's own traffic: requests in flight to each worker, and the prefill work
   of those still waiting for their first byte (load reports lag by up to a second).
-Operators' drains and connection failures are kept here too (this router's only).
+Operators' drains and connection failures are kept here too (this router's only), and
+so are the workers' recent evictions and index suspicion (router/routing/evictions.py,
+accuracy.py) as routing reads them.
+
+All of it is kept as columns in a Roster (router/routing/roster.py), one row per
+registered live worker, so that a decision reads a thousand workers' facts in a few
+numpy operations. A row is rewritten from its sources whenever one of them changes
+for its worker: this router's traffic at once, the view, evictions and suspicion
+(which note what changed) before the roster is next read; a new registry read that
+changes who is registered builds a new roster.
 
 While the index does not answer, the last registry read stands: no agent can renew
 its lease then, and the view's guesses that leases ran out must not stop routing to a
@@ -22,6 +31,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
@@ -32,6 +43,10 @@ from router.index.base import (
     WorkerStatus,
     index_deadline,
 )
+from router.routing.accuracy import PredictionAccuracy
+from router.routing.evictions import RecentEvictions, decayed
+from router.routing.roster import Roster, Rows
+from router.scoring.score import TIERS, CandidateFacts, queue_estimate
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +103,23 @@ class Fleet:
         index: LocationIndex,
         view: WorkerView,
         *,
+        evictions: RecentEvictions,
+        accuracy: PredictionAccuracy,
         unreachable_backoff_s: float,
         clock: Clock = time.monotonic,
     ) -> None:
         self._index = index
         self._view = view
+        self.evictions = evictions
+        self.accuracy = accuracy
         self._clock = clock
         self._backoff_s = unreachable_backoff_s
         self._statuses: dict[str, WorkerStatus] = {}
         self._traffic: dict[str, WorkerTraffic] = {}
         self._unreachable_until: dict[str, float] = {}
-        self.drained: set[str] = set()  # by an operator, through this router
+        self._drained: set[str] = set()  # by an operator, through this router
+        self._roster = Roster([])
+        self._live: dict[str, WorkerInfo] = {}  # the roster's workers, as registered
         self.refreshed_at: float | None = None
 
     # -- the registry --------------------------------------------------------------
@@ -108,6 +129,16 @@ class Fleet:
         statuses = await self._index.workers()
         self._statuses = {status.info.worker_id: status for status in statuses}
         self.refreshed_at = self._clock()
+        live = {
+            status.info.worker_id: status.info
+            for status in statuses
+            if status.state is WorkerState.LIVE
+        }
+        if live != self._live:  # (in whatever order the index lists them)
+            self._live = live
+            self._roster = Roster(list(live.values()))
+            for worker_id in live:
+                self._rewrite(worker_id)
 
     async def refresh_forever(self, period_s: float, timeout_s: float) -> None:
         while True:
@@ -134,32 +165,111 @@ class Fleet:
             self.refreshed_at is not None and self._clock() - self.refreshed_at < REGISTRY_STALE_S
         )
 
+    # -- where requests may go -----------------------------------------------------
+
+    @property
+    def roster(self) -> Roster:
+        """The registered live workers, their rows current (read it before any await:
+        a registry read may replace it)."""
+        for changed in (
+            self._view.take_changed(),
+            self.evictions.take_changed(),
+            self.accuracy.take_changed(),
+        ):
+            for worker_id in changed:
+                self._rewrite(worker_id)
+        return self._roster
+
+    def candidate_rows(self, model: str | None = None) -> Rows:
+        """The roster's rows of the workers to route to: live in the index and in this
+        router's view, not drained, engine up, not refusing connections lately; for
+        `model` if given."""
+        roster = self.roster
+        rows = roster.rows(model)
+        routable = ~roster.held_back[rows] & (roster.unreachable_until[rows] <= self._clock())
+        if self.registry_is_current():  # else the view's deaths are guesses (module doc)
+            routable &= ~roster.gone_in_view[rows]
+        return rows[routable]
+
     def candidates(self, model: str | None = None) -> list[Candidate]:
-        """Workers to route to: live in the index and in this router's view, not
-        drained, engine up, not refusing connections lately; for `model` if given."""
-        now = self._clock()
-        trust_view = self.registry_is_current()
+        """The candidate_rows' workers, with their load and this router's traffic."""
+        roster = self.roster
         chosen = []
-        for worker_id, status in self._statuses.items():
-            if status.state is not WorkerState.LIVE or worker_id in self.drained:
-                continue
-            if model is not None and status.info.model != model:
-                continue
-            if self._unreachable_until.get(worker_id, 0.0) > now:
-                continue
-            record = self._view.get(worker_id)
-            load, received_at = None, None
-            traffic = self.traffic(worker_id)
-            if record is not None and record.incarnation == status.info.incarnation:
-                if record.state is not WorkerState.LIVE and trust_view:
-                    continue  # died or began draining since the last re-read
-                load, received_at = record.last_load, record.last_heartbeat_at
-                if load is not None and load.engine_down:
-                    continue
-                if received_at is not None:
-                    self._prefilled_by_report(traffic, received_at)
-            chosen.append(Candidate(status.info, load, received_at, traffic))
+        for row in self.candidate_rows(model):
+            info = roster.infos[row]
+            record = self._view.get(info.worker_id)
+            own = record is not None and record.incarnation == info.incarnation
+            chosen.append(
+                Candidate(
+                    info,
+                    record.last_load if own and record is not None else None,
+                    record.last_heartbeat_at if own and record is not None else None,
+                    self.traffic(info.worker_id),
+                )
+            )
         return chosen
+
+    def facts(self, roster: Roster, rows: Rows, tenant: str, now: float) -> CandidateFacts:
+        """What scoring reads of `roster`'s `rows` for a request of `tenant`, with
+        nothing matched yet (the planner adds each worker's cached prefix)."""
+        waiting, running = queue_estimate(
+            roster.reported[rows],
+            (roster.report_waiting[rows], roster.report_running[rows]),
+            roster.sent_since_report[rows],
+            roster.in_flight[rows],
+            roster.prefilling[rows],
+        )
+        in_flight = roster.in_flight[rows]
+        others = in_flight.copy()
+        for position in np.flatnonzero(in_flight):  # only workers with requests in flight
+            others[position] -= self.traffic(roster.infos[rows[position]].worker_id).by_tenant[
+                tenant
+            ]
+        capacity = roster.kv_capacity_blocks[rows]
+        evicted = np.zeros(len(rows))
+        if self.evictions.horizon_s > 0:
+            counted = capacity > 0  # an unknown capacity: no share can be told
+            evicted[counted] = np.minimum(
+                1.0,
+                decayed(
+                    roster.evicted_blocks[rows][counted],
+                    roster.evicted_as_of[rows][counted],
+                    now,
+                    self.evictions.horizon_s,
+                )
+                / capacity[counted],
+            )
+        return CandidateFacts(
+            worker_ids=roster.worker_ids[rows].tolist(),
+            matched_tokens=np.zeros((len(rows), len(TIERS))),
+            waiting_requests=waiting,
+            running_requests=running,
+            queued_prefill_tokens=roster.prefill_tokens[rows],
+            kv_usage=roster.kv_usage[rows],
+            evicted_share=evicted,
+            other_tenants_running=others,
+            suspect=roster.suspect[rows],
+            labels=roster.labels[rows].tolist(),
+            pools=roster.pools[rows],
+        )
+
+    def drain(self, worker_id: str, *, drained: bool) -> None:
+        """An operator's drain (or its end): no new requests go there meanwhile."""
+        if drained:
+            self._drained.add(worker_id)
+        else:
+            self._drained.discard(worker_id)
+        self._rewrite(worker_id)
+
+    @property
+    def drained(self) -> frozenset[str]:
+        return frozenset(self._drained)
+
+    def unreachable(self, worker_id: str) -> None:
+        """The worker refused a connection: skip it for a while (its lease may still
+        have seconds to run)."""
+        self._unreachable_until[worker_id] = self._clock() + self._backoff_s
+        self._rewrite(worker_id)
 
     # -- this router's traffic -----------------------------------------------------
 
@@ -180,17 +290,17 @@ class Fleet:
         traffic.prefill_tokens += prefill_tokens
         traffic.by_tenant[tenant] += 1
         traffic.waiting_for_first_byte.add(ticket)
+        self._rewrite(worker_id)
         return ticket
 
     def first_byte(self, ticket: Ticket) -> None:
         if ticket.prefilling:
-            ticket.prefilling = False
-            traffic = self.traffic(ticket.worker_id)
-            traffic.waiting_for_first_byte.discard(ticket)
-            traffic.prefill_tokens -= ticket.prefill_tokens
+            self._prefilled(ticket)
+            self._rewrite(ticket.worker_id)
 
     def finished(self, ticket: Ticket) -> None:
-        self.first_byte(ticket)
+        if ticket.prefilling:
+            self._prefilled(ticket)
         traffic = self.traffic(ticket.worker_id)
         while traffic.unstreamed and not traffic.unstreamed[0].prefilling:
             traffic.unstreamed.popleft()
@@ -198,15 +308,54 @@ class Fleet:
         traffic.by_tenant[ticket.tenant] -= 1
         if traffic.by_tenant[ticket.tenant] <= 0:
             del traffic.by_tenant[ticket.tenant]
+        self._rewrite(ticket.worker_id)
+
+    def _prefilled(self, ticket: Ticket) -> None:
+        ticket.prefilling = False
+        traffic = self.traffic(ticket.worker_id)
+        traffic.waiting_for_first_byte.discard(ticket)
+        traffic.prefill_tokens -= ticket.prefill_tokens
+
+    # -- the roster's rows ---------------------------------------------------------
+
+    def _rewrite(self, worker_id: str) -> None:
+        """The worker's row, from every source, if the roster has one."""
+        roster = self._roster
+        row = roster.position.get(worker_id)
+        if row is None:
+            return
+        info = roster.infos[row]
+        record = self._view.get(worker_id)
+        if record is not None and record.incarnation != info.incarnation:
+            record = None  # an older or newer incarnation than the registry's
+        load = record.last_load if record is not None else None
+        received_at = record.last_heartbeat_at if record is not None else None
+        traffic = self.traffic(worker_id)
+        if received_at is not None:
+            self._prefilled_by_report(traffic, received_at)
+        roster.held_back[row] = worker_id in self._drained or (
+            load is not None and load.engine_down
+        )
+        roster.gone_in_view[row] = record is not None and record.state is not WorkerState.LIVE
+        roster.unreachable_until[row] = self._unreachable_until.get(worker_id, 0.0)
+        roster.reported[row] = load is not None and received_at is not None
+        roster.report_waiting[row] = load.waiting if load is not None else 0
+        roster.report_running[row] = load.running if load is not None else 0
+        roster.kv_usage[row] = load.kv_usage if load is not None else 0.0
+        roster.in_flight[row] = traffic.in_flight
+        roster.prefilling[row] = traffic.prefilling
+        roster.prefill_tokens[row] = traffic.prefill_tokens
+        roster.sent_since_report[row] = (
+            0 if received_at is None else traffic.prefilling_sent_after(received_at)
+        )
+        roster.evicted_blocks[row], roster.evicted_as_of[row] = self.evictions.recorded(worker_id)
+        roster.suspect[row] = self.accuracy.is_suspect(worker_id, info.incarnation)
 
     def _prefilled_by_report(self, traffic: WorkerTraffic, received_at: float) -> None:
         """A non-streamed answer says nothing until it is complete, so its prefill
         is counted until the first load report after it was sent: from then on the
         engine's own figures (waiting, running) include it."""
         while traffic.unstreamed and traffic.unstreamed[0].sent_at < received_at:
-            self.first_byte(traffic.unstreamed.popleft())
-
-    def unreachable(self, worker_id: str) -> None:
-        """The worker refused a connection: skip it for a while (its lease may still
-        have seconds to run)."""
-        self._unreachable_until[worker_id] = self._clock() + self._backoff_s
+            ticket = traffic.unstreamed.popleft()
+            if ticket.prefilling:
+                self._prefilled(ticket)

@@ -4,35 +4,34 @@ a ranking. The router's planner (router/routing/decide.py) and the fleet simulat
 on the ranking themselves.
 
 A policy only decides (as the WorkerSelector of NVIDIA Dynamo's KV router): it reads
-facts, draws from the caller's random generator, and returns workers best first with
-their score breakdowns, so that every decision is explained the same way whatever the
-policy. It books nothing: predicted entries and traffic are the caller's, recorded once
-it has sent the request. The only state a policy keeps is its own cursor (round-robin's
-turn).
+facts (columns, one row per candidate), draws from the caller's random generator, and
+returns workers best first with their score breakdowns, so that every decision is
+explained the same way whatever the policy. It books nothing: predicted entries and
+traffic are the caller's, recorded once it has sent the request. The only state a
+policy keeps is its own cursor (round-robin's turn).
 """
 
 from __future__ import annotations
 
 import itertools
-import random
-from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from kvplane.core.config import ScoringSettings
 from router.scoring.score import (
+    CandidateFacts,
+    RankedWorkers,
     RequestFacts,
-    ScoreBreakdown,
-    WorkerFacts,
     deciding_factor,
-    eligible,
-    rank_workers,
-    score_worker,
+    rank_by_score,
+    score_candidates,
 )
 
 
 class Ranking(NamedTuple):
-    ranked: list[ScoreBreakdown]  # the eligible workers, best first
+    ranked: RankedWorkers  # the eligible workers, best first
     factor: str  # what decided: a term of deciding_factor, or the policy's own reason
 
 
@@ -42,7 +41,7 @@ class RoutingPolicy(Protocol):
         """The policy's name in settings (`[scoring] policy`) and reports."""
 
     def rank(
-        self, request: RequestFacts, workers: Sequence[WorkerFacts], rng: random.Random
+        self, request: RequestFacts, workers: CandidateFacts, rng: np.random.Generator
     ) -> Ranking:
         """The eligible `workers`, best first; randomness (ties) from `rng` only."""
 
@@ -56,9 +55,9 @@ class KvplaneScoring:
         self.weights = weights
 
     def rank(
-        self, request: RequestFacts, workers: Sequence[WorkerFacts], rng: random.Random
+        self, request: RequestFacts, workers: CandidateFacts, rng: np.random.Generator
     ) -> Ranking:
-        ranked = rank_workers(request, workers, self.weights, rng)
+        ranked = rank_by_score(score_candidates(request, workers, self.weights), rng)
         return Ranking(ranked, deciding_factor(ranked))
 
 
@@ -73,20 +72,18 @@ class RoundRobin:
         self._turn = itertools.count()
 
     def rank(
-        self, request: RequestFacts, workers: Sequence[WorkerFacts], rng: random.Random
+        self, request: RequestFacts, workers: CandidateFacts, rng: np.random.Generator
     ) -> Ranking:
-        ranked = sorted(
-            (
-                score_worker(request, worker, self.weights)
-                for worker in workers
-                if eligible(request, worker)
-            ),
-            key=attrgetter("worker_id"),
+        scores = score_candidates(request, workers, self.weights)
+        rows = sorted(np.flatnonzero(scores.eligible).tolist(), key=workers.worker_ids.__getitem__)
+        if not rows:  # no turn taken: the next eligible worker is still next
+            nobody = RankedWorkers(scores, np.array(rows, dtype=np.intp))
+            return Ranking(nobody, deciding_factor(nobody))
+        turn = next(self._turn) % len(rows)
+        return Ranking(
+            RankedWorkers(scores, np.array(rows[turn:] + rows[:turn], dtype=np.intp)),
+            "round_robin",
         )
-        if not ranked:  # no turn taken: the next eligible worker is still next
-            return Ranking(ranked, deciding_factor(ranked))
-        turn = next(self._turn) % len(ranked)
-        return Ranking(ranked[turn:] + ranked[:turn], "round_robin")
 
 
 POLICIES: Mapping[str, Callable[[ScoringSettings], RoutingPolicy]] = {

@@ -6,23 +6,33 @@ recomputing it) minus what it costs there (the queue ahead of it, the evictions 
 blocks would cause on a nearly full or turning-over cache, the tenant risk of its
 company). The highest score wins; ties are broken at random, never by list order. The
 breakdown of every score is kept so that the decision can be explained.
+
+The facts and the scores are columns, one row per candidate worker: a fleet of a
+thousand workers is scored in a few numpy operations, not a thousand Python calls, and
+a score's breakdown is built only for the workers a request reads (the first few of the
+ranking, or all of them for an operator's locality query).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import NamedTuple, overload
+
+import numpy as np
+import numpy.typing as npt
 
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
 
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
 
-# WorkerFacts and ScoreBreakdown are NamedTuples: a decision builds one of each per
-# worker, and a frozen dataclass costs several times as much to construct.
+Column = npt.NDArray[np.float64]
+Flags = npt.NDArray[np.bool_]
+
+TIERS = tuple(Tier)
+"""The order of CandidateFacts.matched_tokens' columns."""
 
 
 def hit_value(tier: Tier, weights: ScoringSettings) -> float:
@@ -43,7 +53,8 @@ def hit_value(tier: Tier, weights: ScoringSettings) -> float:
 
 
 class WorkerFacts(NamedTuple):
-    """What the router knows of one worker when it decides."""
+    """What the router knows of one worker when it decides: a row of CandidateFacts,
+    for callers that gather facts worker by worker (the fleet simulator, tests)."""
 
     worker_id: str
     matched_tokens: Mapping[Tier, int]  # cached prefix of this request, per tier
@@ -56,6 +67,51 @@ class WorkerFacts(NamedTuple):
     labels: Mapping[str, str] = _NO_LABELS
     pool: str | None = None  # a dedicated tenant's pool this worker belongs to
     suspect: bool = False  # its index entries keep failing: its matches count for nothing
+
+
+class CandidateFacts(NamedTuple):
+    """What the router knows of its candidate workers when it decides, as columns: row
+    i of every column is worker_ids[i]. The columns are float64, whatever they count,
+    so that scoring never converts them."""
+
+    worker_ids: Sequence[str]
+    matched_tokens: npt.NDArray[np.float64]  # (rows, len(TIERS)): cached prefix per tier
+    waiting_requests: Column
+    running_requests: Column
+    queued_prefill_tokens: Column  # prompt tokens still to prefill ahead of this request
+    kv_usage: Column  # the engine's: blocks its running requests hold
+    evicted_share: Column  # of its cache, evicted lately (router/routing/evictions.py)
+    other_tenants_running: Column
+    suspect: Flags  # its index entries keep failing: its matches count for nothing
+    labels: Sequence[Mapping[str, str]]
+    pools: npt.NDArray[np.object_]  # a dedicated tenant's pool each belongs to, or None
+
+
+def facts_of(workers: Sequence[WorkerFacts]) -> CandidateFacts:
+    """Rows gathered worker by worker, as columns."""
+    matched = np.zeros((len(workers), len(TIERS)))
+    for row, worker in enumerate(workers):
+        for tier, tokens in worker.matched_tokens.items():
+            matched[row, tier - Tier.DEVICE] = tokens
+
+    def column(values: Sequence[float]) -> Column:
+        return np.array(values, dtype=np.float64).reshape(len(workers))
+
+    pools = np.empty(len(workers), dtype=object)
+    pools[:] = [worker.pool for worker in workers]
+    return CandidateFacts(
+        worker_ids=[worker.worker_id for worker in workers],
+        matched_tokens=matched,
+        waiting_requests=column([w.waiting_requests for w in workers]),
+        running_requests=column([w.running_requests for w in workers]),
+        queued_prefill_tokens=column([w.queued_prefill_tokens for w in workers]),
+        kv_usage=column([w.kv_usage for w in workers]),
+        evicted_share=column([w.evicted_share for w in workers]),
+        other_tenants_running=column([w.other_tenants_running for w in workers]),
+        suspect=np.array([w.suspect for w in workers], dtype=np.bool_).reshape(len(workers)),
+        labels=[worker.labels for worker in workers],
+        pools=pools,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,70 +135,124 @@ class ScoreBreakdown(NamedTuple):
         return self.saved_tokens - self.queue_penalty - self.memory_penalty - self.tenant_penalty
 
 
+class Scores(NamedTuple):
+    """Every candidate's score, term by term, as columns (rows as CandidateFacts')."""
+
+    worker_ids: Sequence[str]
+    cached_tokens: Column
+    saved_tokens: Column
+    queue_penalty: Column
+    memory_penalty: Column
+    tenant_penalty: Column
+    eligible: Flags
+
+    @property
+    def total(self) -> Column:
+        return self.saved_tokens - self.queue_penalty - self.memory_penalty - self.tenant_penalty
+
+    def breakdown(self, row: int) -> ScoreBreakdown:
+        return ScoreBreakdown(
+            self.worker_ids[row],
+            int(self.cached_tokens[row]),
+            float(self.saved_tokens[row]),
+            float(self.queue_penalty[row]),
+            float(self.memory_penalty[row]),
+            float(self.tenant_penalty[row]),
+        )
+
+
 def queue_estimate(
-    report: tuple[int, int] | None, sent_since_report: int, in_flight: int, prefilling: int
-) -> tuple[int, int]:
-    """Waiting and running requests at a worker, as a router can tell: the worker's
+    reported: Flags,
+    report: tuple[Column, Column],
+    sent_since_report: Column,
+    in_flight: Column,
+    prefilling: Column,
+) -> tuple[Column, Column]:
+    """Waiting and running requests at each worker, as a router can tell: the worker's
     last report (waiting, running) plus this router's requests sent since, which the
-    report cannot have counted; without a report, this router's own requests (those
-    before their first byte wait, the others run)."""
-    if report is None:
-        return prefilling, in_flight - prefilling
+    report cannot have counted; without a report (`reported` false), this router's own
+    requests (those before their first byte wait, the others run)."""
     waiting, running = report
-    return waiting + sent_since_report, max(running, in_flight - prefilling)
-
-
-def eligible(request: RequestFacts, worker: WorkerFacts) -> bool:
-    """`dedicated` is a hard filter: only the tenant's own pool."""
-    return request.isolation != "dedicated" or (
-        request.pool is not None and worker.pool == request.pool
+    decoding = in_flight - prefilling
+    return (
+        np.where(reported, waiting + sent_since_report, prefilling),
+        np.where(reported, np.maximum(running, decoding), decoding),
     )
 
 
-def score_worker(
-    request: RequestFacts, worker: WorkerFacts, weights: ScoringSettings
-) -> ScoreBreakdown:
-    cached = min(sum(worker.matched_tokens.values()), request.prompt_tokens)
-    saved = sum(tokens * hit_value(tier, weights) for tier, tokens in worker.matched_tokens.items())
-    saved = 0.0 if worker.suspect else min(saved, float(request.prompt_tokens))
+def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
+    """`dedicated` is a hard filter: only the tenant's own pool."""
+    rows = len(facts.worker_ids)
+    if request.isolation != "dedicated":
+        return np.ones(rows, dtype=np.bool_)
+    if request.pool is None:
+        return np.zeros(rows, dtype=np.bool_)
+    return np.asarray(facts.pools == request.pool, dtype=np.bool_)
+
+
+def score_candidates(
+    request: RequestFacts, facts: CandidateFacts, weights: ScoringSettings
+) -> Scores:
+    prompt = float(request.prompt_tokens)
+    values = np.array([hit_value(tier, weights) for tier in TIERS])
+    cached = np.minimum(facts.matched_tokens.sum(axis=1), prompt)
+    saved = np.where(facts.suspect, 0.0, np.minimum(facts.matched_tokens @ values, prompt))
     queue = (
-        worker.waiting_requests * weights.waiting_request_tokens
-        + worker.running_requests * weights.running_request_tokens
-        + worker.queued_prefill_tokens * weights.queued_prefill_weight
+        facts.waiting_requests * weights.waiting_request_tokens
+        + facts.running_requests * weights.running_request_tokens
+        + facts.queued_prefill_tokens * weights.queued_prefill_weight
     )
     start = weights.memory_pressure_start
-    usage_pressure = (worker.kv_usage - start) / max(1.0 - start, 1e-9)
+    usage_pressure = (facts.kv_usage - start) / max(1.0 - start, 1e-9)
     # A cache that is turning over evicts prefixes still in use, whatever its usage.
-    pressure = max(0.0, min(1.0, max(usage_pressure, worker.evicted_share)))
-    memory = pressure * (request.prompt_tokens - cached) * weights.memory_pressure_weight
-    tenant = 0.0
+    pressure = np.clip(np.maximum(usage_pressure, facts.evicted_share), 0.0, 1.0)
+    memory = pressure * (prompt - cached) * weights.memory_pressure_weight
+    tenant = np.zeros(len(facts.worker_ids))
     if request.isolation == "private":
-        tenant += worker.other_tenants_running * weights.co_residence_tokens
-        missing = sum(
-            1 for key, value in request.required_labels.items() if worker.labels.get(key) != value
-        )
-        tenant += missing * weights.missing_label_tokens
-    return ScoreBreakdown(worker.worker_id, cached, saved, queue, memory, tenant)
+        tenant += facts.other_tenants_running * weights.co_residence_tokens
+        if request.required_labels:
+            missing = [
+                sum(1 for key, value in request.required_labels.items() if labels.get(key) != value)
+                for labels in facts.labels
+            ]
+            tenant += np.array(missing, dtype=np.float64) * weights.missing_label_tokens
+    return Scores(facts.worker_ids, cached, saved, queue, memory, tenant, eligible(request, facts))
 
 
-def rank_workers(
-    request: RequestFacts,
-    workers: Sequence[WorkerFacts],
-    weights: ScoringSettings,
-    rng: random.Random,
-) -> list[ScoreBreakdown]:
+class RankedWorkers(Sequence[ScoreBreakdown]):
+    """Workers best first, read as score breakdowns; a breakdown is built when read (a
+    request reads the first few of a fleet of thousands)."""
+
+    def __init__(self, scores: Scores, rows: npt.NDArray[np.intp]) -> None:
+        self.scores = scores
+        self.rows = rows  # into the scores' columns, best first
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, position: int) -> ScoreBreakdown: ...
+
+    @overload
+    def __getitem__(self, position: slice) -> list[ScoreBreakdown]: ...
+
+    def __getitem__(self, position: int | slice) -> ScoreBreakdown | list[ScoreBreakdown]:
+        if isinstance(position, slice):
+            return [self.scores.breakdown(int(row)) for row in self.rows[position]]
+        return self.scores.breakdown(int(self.rows[position]))
+
+    def __repr__(self) -> str:
+        return f"RankedWorkers({self[:]!r})"
+
+
+def rank_by_score(scores: Scores, rng: np.random.Generator) -> RankedWorkers:
     """Eligible workers, best first; equal scores in random order (a shared system
     prompt matches everywhere, and list order would send it all to one worker)."""
-    scored = [
-        (breakdown.score, rng.random(), breakdown)
-        for breakdown in (
-            score_worker(request, worker, weights)
-            for worker in workers
-            if eligible(request, worker)
-        )
-    ]
-    scored.sort(key=lambda entry: entry[:2], reverse=True)  # equal scores: random order
-    return [breakdown for _, _, breakdown in scored]
+    rows = np.flatnonzero(scores.eligible)
+    tiebreak = rng.random(len(rows))
+    # lexsort: by the last key first, ascending; reversed, the best score comes first.
+    order = np.lexsort((tiebreak, scores.total[rows]))[::-1]
+    return RankedWorkers(scores, rows[order])
 
 
 def deciding_factor(ranked: Sequence[ScoreBreakdown]) -> str:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
 from router.routing.evictions import RecentEvictions
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import POLICIES as ROUTER_POLICIES
 from router.scoring.policy import RoutingPolicy
-from router.scoring.score import RequestFacts, WorkerFacts, queue_estimate
+from router.scoring.score import CandidateFacts, RequestFacts, WorkerFacts, facts_of, queue_estimate
 from simulations.fleet.peer_policies import (
     DynamoPolicy,
     LlmdPolicy,
@@ -115,7 +118,7 @@ class RouterPolicy:
     ) -> None:
         self.policy = policy
         self.name = policy.name
-        self.rng = rng
+        self.rng = np.random.default_rng(rng.getrandbits(64))  # the policy's ties
         self.block_tokens = block_tokens
         self.predicted = PredictedPrefixes(predicted_ttl_s)
         self.evictions = RecentEvictions(eviction_horizon_s)
@@ -127,12 +130,14 @@ class RouterPolicy:
         blocks = request.blocks[:full]
         self.predicted.prune(now)
         predicted = self.predicted.match(blocks, now)
-        facts = []
-        for worker in range(view.workers):
-            matched = max(view.matched_blocks(worker, blocks), predicted.get(worker_id(worker), 0))
-            facts.append(self._facts(view, worker, min(matched, servable), now))
+        matched = [
+            min(max(view.matched_blocks(w, blocks), predicted.get(worker_id(w), 0)), servable)
+            for w in range(view.workers)
+        ]
         ranking = self.policy.rank(
-            RequestFacts(prompt_tokens=request.prompt_tokens), facts, self.rng
+            RequestFacts(prompt_tokens=request.prompt_tokens),
+            self._facts(view, matched, now),
+            self.rng,
         )
         chosen = int(ranking.ranked[0].worker_id)
         self.predicted.record(worker_id(chosen), blocks[:servable], now)
@@ -146,27 +151,46 @@ class RouterPolicy:
             self.predicted.removed(worker_id(worker), removed)
             self.evictions.record(worker_id(worker), len(removed), now)
 
-    def _facts(self, view: RouterView, worker: int, matched: int, now: float) -> WorkerFacts:
-        traffic = view.traffic[worker]
-        report = view.reports[worker]
-        since = 0
-        if report is not None:
-            since = sum(1 for sent, _ in traffic.prefilling.values() if sent > report.taken_at)
+    def _facts(self, view: RouterView, matched: list[int], now: float) -> CandidateFacts:
+        """As the router's Fleet.facts reads them, worker by worker."""
+        reports = view.reports
+
+        def column(values: list[float]) -> npt.NDArray[np.float64]:
+            return np.array(values, dtype=np.float64)
+
         waiting, running = queue_estimate(
-            None if report is None else (report.load.waiting, report.load.running),
-            since,
-            traffic.in_flight,
-            len(traffic.prefilling),
+            np.array([report is not None for report in reports], dtype=np.bool_),
+            (
+                column([0 if r is None else r.load.waiting for r in reports]),
+                column([0 if r is None else r.load.running for r in reports]),
+            ),
+            column(
+                [
+                    0
+                    if report is None
+                    else sum(1 for sent, _ in traffic.prefilling.values() if sent > report.taken_at)
+                    for traffic, report in zip(view.traffic, reports, strict=True)
+                ]
+            ),
+            column([traffic.in_flight for traffic in view.traffic]),
+            column([len(traffic.prefilling) for traffic in view.traffic]),
         )
-        kv_usage = 0.0 if report is None else report.load.kv_usage
-        return WorkerFacts(
-            worker_id=worker_id(worker),
-            matched_tokens={Tier.DEVICE: matched * self.block_tokens} if matched else {},
-            waiting_requests=waiting,
-            running_requests=running,
-            queued_prefill_tokens=traffic.prefill_tokens,
-            kv_usage=kv_usage,
-            evicted_share=self.evictions.share(worker_id(worker), self.capacity_blocks, now),
+        usage = [0.0 if report is None else report.load.kv_usage for report in reports]
+        return facts_of(
+            [
+                WorkerFacts(
+                    worker_id=worker_id(worker),
+                    matched_tokens={Tier.DEVICE: blocks * self.block_tokens} if blocks else {},
+                    waiting_requests=int(waiting[worker]),
+                    running_requests=int(running[worker]),
+                    queued_prefill_tokens=view.traffic[worker].prefill_tokens,
+                    kv_usage=usage[worker],
+                    evicted_share=self.evictions.share(
+                        worker_id(worker), self.capacity_blocks, now
+                    ),
+                )
+                for worker, blocks in enumerate(matched)
+            ]
         )
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from opentelemetry import trace
 
@@ -21,11 +21,17 @@ from router.index.base import IndexUnavailable, PrefixMatch
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import RedisLocationIndex
 from router.routing.accuracy import PredictionAccuracy
-from router.routing.decide import INDEX_PROBE_INTERVAL_S, RoutingPlanner, _combined, servable_blocks
+from router.routing.decide import (
+    INDEX_PROBE_INTERVAL_S,
+    RoutingPlanner,
+    believed_blocks,
+    servable_blocks,
+)
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import KvplaneScoring, RoundRobin, RoutingPolicy
+from router.scoring.score import TIERS
 from router.tenants import ANONYMOUS_TENANT, Tenant
 from tests.clock import ManualClock
 
@@ -82,19 +88,24 @@ async def make_planner(
         )
         await index.register(info, lease_s=60.0)
         view.registered(info, stream=1, now=clock(), lease_s=60.0)
-    fleet = Fleet(index, view, unreachable_backoff_s=1.0, clock=clock)
+    fleet = Fleet(
+        index,
+        view,
+        evictions=RecentEvictions(WEIGHTS.eviction_horizon_s),
+        accuracy=PredictionAccuracy(suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
+        unreachable_backoff_s=1.0,
+        clock=clock,
+    )
     await fleet.refresh()
     return RoutingPlanner(
         index=index,
         fleet=fleet,
         predicted=PredictedPrefixes(ttl_s=30.0),
-        accuracy=PredictionAccuracy(suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
-        evictions=RecentEvictions(WEIGHTS.eviction_horizon_s),
         policy=policy or KvplaneScoring(WEIGHTS),
         block_size=BLOCK_SIZE,
         index_timeout_s=index_timeout_s,
         tracer=trace.NoOpTracer(),
-        rng=random.Random(0),
+        rng=np.random.default_rng(0),
         clock=clock,
     )
 
@@ -106,7 +117,7 @@ async def store(
     await planner.index.apply(worker_id, 1, [BlocksStored(keys=keys, tier=tier)])
 
 
-# -- servable_blocks and _combined ---------------------------------------------------
+# -- servable_blocks and believed_blocks ---------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -117,32 +128,46 @@ def test_the_last_prompt_token_is_never_served_from_cache(prompt_tokens: int, bl
     assert servable_blocks(prompt_tokens, BLOCK_SIZE) == blocks
 
 
-def match(**by_tier: int) -> PrefixMatch:
-    tiers = {Tier[name.upper()]: blocks for name, blocks in by_tier.items()}
-    return PrefixMatch("w", 1, sum(tiers.values()), tiers)
+def believed(limit: int, *rows: tuple[dict[str, int], int]) -> list[dict[Tier, int]]:
+    """believed_blocks() of rows of (index match by tier name, predicted blocks)."""
+    index_tiers = np.array(
+        [[by_tier.get(tier.name.lower(), 0) for tier in TIERS] for by_tier, _ in rows],
+        dtype=np.int64,
+    ).reshape(len(rows), len(TIERS))
+    predicted = np.array([blocks for _, blocks in rows], dtype=np.int64)
+    return [
+        {tier: int(count) for tier, count in zip(TIERS, row, strict=True) if count}
+        for row in believed_blocks(index_tiers, predicted, limit)
+    ]
 
 
-def test_combined_without_index_match_or_prediction_is_empty() -> None:
-    assert _combined(None, None, 8) == {}
+def test_without_an_index_match_or_a_prediction_nothing_is_believed() -> None:
+    assert believed(8, ({}, 0)) == [{}]
 
 
-def test_combined_keeps_the_index_match_within_the_limit() -> None:
-    assert _combined(match(device=2, host=3), None, 8) == {Tier.DEVICE: 2, Tier.HOST: 3}
+def test_the_index_match_is_kept_within_the_limit() -> None:
+    assert believed(8, ({"device": 2, "host": 3}, 0)) == [{Tier.DEVICE: 2, Tier.HOST: 3}]
 
 
 def test_a_longer_prediction_extends_the_device_tier() -> None:
-    assert _combined(match(device=1, host=2), 5, 8) == {Tier.DEVICE: 3, Tier.HOST: 2}
-    assert _combined(None, 5, 8) == {Tier.DEVICE: 5}
+    assert believed(8, ({"device": 1, "host": 2}, 5), ({}, 5)) == [
+        {Tier.DEVICE: 3, Tier.HOST: 2},
+        {Tier.DEVICE: 5},
+    ]
 
 
 def test_a_shorter_prediction_changes_nothing() -> None:
-    assert _combined(match(host=4), 2, 8) == {Tier.HOST: 4}
+    assert believed(8, ({"host": 4}, 2)) == [{Tier.HOST: 4}]
 
 
 def test_the_slowest_tiers_are_cut_first_to_the_limit() -> None:
-    assert _combined(match(device=2, host=2, disk=2), None, 3) == {Tier.DEVICE: 2, Tier.HOST: 1}
-    assert _combined(match(device=2, host=2), 10, 3) == {Tier.DEVICE: 3}
-    assert _combined(match(device=4), None, 0) == {}
+    assert believed(
+        3, ({"device": 2, "host": 2, "disk": 2}, 0), ({"device": 2, "host": 2}, 10)
+    ) == [
+        {Tier.DEVICE: 2, Tier.HOST: 1},
+        {Tier.DEVICE: 3},
+    ]
+    assert believed(0, ({"device": 4}, 0)) == [{}]
 
 
 # -- decide ----------------------------------------------------------------------------
@@ -159,7 +184,7 @@ async def test_the_worker_holding_the_prefix_ranks_first() -> None:
     assert decision.index_answered
     assert decision.factor == "cache"
     assert decision.matched_blocks["w2"] == {Tier.DEVICE: 6}
-    assert decision.matched_blocks["w1"] == {}
+    assert decision.matched_blocks.get("w1", {}) == {}
     assert decision.predicted_tokens("w2") == 6 * BLOCK_SIZE
     assert decision.predicted_tokens("w1") == 0
     assert decision.ranked[0].cached_tokens == 6 * BLOCK_SIZE
@@ -261,14 +286,14 @@ async def test_another_cache_scope_matches_nothing() -> None:
         model=MODEL, tenant=ACME, cache_scope="acme-salt", tokens=TOKENS
     )
     assert decision.ranked[0].worker_id == "w1"
-    assert decision.matched_blocks["w2"] == {}
+    assert decision.matched_blocks.get("w2", {}) == {}
 
 
 async def test_a_suspect_workers_match_saves_nothing() -> None:
     planner = await make_planner(suspect_after_misses=2)
     await store(planner, "w2", 8)
     for _ in range(2):
-        planner.accuracy.observe("w2", 1, predicted_tokens=32, reported_tokens=0)
+        planner.fleet.accuracy.observe("w2", 1, predicted_tokens=32, reported_tokens=0)
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
@@ -297,7 +322,7 @@ async def test_this_routers_traffic_counts_as_load() -> None:
 async def test_a_worker_evicting_its_cache_pays_for_the_new_tokens_sent_there() -> None:
     clock = ManualClock()
     planner = await make_planner(workers=["w1", "w2"], clock=clock)
-    planner.evictions.record("w1", CAPACITY_BLOCKS // 2, clock())
+    planner.fleet.evictions.record("w1", CAPACITY_BLOCKS // 2, clock())
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
@@ -346,7 +371,7 @@ async def test_no_live_worker_ranks_nothing() -> None:
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
-    assert decision.ranked == []
+    assert list(decision.ranked) == []
     assert decision.factor == "none"
 
 

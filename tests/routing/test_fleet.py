@@ -9,6 +9,8 @@ from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
 from router.index.base import WorkerState
 from router.index.memory import MemoryLocationIndex
+from router.routing.accuracy import PredictionAccuracy
+from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from tests.clock import ManualClock
 
@@ -36,7 +38,14 @@ class Setup:
         self.clock = ManualClock()
         self.index = MemoryLocationIndex(clock=self.clock)
         self.view = WorkerView()
-        self.fleet = Fleet(self.index, self.view, unreachable_backoff_s=BACKOFF_S, clock=self.clock)
+        self.fleet = Fleet(
+            self.index,
+            self.view,
+            evictions=RecentEvictions(horizon_s=10.0),
+            accuracy=PredictionAccuracy(suspect_after_misses=2, tolerance_tokens=4),
+            unreachable_backoff_s=BACKOFF_S,
+            clock=self.clock,
+        )
 
     async def register(self, worker_id: str, incarnation: int = 1, **fields: Any) -> None:
         info = worker(worker_id, incarnation, **fields)
@@ -117,9 +126,10 @@ async def test_an_operators_drain_removes_a_worker_until_undone() -> None:
     await setup.register("a")
     await setup.register("b")
     await setup.fleet.refresh()
-    setup.fleet.drained.add("a")
+    setup.fleet.drain("a", drained=True)
     assert setup.ids() == ["b"]
-    setup.fleet.drained.discard("a")
+    assert setup.fleet.drained == {"a"}
+    setup.fleet.drain("a", drained=False)
     assert setup.ids() == ["a", "b"]
 
 

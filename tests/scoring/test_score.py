@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
@@ -14,9 +17,11 @@ from router.scoring.score import (
     ScoreBreakdown,
     WorkerFacts,
     deciding_factor,
+    facts_of,
     hit_value,
-    rank_workers,
-    score_worker,
+    queue_estimate,
+    rank_by_score,
+    score_candidates,
 )
 
 WEIGHTS = ScoringSettings()
@@ -26,8 +31,21 @@ def worker(worker_id: str, device: int = 0, **state: object) -> WorkerFacts:
     return WorkerFacts(worker_id, {Tier.DEVICE: device} if device else {}, **state)  # type: ignore[arg-type]
 
 
+def score_worker(
+    request: RequestFacts, worker: WorkerFacts, weights: ScoringSettings
+) -> ScoreBreakdown:
+    return score_candidates(request, facts_of([worker]), weights).breakdown(0)
+
+
+def rank_workers(
+    request: RequestFacts, workers: Sequence[WorkerFacts], seed: int = 0
+) -> list[ScoreBreakdown]:
+    scores = score_candidates(request, facts_of(workers), WEIGHTS)
+    return list(rank_by_score(scores, np.random.default_rng(seed)))
+
+
 def best(request: RequestFacts, *workers: WorkerFacts, seed: int = 0) -> str:
-    return rank_workers(request, workers, WEIGHTS, random.Random(seed))[0].worker_id
+    return rank_workers(request, workers, seed)[0].worker_id
 
 
 def test_slower_tiers_are_worth_what_restoring_saves_over_recomputing() -> None:
@@ -97,15 +115,10 @@ def test_private_tenants_pay_for_company_and_missing_labels() -> None:
 
 def test_dedicated_tenants_only_see_their_pool() -> None:
     request = RequestFacts(prompt_tokens=1000, isolation="dedicated", pool="gold")
-    ranked = rank_workers(
-        request,
-        [worker("other", 1000), worker("mine", 0, pool="gold")],
-        WEIGHTS,
-        random.Random(1),
-    )
+    ranked = rank_workers(request, [worker("other", 1000), worker("mine", 0, pool="gold")])
     assert [r.worker_id for r in ranked] == ["mine"]
     no_pool = RequestFacts(prompt_tokens=1000, isolation="dedicated")
-    assert rank_workers(no_pool, [worker("mine", pool="gold")], WEIGHTS, random.Random(1)) == []
+    assert rank_workers(no_pool, [worker("mine", pool="gold")]) == []
 
 
 def test_ties_are_broken_at_random_not_by_list_order() -> None:
@@ -163,7 +176,7 @@ def test_the_deciding_factor_without_a_contest() -> None:
 
 def test_the_deciding_factor_of_a_real_ranking() -> None:
     request = RequestFacts(prompt_tokens=2048)
-    ranked = rank_workers(request, [worker("cold"), worker("hot", 1024)], WEIGHTS, random.Random(0))
+    ranked = rank_workers(request, [worker("cold"), worker("hot", 1024)])
     assert [r.worker_id for r in ranked] == ["hot", "cold"]
     assert deciding_factor(ranked) == "cache"
 
@@ -184,3 +197,61 @@ def test_a_suspect_workers_cached_prefix_saves_nothing() -> None:
     assert suspect.saved_tokens == 0.0
     assert suspect.cached_tokens == 512  # still reported as believed
     assert best(request, worker("a", 512, suspect=True), worker("b", 64)) == "b"
+
+
+def test_a_workers_report_counts_with_the_requests_sent_since() -> None:
+    reported = np.array([True, False])
+    waiting, running = queue_estimate(
+        reported,
+        (np.array([2.0, 0.0]), np.array([1.0, 0.0])),
+        sent_since_report=np.array([3.0, 0.0]),
+        in_flight=np.array([5.0, 4.0]),
+        prefilling=np.array([3.0, 1.0]),
+    )
+    # Reported: 2 waiting + 3 sent since; running: this router's 2 decoding > 1 reported.
+    # Not reported: this router's own, 1 before its first byte and 3 after.
+    assert waiting.tolist() == [5.0, 1.0]
+    assert running.tolist() == [2.0, 3.0]
+
+
+tokens = st.integers(min_value=0, max_value=4096)
+facts = st.builds(
+    WorkerFacts,
+    worker_id=st.text("abcdef", min_size=1, max_size=4),
+    matched_tokens=st.dictionaries(st.sampled_from(list(Tier)), tokens, max_size=4),
+    waiting_requests=st.integers(0, 50),
+    running_requests=st.integers(0, 50),
+    queued_prefill_tokens=tokens,
+    kv_usage=st.floats(0.0, 1.0),
+    evicted_share=st.floats(0.0, 1.0),
+    other_tenants_running=st.integers(0, 20),
+    labels=st.dictionaries(st.sampled_from(["zone", "gpu"]), st.sampled_from(["a", "b"])),
+    pool=st.sampled_from([None, "gold", "silver"]),
+    suspect=st.booleans(),
+)
+requests = st.builds(
+    RequestFacts,
+    prompt_tokens=st.integers(1, 8192),
+    isolation=st.sampled_from(["shared", "private", "dedicated"]),
+    required_labels=st.dictionaries(st.sampled_from(["zone", "gpu"]), st.sampled_from(["a", "b"])),
+    pool=st.sampled_from([None, "gold"]),
+)
+
+
+@given(requests, st.lists(facts, min_size=1, max_size=12))
+def test_a_fleet_scored_at_once_scores_each_worker_as_alone(
+    request: RequestFacts, workers: list[WorkerFacts]
+) -> None:
+    together = score_candidates(request, facts_of(workers), WEIGHTS)
+    for row, one in enumerate(workers):
+        alone = score_worker(request, one, WEIGHTS)
+        assert together.breakdown(row) == pytest.approx(alone)
+    ranked = rank_workers(request, workers)
+    # Best first, and exactly the eligible workers.
+    assert [b.score for b in ranked] == sorted((b.score for b in ranked), reverse=True)
+    eligible = [
+        w
+        for w in workers
+        if request.isolation != "dedicated" or (request.pool and w.pool == request.pool)
+    ]
+    assert len(ranked) == len(eligible)

@@ -1,0 +1,83 @@
+"""The registered live workers as columns: what routing reads of each, one row per
+worker, in a fixed order until the registry changes (router/routing/fleet.py builds a
+new roster then, and keeps the rows current as reports, traffic and events arrive).
+
+A decision reads a thousand workers' rows in a few numpy operations; a row is written
+when something about its worker changes, which is far rarer per worker than decisions
+are per fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.core.types import WorkerInfo
+from router.tenants import POOL_LABEL
+
+Rows = npt.NDArray[np.intp]
+
+
+class Roster:
+    def __init__(self, infos: Sequence[WorkerInfo]) -> None:
+        count = len(infos)
+        self.infos = list(infos)
+        self.position: Mapping[str, int] = {info.worker_id: row for row, info in enumerate(infos)}
+        self.worker_ids = _objects([info.worker_id for info in infos])
+        self.labels = _objects([info.labels for info in infos])
+        self.pools = _objects([info.labels.get(POOL_LABEL) for info in infos])
+        self.kv_capacity_blocks = np.array(
+            [info.kv_capacity_blocks for info in infos], dtype=np.float64
+        ).reshape(count)
+        by_model: dict[str, list[int]] = {}
+        for row, info in enumerate(infos):
+            by_model.setdefault(info.model, []).append(row)
+        self._rows_of_model = {
+            model: np.array(rows, dtype=np.intp) for model, rows in by_model.items()
+        }
+        self._all_rows = np.arange(count, dtype=np.intp)
+
+        def zeros() -> npt.NDArray[np.float64]:
+            return np.zeros(count)
+
+        def flags() -> npt.NDArray[np.bool_]:
+            return np.zeros(count, dtype=np.bool_)
+
+        # Whether requests may go there (see Fleet.candidates).
+        self.held_back = flags()  # drained by an operator, or its engine is down
+        self.gone_in_view = flags()  # this router saw it die or begin draining
+        self.unreachable_until = zeros()
+        # Its agent's last load report to this router.
+        self.reported = flags()
+        self.report_waiting = zeros()
+        self.report_running = zeros()
+        self.kv_usage = zeros()
+        # This router's traffic to it.
+        self.in_flight = zeros()
+        self.prefilling = zeros()
+        self.prefill_tokens = zeros()  # of the requests before their first byte
+        self.sent_since_report = zeros()  # requests before their first byte, sent after it
+        # Its recent evictions (router/routing/evictions.py) and index suspicion.
+        self.evicted_blocks = zeros()
+        self.evicted_as_of = zeros()
+        self.suspect = flags()
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def rows(self, model: str | None) -> Rows:
+        """The rows of the workers serving `model`; all rows for None."""
+        if model is None:
+            return self._all_rows
+        return self._rows_of_model.get(model, self._all_rows[:0])
+
+    def info(self, worker_id: str) -> WorkerInfo:
+        return self.infos[self.position[worker_id]]
+
+
+def _objects(values: Sequence[object]) -> npt.NDArray[np.object_]:
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column

@@ -351,7 +351,7 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         )
         body_for_engine(raw, parsed, None)
         route_us.append((time.perf_counter_ns() - started) / 1000)
-        if not decision.index_answered or decision.matched_blocks[WORKER].get(Tier.DEVICE, 0) < (
+        if not decision.index_answered or decision.matched(WORKER).get(Tier.DEVICE, 0) < (
             len(decision.keys) * 7 // 8
         ):
             raise RuntimeError("the shared prefix was not found where it was stored")

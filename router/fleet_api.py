@@ -504,7 +504,7 @@ def _describe(decision: Decision, model: str, tenant: Tenant, *, detailed: bool)
     scores = {breakdown.worker_id: breakdown for breakdown in decision.ranked}
     rows = []
     for worker_id in sorted(decision.candidates if detailed else scores):
-        blocks = decision.matched_blocks.get(worker_id, {})
+        blocks = decision.matched(worker_id)
         row = LocalityRow(
             worker_id=worker_id,
             eligible=worker_id in scores,

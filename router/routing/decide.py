@@ -60,9 +60,9 @@ class Decision:
         believed = self.believed[row].tolist()
         return {tier: blocks for tier, blocks in zip(TIERS, believed, strict=True) if blocks}
 
-    @property
-    def matched_blocks(self) -> dict[str, Mapping[Tier, int]]:
-        """matched() of every candidate that matched anything."""
+    def matching(self) -> dict[str, Mapping[Tier, int]]:
+        """matched() of every candidate that matched anything (a dict built anew: read
+        it once per decision, not once per worker)."""
         matching = np.flatnonzero(self.believed.any(axis=1)).tolist()
         return {self.candidates[row]: self.matched(self.candidates[row]) for row in matching}
 
@@ -132,18 +132,13 @@ class RoutingPlanner:
         with self.tracer.start_as_current_span("kvplane.key") as span:
             keys = self.keys(model, cache_scope, tokens)
             span.set_attribute("kvplane.blocks", len(keys))
-        # No worker registered under the model's name: it may be a LoRA adapter, which
-        # engines serve under the base model's registration. Any worker may take it on
-        # load, and the engine judges whether it serves the model.
-        wanted = len(self.fleet.candidate_rows(model)) or len(self.fleet.candidate_rows())
-        index_matches, answered = await self._lookup(keys, bool(wanted))
+        wanted = len(self.fleet.serving_rows(model)) > 0
+        index_matches, answered = await self._lookup(keys, wanted)
         with self.tracer.start_as_current_span("kvplane.score") as span:
             span.set_attribute("kvplane.index_answered", answered)
             now = self._clock()
             roster = self.fleet.roster  # (after the lookup's await: the current one)
-            rows = self.fleet.candidate_rows(model)
-            if not len(rows):
-                rows = self.fleet.candidate_rows()
+            rows = self.fleet.serving_rows(model)
             facts = self.fleet.facts(roster, rows, tenant.name, now)
             self.predicted.prune(now)
             predicted = self.predicted.match(keys, now) if len(rows) else {}
@@ -229,7 +224,7 @@ def _routed_line(decision: Decision, worker_id: str, last_key: BlockKey | None) 
         f"tenant={b.tenant_penalty:.0f}"
         for b in decision.ranked[:_LOGGED_CANDIDATES]
     )
-    longest = max((sum(m.values()) for m in decision.matched_blocks.values()), default=0)
+    longest = int(decision.believed.sum(axis=1).max(initial=0))
     return (
         f"routed {decision.prompt_tokens} prompt tokens (prefix {_hex(last_key)}, longest "
         f"match ending at {_hex(decision.keys[longest - 1] if longest else None)}) to "

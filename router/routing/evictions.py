@@ -15,22 +15,18 @@ reusable.
 
 from __future__ import annotations
 
-from typing import TypeVar
+import math
 
 import numpy as np
 import numpy.typing as npt
 
-Moment = TypeVar("Moment", float, npt.NDArray[np.float64])
-
-
-def decayed(blocks: Moment, as_of: Moment, now: float, horizon_s: float) -> Moment:
-    """`blocks` evicted as of `as_of`, as they count at `now` (scalars or columns)."""
-    return blocks * np.exp(-np.maximum(0.0, now - as_of) / horizon_s)  # type: ignore[no-any-return]
+Column = npt.NDArray[np.float64]
 
 
 class RecentEvictions:
     """Workers whose count changed are noted until `take_changed()`: the router's
-    Fleet keeps the counts as columns and re-reads only those."""
+    Fleet keeps the counts as columns (`recorded()`) and re-reads only those; `shares()`
+    reads such columns."""
 
     def __init__(self, horizon_s: float) -> None:
         self.horizon_s = horizon_s
@@ -49,9 +45,19 @@ class RecentEvictions:
             self._changed.add(worker_id)
 
     def recorded(self, worker_id: str) -> tuple[float, float]:
-        """(blocks, as of): the worker's count when last recorded, (0.0, 0.0) if none;
-        `decayed()` tells what it counts for later."""
+        """(blocks, as of): the worker's count when last recorded, (0.0, 0.0) if none."""
         return self._evicted.get(worker_id, (0.0, 0.0))
+
+    def shares(self, blocks: Column, as_of: Column, capacity_blocks: Column, now: float) -> Column:
+        """share() of workers whose recorded() counts and capacities are columns."""
+        shares = np.zeros(len(blocks))
+        if self.horizon_s <= 0:
+            return shares
+        known = capacity_blocks > 0
+        age = np.maximum(0.0, now - as_of[known])
+        decayed = blocks[known] * np.exp(-age / self.horizon_s)
+        shares[known] = np.minimum(1.0, decayed / capacity_blocks[known])
+        return shares
 
     def take_changed(self) -> set[str]:
         """The workers whose count was recorded or forgotten since the last call (one
@@ -63,10 +69,10 @@ class RecentEvictions:
         """The recently evicted blocks as a share of the worker's cache, 0.0 to 1.0
         (1.0: it turned over its whole cache within about `horizon_s`); 0.0 when its
         capacity is unknown."""
-        if capacity_blocks <= 0 or worker_id not in self._evicted:
-            return 0.0  # (and never recorded when the horizon is 0)
-        return min(1.0, self._decayed(worker_id, now) / capacity_blocks)
+        blocks, as_of = self.recorded(worker_id)
+        columns = np.array([blocks]), np.array([as_of]), np.array([float(capacity_blocks)])
+        return float(self.shares(*columns, now)[0])
 
     def _decayed(self, worker_id: str, now: float) -> float:
         blocks, as_of = self._evicted.get(worker_id, (0.0, now))
-        return float(decayed(blocks, as_of, now, self.horizon_s))
+        return blocks * math.exp(-max(0.0, now - as_of) / self.horizon_s)

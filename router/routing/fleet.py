@@ -11,12 +11,13 @@ Operators' drains and connection failures are kept here too (this router's only)
 so are the workers' recent evictions and index suspicion (router/routing/evictions.py,
 accuracy.py) as routing reads them.
 
-All of it is kept as columns in a Roster (router/routing/roster.py), one row per
-registered live worker, so that a decision reads a thousand workers' facts in a few
-numpy operations. A row is rewritten from its sources whenever one of them changes
-for its worker: this router's traffic at once, the view, evictions and suspicion
-(which note what changed) before the roster is next read; a new registry read that
-changes who is registered builds a new roster.
+What routing reads of it is kept as columns in a Roster (router/routing/roster.py),
+one row per registered live worker, so that a decision reads a thousand workers' facts
+in a few numpy operations (only a tenant's share of the traffic is counted per request,
+over the workers with requests in flight). A row is rewritten from its sources whenever
+one of them changes for its worker: this router's traffic at once; the view, evictions
+and suspicion (which note what changed) before the roster is next read. A registry read
+that changes who is registered builds a new roster.
 
 While the index does not answer, the last registry read stands: no agent can renew
 its lease then, and the view's guesses that leases ran out must not stop routing to a
@@ -35,7 +36,7 @@ import numpy as np
 
 from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
-from router.control_plane.workers import WorkerView
+from router.control_plane.workers import WorkerRecord, WorkerView
 from router.index.base import (
     LocationIndex,
     LocationIndexError,
@@ -44,7 +45,7 @@ from router.index.base import (
     index_deadline,
 )
 from router.routing.accuracy import PredictionAccuracy
-from router.routing.evictions import RecentEvictions, decayed
+from router.routing.evictions import RecentEvictions
 from router.routing.roster import Roster, Rows
 from router.scoring.score import TIERS, CandidateFacts, queue_estimate
 
@@ -63,7 +64,7 @@ class Ticket:
     prefill_tokens: int  # uncached prompt tokens: the worker's prefill work for it
     sent_at: float  # on the fleet's clock
     streamed: bool = True
-    prefilling: bool = True  # until the first byte comes back (see Fleet.candidates)
+    prefilling: bool = True  # until the first byte comes back (see Fleet._rewrite)
 
 
 @dataclass(slots=True)
@@ -89,7 +90,6 @@ class Candidate:
 
     info: WorkerInfo
     load: LoadReport | None  # the last report this router received; None: none here
-    load_received_at: float | None  # on the fleet's clock
     traffic: WorkerTraffic
 
     @property
@@ -191,22 +191,22 @@ class Fleet:
             routable &= ~roster.gone_in_view[rows]
         return rows[routable]
 
+    def serving_rows(self, model: str) -> Rows:
+        """The candidate_rows() of `model`; of any model if no worker is registered
+        under its name: it may be a LoRA adapter, which engines serve under the base
+        model's registration (the engine judges whether it serves the model)."""
+        rows = self.candidate_rows(model)
+        return rows if len(rows) else self.candidate_rows()
+
     def candidates(self, model: str | None = None) -> list[Candidate]:
         """The candidate_rows' workers, with their load and this router's traffic."""
         roster = self.roster
         chosen = []
         for row in self.candidate_rows(model):
             info = roster.infos[row]
-            record = self._view.get(info.worker_id)
-            own = record is not None and record.incarnation == info.incarnation
-            chosen.append(
-                Candidate(
-                    info,
-                    record.last_load if own and record is not None else None,
-                    record.last_heartbeat_at if own and record is not None else None,
-                    self.traffic(info.worker_id),
-                )
-            )
+            record = self._own_record(info)
+            load = record.last_load if record is not None else None
+            chosen.append(Candidate(info, load, self.traffic(info.worker_id)))
         return chosen
 
     def facts(self, roster: Roster, rows: Rows, tenant: str, now: float) -> CandidateFacts:
@@ -225,20 +225,12 @@ class Fleet:
             others[position] -= self.traffic(roster.infos[rows[position]].worker_id).by_tenant[
                 tenant
             ]
-        capacity = roster.kv_capacity_blocks[rows]
-        evicted = np.zeros(len(rows))
-        if self.evictions.horizon_s > 0:
-            counted = capacity > 0  # an unknown capacity: no share can be told
-            evicted[counted] = np.minimum(
-                1.0,
-                decayed(
-                    roster.evicted_blocks[rows][counted],
-                    roster.evicted_as_of[rows][counted],
-                    now,
-                    self.evictions.horizon_s,
-                )
-                / capacity[counted],
-            )
+        evicted = self.evictions.shares(
+            roster.evicted_blocks[rows],
+            roster.evicted_as_of[rows],
+            roster.kv_capacity_blocks[rows],
+            now,
+        )
         return CandidateFacts(
             worker_ids=roster.worker_ids[rows].tolist(),
             matched_tokens=np.zeros((len(rows), len(TIERS))),
@@ -325,9 +317,7 @@ class Fleet:
         if row is None:
             return
         info = roster.infos[row]
-        record = self._view.get(worker_id)
-        if record is not None and record.incarnation != info.incarnation:
-            record = None  # an older or newer incarnation than the registry's
+        record = self._own_record(info)
         load = record.last_load if record is not None else None
         received_at = record.last_heartbeat_at if record is not None else None
         traffic = self.traffic(worker_id)
@@ -350,6 +340,12 @@ class Fleet:
         )
         roster.evicted_blocks[row], roster.evicted_as_of[row] = self.evictions.recorded(worker_id)
         roster.suspect[row] = self.accuracy.is_suspect(worker_id, info.incarnation)
+
+    def _own_record(self, info: WorkerInfo) -> WorkerRecord | None:
+        """This router's view of the registered incarnation (None for an older or
+        newer one's record: the registry is the authority on incarnations)."""
+        record = self._view.get(info.worker_id)
+        return record if record is not None and record.incarnation == info.incarnation else None
 
     def _prefilled_by_report(self, traffic: WorkerTraffic, received_at: float) -> None:
         """A non-streamed answer says nothing until it is complete, so its prefill

@@ -45,7 +45,7 @@ class Roster:
         def flags() -> npt.NDArray[np.bool_]:
             return np.zeros(count, dtype=np.bool_)
 
-        # Whether requests may go there (see Fleet.candidates).
+        # Whether requests may go there (see Fleet.candidate_rows).
         self.held_back = flags()  # drained by an operator, or its engine is down
         self.gone_in_view = flags()  # this router saw it die or begin draining
         self.unreachable_until = zeros()

@@ -4,8 +4,8 @@ Every term is in the same unit, prefill tokens: what sending the request to a wo
 saves (its cached prefix, each tier's hit worth what restoring it saves over
 recomputing it) minus what it costs there (the queue ahead of it, the evictions its new
 blocks would cause on a nearly full or turning-over cache, the tenant risk of its
-company). The highest score wins; ties are broken at random, never by list order. The
-breakdown of every score is kept so that the decision can be explained.
+company). The highest score wins; ties are broken at random, never by list order.
+Every score can be broken down into its terms, so that the decision can be explained.
 
 The facts and the scores are columns, one row per candidate worker: a fleet of a
 thousand workers is scored in a few numpy operations, not a thousand Python calls, and
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import NamedTuple, overload
 
 import numpy as np
@@ -25,8 +24,6 @@ import numpy.typing as npt
 
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
-
-_NO_LABELS: Mapping[str, str] = MappingProxyType({})
 
 Column = npt.NDArray[np.float64]
 Flags = npt.NDArray[np.bool_]
@@ -52,23 +49,6 @@ def hit_value(tier: Tier, weights: ScoringSettings) -> float:
     return max(0.0, 1.0 - restore_s * weights.prefill_tokens_per_s)
 
 
-class WorkerFacts(NamedTuple):
-    """What the router knows of one worker when it decides: a row of CandidateFacts,
-    for callers that gather facts worker by worker (the fleet simulator, tests)."""
-
-    worker_id: str
-    matched_tokens: Mapping[Tier, int]  # cached prefix of this request, per tier
-    waiting_requests: int = 0
-    running_requests: int = 0
-    queued_prefill_tokens: int = 0  # prompt tokens still to prefill ahead of this request
-    kv_usage: float = 0.0  # the engine's: blocks its running requests hold
-    evicted_share: float = 0.0  # of its cache, evicted lately (router/routing/evictions.py)
-    other_tenants_running: int = 0
-    labels: Mapping[str, str] = _NO_LABELS
-    pool: str | None = None  # a dedicated tenant's pool this worker belongs to
-    suspect: bool = False  # its index entries keep failing: its matches count for nothing
-
-
 class CandidateFacts(NamedTuple):
     """What the router knows of its candidate workers when it decides, as columns: row
     i of every column is worker_ids[i]. The columns are float64, whatever they count,
@@ -85,33 +65,6 @@ class CandidateFacts(NamedTuple):
     suspect: Flags  # its index entries keep failing: its matches count for nothing
     labels: Sequence[Mapping[str, str]]
     pools: npt.NDArray[np.object_]  # a dedicated tenant's pool each belongs to, or None
-
-
-def facts_of(workers: Sequence[WorkerFacts]) -> CandidateFacts:
-    """Rows gathered worker by worker, as columns."""
-    matched = np.zeros((len(workers), len(TIERS)))
-    for row, worker in enumerate(workers):
-        for tier, tokens in worker.matched_tokens.items():
-            matched[row, tier - Tier.DEVICE] = tokens
-
-    def column(values: Sequence[float]) -> Column:
-        return np.array(values, dtype=np.float64).reshape(len(workers))
-
-    pools = np.empty(len(workers), dtype=object)
-    pools[:] = [worker.pool for worker in workers]
-    return CandidateFacts(
-        worker_ids=[worker.worker_id for worker in workers],
-        matched_tokens=matched,
-        waiting_requests=column([w.waiting_requests for w in workers]),
-        running_requests=column([w.running_requests for w in workers]),
-        queued_prefill_tokens=column([w.queued_prefill_tokens for w in workers]),
-        kv_usage=column([w.kv_usage for w in workers]),
-        evicted_share=column([w.evicted_share for w in workers]),
-        other_tenants_running=column([w.other_tenants_running for w in workers]),
-        suspect=np.array([w.suspect for w in workers], dtype=np.bool_).reshape(len(workers)),
-        labels=[worker.labels for worker in workers],
-        pools=pools,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +174,8 @@ def score_candidates(
 
 class RankedWorkers(Sequence[ScoreBreakdown]):
     """Workers best first, read as score breakdowns; a breakdown is built when read (a
-    request reads the first few of a fleet of thousands)."""
+    request reads the first few of a fleet of thousands). Equal to any sequence of the
+    same breakdowns."""
 
     def __init__(self, scores: Scores, rows: npt.NDArray[np.intp]) -> None:
         self.scores = scores
@@ -240,6 +194,13 @@ class RankedWorkers(Sequence[ScoreBreakdown]):
         if isinstance(position, slice):
             return [self.scores.breakdown(int(row)) for row in self.rows[position]]
         return self.scores.breakdown(int(self.rows[position]))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
 
     def __repr__(self) -> str:
         return f"RankedWorkers({self[:]!r})"

@@ -5,25 +5,25 @@ what `kvplane router` runs), driven by RouterPolicy, which gathers their inputs 
 the view as router/routing/decide.py gathers them from a live fleet and books the
 choice in the router's predicted entries (router/routing/predicted.py). The others are
 baselines, and peers' policies come with their own modules: they read what the router's
-WorkerFacts do not carry (in-flight counts, event-only prefixes, state of their own), so
+CandidateFacts do not carry (in-flight counts, event-only prefixes, state of their own), so
 they implement this module's Policy directly.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvplane.core.config import ScoringSettings
-from kvplane.core.types import Tier
 from router.routing.evictions import RecentEvictions
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import POLICIES as ROUTER_POLICIES
 from router.scoring.policy import RoutingPolicy
-from router.scoring.score import CandidateFacts, RequestFacts, WorkerFacts, facts_of, queue_estimate
+from router.scoring.score import TIERS, CandidateFacts, RequestFacts, queue_estimate
 from simulations.fleet.peer_policies import (
     DynamoPolicy,
     LlmdPolicy,
@@ -152,45 +152,50 @@ class RouterPolicy:
             self.evictions.record(worker_id(worker), len(removed), now)
 
     def _facts(self, view: RouterView, matched: list[int], now: float) -> CandidateFacts:
-        """As the router's Fleet.facts reads them, worker by worker."""
+        """The columns the router's Fleet.facts() keeps, read off the view."""
         reports = view.reports
+        workers = len(matched)
 
-        def column(values: list[float]) -> npt.NDArray[np.float64]:
-            return np.array(values, dtype=np.float64)
+        def column(values: Sequence[float]) -> npt.NDArray[np.float64]:
+            return np.array(values, dtype=np.float64).reshape(workers)
 
+        since = [
+            0
+            if report is None
+            else sum(1 for sent, _ in t.prefilling.values() if sent > report.taken_at)
+            for t, report in zip(view.traffic, reports, strict=True)
+        ]
         waiting, running = queue_estimate(
             np.array([report is not None for report in reports], dtype=np.bool_),
             (
                 column([0 if r is None else r.load.waiting for r in reports]),
                 column([0 if r is None else r.load.running for r in reports]),
             ),
-            column(
-                [
-                    0
-                    if report is None
-                    else sum(1 for sent, _ in traffic.prefilling.values() if sent > report.taken_at)
-                    for traffic, report in zip(view.traffic, reports, strict=True)
-                ]
-            ),
+            column(since),
             column([traffic.in_flight for traffic in view.traffic]),
             column([len(traffic.prefilling) for traffic in view.traffic]),
         )
-        usage = [0.0 if report is None else report.load.kv_usage for report in reports]
-        return facts_of(
-            [
-                WorkerFacts(
-                    worker_id=worker_id(worker),
-                    matched_tokens={Tier.DEVICE: blocks * self.block_tokens} if blocks else {},
-                    waiting_requests=int(waiting[worker]),
-                    running_requests=int(running[worker]),
-                    queued_prefill_tokens=view.traffic[worker].prefill_tokens,
-                    kv_usage=usage[worker],
-                    evicted_share=self.evictions.share(
-                        worker_id(worker), self.capacity_blocks, now
-                    ),
-                )
-                for worker, blocks in enumerate(matched)
-            ]
+        ids = [worker_id(worker) for worker in range(workers)]
+        evicted = [self.evictions.recorded(worker_id) for worker_id in ids]
+        matched_tokens = np.zeros((workers, len(TIERS)))
+        matched_tokens[:, 0] = column(matched) * self.block_tokens
+        return CandidateFacts(
+            worker_ids=ids,
+            matched_tokens=matched_tokens,
+            waiting_requests=waiting,
+            running_requests=running,
+            queued_prefill_tokens=column([traffic.prefill_tokens for traffic in view.traffic]),
+            kv_usage=column([0.0 if r is None else r.load.kv_usage for r in reports]),
+            evicted_share=self.evictions.shares(
+                column([blocks for blocks, _ in evicted]),
+                column([as_of for _, as_of in evicted]),
+                np.full(workers, float(self.capacity_blocks)),
+                now,
+            ),
+            other_tenants_running=np.zeros(workers),
+            suspect=np.zeros(workers, dtype=np.bool_),
+            labels=[{}] * workers,
+            pools=np.full(workers, None, dtype=object),
         )
 
 

@@ -183,8 +183,8 @@ async def test_the_worker_holding_the_prefix_ranks_first() -> None:
     assert [r.worker_id for r in decision.ranked] == ["w2", "w3", "w1"]
     assert decision.index_answered
     assert decision.factor == "cache"
-    assert decision.matched_blocks["w2"] == {Tier.DEVICE: 6}
-    assert decision.matched_blocks.get("w1", {}) == {}
+    assert decision.matched("w2") == {Tier.DEVICE: 6}
+    assert decision.matched("w1") == {}
     assert decision.predicted_tokens("w2") == 6 * BLOCK_SIZE
     assert decision.predicted_tokens("w1") == 0
     assert decision.ranked[0].cached_tokens == 6 * BLOCK_SIZE
@@ -201,7 +201,7 @@ async def test_a_fully_cached_prompt_counts_only_its_servable_blocks() -> None:
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=tokens
     )
-    assert decision.matched_blocks["w1"] == {Tier.DEVICE: 7}
+    assert decision.matched("w1") == {Tier.DEVICE: 7}
 
 
 async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
@@ -210,13 +210,13 @@ async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
     assert first.factor == "tie"
-    assert all(blocks == {} for blocks in first.matched_blocks.values())
+    assert first.matching() == {}
     planner.routed(first, "w3")
     second = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
     assert second.ranked[0].worker_id == "w3"
-    assert second.matched_blocks["w3"] == {Tier.DEVICE: 8}
+    assert second.matched("w3") == {Tier.DEVICE: 8}
     assert second.factor == "cache"
     # A prompt sharing only the first half of the prefix is predicted halfway.
     third = await planner.decide(
@@ -225,7 +225,7 @@ async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
         cache_scope="",
         tokens=[*TOKENS[:16], *range(5000, 5017)],
     )
-    assert third.matched_blocks["w3"] == {Tier.DEVICE: 4}
+    assert third.matched("w3") == {Tier.DEVICE: 4}
 
 
 async def test_a_decision_is_logged_at_debug_with_numbers_and_hashes_only(
@@ -269,7 +269,7 @@ async def test_a_prediction_extends_a_shorter_index_match() -> None:
     second = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
-    assert second.matched_blocks["w1"] == {Tier.HOST: 3, Tier.DEVICE: 5}
+    assert second.matched("w1") == {Tier.HOST: 3, Tier.DEVICE: 5}
 
 
 async def test_another_cache_scope_matches_nothing() -> None:
@@ -279,14 +279,14 @@ async def test_another_cache_scope_matches_nothing() -> None:
     decision = await planner.decide(
         model=MODEL, tenant=ACME, cache_scope="acme-salt", tokens=TOKENS
     )
-    assert all(blocks == {} for blocks in decision.matched_blocks.values())
+    assert decision.matching() == {}
     assert decision.factor == "tie"
     await store(planner, "w1", 8, scope="acme-salt")
     decision = await planner.decide(
         model=MODEL, tenant=ACME, cache_scope="acme-salt", tokens=TOKENS
     )
     assert decision.ranked[0].worker_id == "w1"
-    assert decision.matched_blocks.get("w2", {}) == {}
+    assert decision.matched("w2") == {}
 
 
 async def test_a_suspect_workers_match_saves_nothing() -> None:
@@ -300,7 +300,7 @@ async def test_a_suspect_workers_match_saves_nothing() -> None:
     by_worker = {r.worker_id: r for r in decision.ranked}
     assert by_worker["w2"].saved_tokens == 0.0
     assert by_worker["w2"].cached_tokens == 32  # still what the index believes
-    assert decision.matched_blocks["w2"] == {Tier.DEVICE: 8}
+    assert decision.matched("w2") == {Tier.DEVICE: 8}
 
 
 async def test_this_routers_traffic_counts_as_load() -> None:
@@ -387,7 +387,7 @@ async def test_a_failing_index_leaves_load_only_routing() -> None:
     assert not decision.index_answered
     assert not planner.index_answering
     assert len(decision.ranked) == len(WORKERS)
-    assert all(blocks == {} for blocks in decision.matched_blocks.values())
+    assert decision.matching() == {}
     index.failing = False
     clock.advance(INDEX_PROBE_INTERVAL_S)  # the next probe of the index
     decision = await planner.decide(
@@ -411,7 +411,7 @@ async def test_a_failing_index_still_sees_this_routers_predictions() -> None:
     )
     assert not decision.index_answered
     assert decision.ranked[0].worker_id == "w1"
-    assert decision.matched_blocks["w1"] == {Tier.DEVICE: 8}
+    assert decision.matched("w1") == {Tier.DEVICE: 8}
 
 
 async def test_an_index_slower_than_its_timeout_counts_as_not_answering() -> None:
@@ -469,6 +469,6 @@ async def test_the_round_robin_baseline_takes_turns_whatever_the_scores() -> Non
         )
         assert decision.factor == "round_robin"
         assert len(decision.ranked) == len(WORKERS)
-        assert decision.matched_blocks["w2"] == {Tier.DEVICE: 8}  # still computed
+        assert decision.matched("w2") == {Tier.DEVICE: 8}  # still computed
         firsts.append(decision.ranked[0].worker_id)
     assert firsts == ["w1", "w2", "w3", "w1"]

@@ -145,17 +145,6 @@ async def test_a_candidate_carries_its_last_load_report() -> None:
     assert candidate.load == report
 
 
-async def test_a_candidate_knows_when_its_load_report_arrived() -> None:
-    setup = Setup()
-    await setup.register("w1")
-    await setup.fleet.refresh()
-    (candidate,) = setup.fleet.candidates()
-    assert candidate.load_received_at is None
-    setup.view.load("w1", 1, load(), now=123.5)
-    (candidate,) = setup.fleet.candidates()
-    assert candidate.load_received_at == 123.5
-
-
 async def test_a_worker_whose_engine_is_down_is_not_a_candidate() -> None:
     setup = Setup()
     await setup.register("a")
@@ -261,3 +250,59 @@ async def test_a_non_streamed_request_prefills_until_the_next_load_report() -> N
     traffic = setup.fleet.traffic("w1")
     assert (traffic.in_flight, traffic.prefill_tokens, traffic.prefilling) == (0, 0, 0)
     assert not traffic.unstreamed
+
+
+async def test_the_facts_read_every_source_as_it_stands_now() -> None:
+    setup = Setup()
+    await setup.register("w1", kv_capacity_blocks=100)
+    await setup.register("w2", kv_capacity_blocks=0)  # capacity unknown
+    await setup.fleet.refresh()
+    fleet, clock = setup.fleet, setup.clock
+    before = fleet.sent("w1", "acme", prefill_tokens=300)  # sent before the report
+    clock.now += 1.0
+    setup.view.load("w1", 1, load(waiting=2, running=1, kv_usage=0.5), clock.now)
+    clock.now += 1.0
+    fleet.sent("w1", "globex", prefill_tokens=200)  # sent after it
+    fleet.sent("w2", "acme", prefill_tokens=50)
+    fleet.evictions.record("w1", 50, clock.now)
+    fleet.evictions.record("w2", 50, clock.now)
+    for _ in range(2):  # two stale predictions in a row: suspect
+        fleet.accuracy.observe("w2", 1, predicted_tokens=64, reported_tokens=0)
+
+    rows = fleet.candidate_rows()
+    facts = fleet.facts(fleet.roster, rows, "acme", clock.now)
+    by_id = {worker_id: row for row, worker_id in enumerate(facts.worker_ids)}
+    w1, w2 = by_id["w1"], by_id["w2"]
+    # w1 reported 2 waiting; one request was sent since, one before (which it counted).
+    assert facts.waiting_requests[w1] == 3
+    assert facts.running_requests[w1] == 1
+    assert facts.queued_prefill_tokens[w1] == 500
+    assert facts.kv_usage[w1] == 0.5
+    assert facts.evicted_share[w1] == 0.5
+    assert facts.other_tenants_running[w1] == 1  # globex's, not acme's own
+    assert not facts.suspect[w1]
+    # w2 sent no report: this router's own request waits for its first byte.
+    assert (facts.waiting_requests[w2], facts.running_requests[w2]) == (1, 0)
+    assert facts.evicted_share[w2] == 0.0  # no capacity, no share
+    assert facts.other_tenants_running[w2] == 0
+    assert facts.suspect[w2]
+    # Each change shows at once: the first byte of the request sent before the report.
+    fleet.first_byte(before)
+    facts = fleet.facts(fleet.roster, fleet.candidate_rows(), "acme", clock.now)
+    assert facts.queued_prefill_tokens[w1] == 200
+    assert facts.waiting_requests[w1] == 3  # it was not counted on top of the report
+
+
+async def test_a_new_incarnation_in_the_registry_starts_a_new_row() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.fleet.refresh()
+    setup.view.load("w1", 1, load(waiting=7), setup.clock.now)
+    roster = setup.fleet.roster
+    assert roster.report_waiting[roster.position["w1"]] == 7
+    await setup.index.register(worker("w1", 2), LEASE_S)  # through another replica
+    await setup.fleet.refresh()
+    assert setup.fleet.roster is not roster
+    row = setup.fleet.roster.position["w1"]
+    assert setup.fleet.roster.infos[row].incarnation == 2
+    assert not setup.fleet.roster.reported[row]  # incarnation 1's report does not count

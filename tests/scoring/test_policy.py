@@ -10,7 +10,8 @@ import numpy as np
 from kvplane.core.config import ScoringSettings
 from kvplane.core.types import Tier
 from router.scoring.policy import POLICIES, KvplaneScoring, RoundRobin, configured_policy
-from router.scoring.score import RequestFacts, WorkerFacts, facts_of, score_candidates
+from router.scoring.score import RequestFacts, score_candidates
+from tests.scoring.facts import WorkerFacts, facts_of
 
 WEIGHTS = ScoringSettings()
 REQUEST = RequestFacts(prompt_tokens=4096)

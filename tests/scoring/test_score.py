@@ -15,14 +15,13 @@ from kvplane.core.types import Tier
 from router.scoring.score import (
     RequestFacts,
     ScoreBreakdown,
-    WorkerFacts,
     deciding_factor,
-    facts_of,
     hit_value,
     queue_estimate,
     rank_by_score,
     score_candidates,
 )
+from tests.scoring.facts import WorkerFacts, facts_of
 
 WEIGHTS = ScoringSettings()
 
@@ -215,7 +214,7 @@ def test_a_workers_report_counts_with_the_requests_sent_since() -> None:
 
 
 tokens = st.integers(min_value=0, max_value=4096)
-facts = st.builds(
+worker_facts = st.builds(
     WorkerFacts,
     worker_id=st.text("abcdef", min_size=1, max_size=4),
     matched_tokens=st.dictionaries(st.sampled_from(list(Tier)), tokens, max_size=4),
@@ -238,7 +237,7 @@ requests = st.builds(
 )
 
 
-@given(requests, st.lists(facts, min_size=1, max_size=12))
+@given(requests, st.lists(worker_facts, min_size=1, max_size=12))
 def test_a_fleet_scored_at_once_scores_each_worker_as_alone(
     request: RequestFacts, workers: list[WorkerFacts]
 ) -> None:

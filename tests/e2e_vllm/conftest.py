@@ -39,6 +39,7 @@ MODEL = "kvplane-tiny"
 BLOCK = 32  # vLLM's CPU backend wants a multiple of 32; the router keys in the same
 ENGINE_BLOCKS = 32  # per replica: 1,024 tokens, so a handful of prompts evicts
 LEASE_S = 3.0
+LOAD_INTERVAL_S = 0.5  # the agents' health probes (two failed ones: the engine is down)
 START_TIMEOUT_S = 300.0
 ADMIN = {"authorization": "Bearer e2e-admin"}
 TENANT_KEYS = {"acme": "sk-e2e-acme", "globex": "sk-e2e-globex"}
@@ -192,7 +193,7 @@ def _agent_args(replica: VllmReplica, grpc_port: int) -> list[str]:
         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replica.replay_port}",
         "--kv-events-topic", "kv-events",
         "--control-plane-address", f"127.0.0.1:{grpc_port}",
-        "--load-interval-s", "0.5",
+        "--load-interval-s", str(LOAD_INTERVAL_S),
     ]  # fmt: skip
 
 

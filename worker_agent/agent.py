@@ -165,6 +165,7 @@ class WorkerAgent:
         unread_metrics: str | None = None  # why the last probe could not read them
         load = EngineLoad(0, 0, 0.0)
         reported = dataclasses.replace(translator.counters)
+        skipped = source.skipped_events.copy()
         next_report = time.monotonic() + _COUNTERS_LOG_INTERVAL_S
         while True:
             if time.monotonic() >= next_report:
@@ -172,6 +173,12 @@ class WorkerAgent:
                 if translator.counters != reported:
                     reported = dataclasses.replace(translator.counters)
                     log.info("translation so far: %s", dataclasses.asdict(reported))
+                if source.skipped_events != skipped:
+                    skipped = source.skipped_events.copy()
+                    log.info(
+                        "events skipped so far: %s",
+                        ", ".join(f"{e.event_type} ({e.reason}): {n}" for e, n in skipped.items()),
+                    )
             healthy, metrics, metrics_error = await _probe(http)
             failures = 0 if healthy else failures + 1
             # Logged as it changes (an engine that is down says nothing of its metrics).

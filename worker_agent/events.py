@@ -18,7 +18,12 @@ router knows, and the translator is the one place that maps one to the other."""
 
 
 class WireDecodeError(ValueError):
-    """A message that does not decode as the engine's events; nothing of it is used."""
+    """What does not decode as the engine's events: a whole message (nothing of it is
+    used), or one event of a batch (that event is skipped, for `reason`)."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason  # a short code, for counting: see SkippedEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +46,33 @@ class EngineBlocksRemoved:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineBlocksOffloaded:
+    """A store that names its blocks by hash only (vLLM's offloading connector copying
+    blocks the engine computed to a slower tier): no tokens, no block size, no parent.
+    Only blocks the agent already knows from their own store can be credited."""
+
+    block_hashes: tuple[EngineBlockHash, ...]
+    tier: Tier
+    group_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineCacheCleared:
     pass
 
 
-EngineEvent = EngineBlocksStored | EngineBlocksRemoved | EngineCacheCleared
+EngineEvent = EngineBlocksStored | EngineBlocksOffloaded | EngineBlocksRemoved | EngineCacheCleared
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedEvent:
+    """An event of a batch that could not be used, and why: `malformed` (a field that
+    does not decode), `unknown_type` (a newer engine's event), `unknown_medium` (a tier
+    the agent cannot place: never credited as the device), `remote` (held by another
+    node, not by the publisher)."""
+
+    event_type: str  # its tag as sent, at most 64 characters; "?" without one
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

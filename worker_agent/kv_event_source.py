@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvplane.core.clock import Clock
 from worker_agent.engines.base import EngineAdapter
-from worker_agent.events import EngineEventBatch, WireDecodeError
+from worker_agent.events import EngineEventBatch, SkippedEvent, WireDecodeError
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class KvEventSource:
         # The last replay request's fate; None: none yet. Catching up while idle after an
         # engine outage fails as long as the engine is away, and says nothing then.
         self.replay_answered: bool | None = None
+        # Events that batches carried but that could not be used, by (type, reason).
+        self.skipped_events: Counter[SkippedEvent] = Counter()
 
     def engine_went_down(self) -> None:
         """The engine is gone (its cache with it). Its next life counts from 0 again, and
@@ -286,8 +289,17 @@ class KvEventSource:
         self._last = sequence
         self.last_batch_at = self._clock()
         try:
-            timestamp, events = self._adapter.decode_batch(payload)
+            timestamp, events, skipped = self._adapter.decode_batch(payload)
         except WireDecodeError as error:
-            # Applying the rest would give a picture with a hole in it.
+            # Its envelope is broken: what it held is unknown, a hole in the picture.
             return StateLost(f"batch {sequence} did not decode: {error}")
+        for event in skipped:
+            if event not in self.skipped_events:  # once per kind; the counts are logged
+                log.warning(
+                    "skipping %s events that cannot be used (%s), first in batch %d",
+                    event.event_type,
+                    event.reason,
+                    sequence,
+                )
+            self.skipped_events[event] += 1
         return EngineEventBatch(sequence, timestamp, events)

@@ -26,6 +26,7 @@ from kvplane.core.keys import BlockKey, KeyNamespace, chain_keys, root_key
 from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
 from worker_agent.events import (
     EngineBlockHash,
+    EngineBlocksOffloaded,
     EngineBlocksRemoved,
     EngineBlocksStored,
     EngineCacheCleared,
@@ -43,6 +44,8 @@ class TrackingLimitExceeded(Exception):
 @dataclass(slots=True)
 class TranslationCounters:
     stored_blocks: int = 0  # engine blocks stored
+    offloaded_blocks: int = 0  # stored by hash only on another tier, credited there
+    unresolved_blocks: int = 0  # stored by hash only, but unknown to the agent: skipped
     orphan_blocks: int = 0  # stored after a parent the agent does not know: skipped
     unknown_removals: int = 0  # removals of blocks the agent does not hold
     mismatched_blocks: int = 0  # engine block size that does not divide the router's
@@ -85,6 +88,7 @@ class BlockTranslator:
         self.max_tracked_blocks = max_tracked_blocks
         self.counters = TranslationCounters()
         self._blocks: dict[EngineBlockHash, _EngineBlock] = {}
+        self._engine_block_size = 0  # as its last store said (hash-only stores do not)
         self._announced: dict[tuple[Tier, BlockKey], _Announced] = {}
 
     @property
@@ -112,6 +116,8 @@ class BlockTranslator:
                 continue
             if isinstance(event, EngineBlocksStored):
                 out.extend(self._store(event))
+            elif isinstance(event, EngineBlocksOffloaded):
+                out.extend(self._offload(event))
             elif isinstance(event, EngineBlocksRemoved):
                 out.extend(self._remove(event))
             else:
@@ -152,6 +158,7 @@ class BlockTranslator:
             self.counters.mismatched_blocks += count
             return []
         group = self.router_block_size // engine_size
+        self._engine_block_size = engine_size
         if event.parent_hash is None:
             namespace = KeyNamespace(
                 model=self.model,
@@ -304,6 +311,52 @@ class BlockTranslator:
                 member.member_of = set()
             member.member_of.add(key)
         return True
+
+    def _offload(self, event: EngineBlocksOffloaded) -> list[KvEvent]:
+        """Blocks stored on `event.tier` by engine hash alone: each one the agent knows
+        (from its store with tokens) is credited to that tier under the key it already
+        has; the others cannot be keyed, and are counted."""
+        # A block is known only after a store with tokens, which set the block size.
+        group = self.router_block_size // self._engine_block_size if self._blocks else 1
+        tier, shift = event.tier, _REF_BITS * event.tier
+        runs: list[KvEvent] = []
+        run: list[BlockKey] = []
+        run_start, run_parent = 0, None
+        for block_hash in event.block_hashes:
+            block = self._blocks.get(block_hash)
+            if block is None:
+                self.counters.unresolved_blocks += 1
+                continue
+            self.counters.offloaded_blocks += 1
+            held = (block.refs >> shift) & _REF_MASK
+            if held < _REF_MASK:
+                block.refs += 1 << shift
+            key = block.router_key
+            if held or key is None or not self._group_held(block, key, group, tier):
+                continue
+            placed = self._placement(key)
+            if placed is None:  # keyed, but held on no tier now: where it chains is unknown
+                continue
+            self._announced[(tier, key)] = placed
+            parent_key, position = placed
+            if run and run[-1] == parent_key:
+                run.append(key)
+            else:
+                if run:
+                    runs.append(_stored(run, tier, run_start, run_parent))
+                run, run_start, run_parent = [key], position, parent_key
+        if run:
+            runs.append(_stored(run, tier, run_start, run_parent))
+        return runs
+
+    def _placement(self, key: BlockKey) -> _Announced | None:
+        """Where an announced key sits in its chain (its parent key and position), as
+        announced on any tier."""
+        for tier in Tier:
+            placed = self._announced.get((tier, key))
+            if placed is not None:
+                return placed
+        return None
 
     def _remove(self, event: EngineBlocksRemoved) -> list[KvEvent]:
         withdrawn: list[BlockKey] = []

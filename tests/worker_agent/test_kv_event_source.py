@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from kvplane.core.serving import cancel_task
 from worker_agent.engines.vllm import VllmAdapter
+from worker_agent.events import SkippedEvent
 from worker_agent.kv_event_source import END_OF_REPLAY, KvEventSource, SourceItem, StateLost
 
 TOPIC = b"kv"
@@ -67,8 +68,16 @@ def batches(*sequences: int) -> list[list[bytes]]:
     return [[TOPIC, s.to_bytes(8, "big"), payload(s)] for s in sequences]
 
 
+class Items(asyncio.Queue[SourceItem]):
+    """What a source delivered, in order, and the source itself."""
+
+    def __init__(self, source: KvEventSource) -> None:
+        super().__init__()
+        self.source = source
+
+
 @contextlib.asynccontextmanager
-async def source_of(engine: ScriptedEngine) -> AsyncIterator[asyncio.Queue[SourceItem]]:
+async def source_of(engine: ScriptedEngine) -> AsyncIterator[Items]:
     source = KvEventSource(
         VllmAdapter(),
         engine.endpoint(engine.pub),
@@ -76,7 +85,7 @@ async def source_of(engine: ScriptedEngine) -> AsyncIterator[asyncio.Queue[Sourc
         topic="",
         replay_timeout_s=1.0,
     )
-    items: asyncio.Queue[SourceItem] = asyncio.Queue()
+    items = Items(source)
 
     async def pump() -> None:
         async for item in source.items():
@@ -148,3 +157,21 @@ async def test_a_restarted_engine_is_not_mistaken_for_replayed_batches() -> None
         # A new engine process: sequence 1 again, with a different payload.
         await engine.pub.send_multipart([TOPIC, (1).to_bytes(8, "big"), payload(99)])
         assert await take(items, 1) == ["lost"]
+
+
+async def test_an_odd_event_is_skipped_and_counted_and_its_batch_goes_through() -> None:
+    engine = ScriptedEngine(lambda start: [])
+    async with source_of(engine) as items:
+        good = msgspec.msgpack.decode(payload(0))[1][0]
+        odd = {**good, "medium": "TAPE"}
+        newer = {"type": "BlockPinned", "block_hashes": [7]}
+        batch = msgspec.msgpack.encode([0.0, [odd, good, newer, good], 0])
+        await engine.pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), batch])
+        async with asyncio.timeout(5):
+            item = await items.get()
+        assert not isinstance(item, StateLost)
+        assert len(item.events) == 2
+        assert items.source.skipped_events == {
+            SkippedEvent("BlockStored", "unknown_medium"): 1,
+            SkippedEvent("BlockPinned", "unknown_type"): 1,
+        }

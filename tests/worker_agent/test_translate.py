@@ -6,7 +6,12 @@ import pytest
 
 from kvplane.core.keys import KeyNamespace, block_keys
 from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
-from worker_agent.events import EngineBlocksRemoved, EngineBlocksStored, EngineCacheCleared
+from worker_agent.events import (
+    EngineBlocksOffloaded,
+    EngineBlocksRemoved,
+    EngineBlocksStored,
+    EngineCacheCleared,
+)
 from worker_agent.translate import BlockTranslator, TrackingLimitExceeded
 
 MODEL = "tiny"
@@ -157,3 +162,48 @@ def test_events_of_other_kv_cache_groups_are_ignored() -> None:
     assert agent.translate([EngineBlocksRemoved((1,), Tier.DEVICE, group_idx=1)]) == []
     assert agent.snapshot()[0].keys == keys  # type: ignore[union-attr]
     assert agent.counters.other_group_blocks == 2
+
+
+def offloaded(hashes: list[int], tier: Tier = Tier.HOST) -> EngineBlocksOffloaded:
+    return EngineBlocksOffloaded(tuple(hashes), tier)
+
+
+def test_blocks_stored_by_hash_alone_are_credited_to_their_tier_under_their_keys() -> None:
+    agent = translator()
+    device = agent.translate([stored([1, 2, 3], TOKENS[:48])])
+    keys = all_keys(device)
+    # The offloading connector copies blocks 2 and 3, and one the agent never saw.
+    (copied,) = agent.translate([offloaded([2, 3, 99])])
+    assert copied == BlocksStored(
+        keys=keys[1:], tier=Tier.HOST, first_position=1, parent_key=keys[0]
+    )
+    assert (agent.counters.offloaded_blocks, agent.counters.unresolved_blocks) == (2, 1)
+    # The device copies go; the host copies stay, and go with their own removal.
+    assert agent.translate([removed([1, 2, 3])]) == [BlocksRemoved(keys=keys, tier=Tier.DEVICE)]
+    assert agent.tracked_blocks == 2
+    assert agent.translate([offloaded([2])]) == []  # held there already: no news
+    # Block 2 has two host copies now: only block 3's key goes.
+    assert agent.translate([removed([2, 3], Tier.HOST)]) == [
+        BlocksRemoved(keys=keys[2:], tier=Tier.HOST)
+    ]
+    assert agent.translate([removed([2], Tier.HOST)]) == [
+        BlocksRemoved(keys=keys[1:2], tier=Tier.HOST)
+    ]
+
+
+def test_a_router_block_of_several_engine_blocks_offloads_once_all_are_there() -> None:
+    agent = translator(router_block_size=32)
+    keys = all_keys(agent.translate([stored([1, 2, 3, 4], TOKENS, size=16)]))
+    assert len(keys) == 2
+    assert agent.translate([offloaded([1, 2, 3])]) == [
+        BlocksStored(keys=keys[:1], tier=Tier.HOST, first_position=0, parent_key=None)
+    ]
+    assert agent.translate([offloaded([4])]) == [
+        BlocksStored(keys=keys[1:], tier=Tier.HOST, first_position=1, parent_key=keys[0])
+    ]
+
+
+def test_an_offload_before_any_store_is_counted_not_guessed() -> None:
+    agent = translator()
+    assert agent.translate([offloaded([1, 2])]) == []
+    assert agent.counters.unresolved_blocks == 2

@@ -10,9 +10,9 @@ from typing import Protocol
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from worker_agent.engines.kv_event_wire import DecodedBatch
 from worker_agent.events import (
     EngineCacheConfig,
-    EngineEvent,
     EngineLoad,
     PrefixCacheCounters,
 )
@@ -21,8 +21,9 @@ from worker_agent.events import (
 class EngineAdapter(Protocol):
     kind: str
 
-    def decode_batch(self, payload: bytes) -> tuple[float, tuple[EngineEvent, ...]]:
-        """A KV event batch's timestamp and events; WireDecodeError if malformed."""
+    def decode_batch(self, payload: bytes) -> DecodedBatch:
+        """A KV event batch's timestamp, usable events and skipped events;
+        WireDecodeError if its envelope is broken."""
         ...
 
     def parse_load(self, metrics_text: str) -> EngineLoad:

@@ -3,12 +3,15 @@
 Both engines send `[ts, [event, ...], rank]` (older vLLM: `[ts, [event, ...]]`), and an
 event is either a map tagged by `"type"` (vLLM 0.24 and later, SGLang) or a positional
 array led by its tag (vLLM before 0.24). The batch is decoded generically and each
-event dispatched on its tag; unknown keys, trailing elements and unknown event types
-are ignored, so newer engines keep working. What differs between engines (field order
-of the array form, hash signedness, where the cache salt is, medium names) is a
-`WireDialect`, supplied by each engine's adapter.
+event dispatched on its tag; unknown keys and trailing elements are ignored, so newer
+engines keep working. What differs between engines (field order of the array form, hash
+signedness, where the cache salt is, medium names) is a `WireDialect`, supplied by each
+engine's adapter.
 
-A batch decodes whole or not at all: any malformed event raises WireDecodeError.
+Event by event: an event that cannot be used (malformed, of an unknown type, on an
+unknown medium, held remotely) is skipped and reported with the batch, and the rest
+of the batch goes through. Only a broken envelope (not msgpack, not `[ts, [...]]`)
+raises WireDecodeError: the whole message is lost then.
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 
 from kvplane.core.types import Tier
 from worker_agent.events import (
     EngineBlockHash,
+    EngineBlocksOffloaded,
     EngineBlocksRemoved,
     EngineBlocksStored,
     EngineCacheCleared,
     EngineEvent,
+    SkippedEvent,
     WireDecodeError,
 )
 
@@ -40,12 +45,20 @@ class WireDialect:
 
     stored_fields: tuple[str, ...]  # field names of BlockStored's array form, in order
     removed_fields: tuple[str, ...]
-    mediums: Mapping[str, Tier]  # medium name -> tier; an absent medium is the device
+    # Medium name, upper case (engines send either case) -> tier; absent: the device.
+    mediums: Mapping[str, Tier]
     salt_field: str | None  # where a chain's cache salt is; None: extra_keys[0] (vLLM)
 
 
-def decode_batch(payload: bytes, dialect: WireDialect) -> tuple[float, tuple[EngineEvent, ...]]:
-    """The batch's timestamp and events; WireDecodeError if any of it is malformed."""
+class DecodedBatch(NamedTuple):
+    timestamp: float
+    events: tuple[EngineEvent, ...]
+    skipped: tuple[SkippedEvent, ...] = ()  # events that could not be used
+
+
+def decode_batch(payload: bytes, dialect: WireDialect) -> DecodedBatch:
+    """The batch's timestamp, its usable events and the skipped ones; WireDecodeError
+    if its envelope is broken."""
     try:
         batch = _decoder.decode(payload)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as error:
@@ -57,12 +70,14 @@ def decode_batch(payload: bytes, dialect: WireDialect) -> tuple[float, tuple[Eng
         raise WireDecodeError("the batch timestamp is not a number")
     if not isinstance(events, list):
         raise WireDecodeError("the batch's events are not an array")
-    decoded = []
+    decoded: list[EngineEvent] = []
+    skipped: list[SkippedEvent] = []
     for raw in events:
-        event = _decode_event(raw, dialect)
-        if event is not None:
-            decoded.append(event)
-    return float(timestamp), tuple(decoded)
+        try:
+            decoded.append(_decode_event(raw, dialect))
+        except WireDecodeError as error:
+            skipped.append(SkippedEvent(_tag_of(raw), error.reason))
+    return DecodedBatch(float(timestamp), tuple(decoded), tuple(skipped))
 
 
 def normalise_hash(value: Any) -> EngineBlockHash:
@@ -79,7 +94,18 @@ def normalise_hash(value: Any) -> EngineBlockHash:
     raise WireDecodeError("a block hash is neither an integer nor a digest")
 
 
-def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent | None:
+def _tag_of(raw: Any) -> str:
+    tag = (
+        raw.get("type")
+        if isinstance(raw, dict)
+        else raw[0]
+        if isinstance(raw, list) and raw
+        else None
+    )
+    return tag[:64] if isinstance(tag, str) else "?"
+
+
+def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent:
     if isinstance(raw, dict):
         tag, fields = raw.get("type"), raw
     elif isinstance(raw, list) and raw and isinstance(raw[0], str):
@@ -92,8 +118,10 @@ def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent | None:
     else:
         raise WireDecodeError("an event is neither a tagged map nor a tagged array")
     if tag == "BlockStored":
+        _refuse_remote(fields)
         return _stored(fields, dialect)
     if tag == "BlockRemoved":
+        _refuse_remote(fields)
         return EngineBlocksRemoved(
             block_hashes=_hashes(fields.get("block_hashes")),
             tier=_tier(fields.get("medium"), dialect),
@@ -101,14 +129,34 @@ def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent | None:
         )
     if tag == "AllBlocksCleared":
         return EngineCacheCleared()
-    if isinstance(tag, str):
-        return None  # an event type from a newer engine: not ours to interpret
+    if isinstance(tag, str):  # an event type from a newer engine: not ours to interpret
+        raise WireDecodeError("an event of an unknown type", reason="unknown_type")
     raise WireDecodeError("an event has no type tag")
 
 
-def _stored(fields: Mapping[str, Any], dialect: WireDialect) -> EngineBlocksStored:
+def _refuse_remote(fields: Mapping[str, Any]) -> None:
+    """A block another node holds (vLLM's `locality`) is not the publisher's to claim."""
+    locality = fields.get("locality")
+    if isinstance(locality, str) and locality.upper() == "REMOTE":
+        raise WireDecodeError("a block held remotely", reason="remote")
+
+
+def _stored(
+    fields: Mapping[str, Any], dialect: WireDialect
+) -> EngineBlocksStored | EngineBlocksOffloaded:
     hashes = _hashes(fields.get("block_hashes"))
     block_size = fields.get("block_size")
+    if (  # exactly what vLLM's offloading connector sends: nothing else is guessed at
+        fields.get("token_ids") == []
+        and type(block_size) is int
+        and block_size == 0
+        and fields.get("parent_block_hash") is None
+    ):
+        return EngineBlocksOffloaded(
+            block_hashes=hashes,
+            tier=_tier(fields.get("medium"), dialect),
+            group_idx=_group(fields.get("group_idx")),
+        )
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise WireDecodeError("BlockStored has no valid block_size")
     raw_tokens = fields.get("token_ids")
@@ -173,9 +221,10 @@ def _hashes(value: Any) -> tuple[EngineBlockHash, ...]:
 def _tier(medium: Any, dialect: WireDialect) -> Tier:
     if medium is None:
         return Tier.DEVICE  # before vLLM 0.10.2 there was only the device
-    if not isinstance(medium, str) or medium not in dialect.mediums:
-        raise WireDecodeError("an event names an unknown medium")
-    return dialect.mediums[medium]
+    tier = dialect.mediums.get(medium.upper()) if isinstance(medium, str) else None
+    if tier is None:
+        raise WireDecodeError("an event names an unknown medium", reason="unknown_medium")
+    return tier
 
 
 def _group(value: Any) -> int:

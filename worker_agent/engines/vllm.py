@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from kvplane.core.types import Tier
 from worker_agent.engines.base import mean, metric_samples, prefix_cache_counters, total
-from worker_agent.engines.kv_event_wire import WireDialect, decode_batch
+from worker_agent.engines.kv_event_wire import DecodedBatch, WireDialect, decode_batch
 from worker_agent.events import (
     EngineCacheConfig,
-    EngineEvent,
     EngineLoad,
     PrefixCacheCounters,
 )
@@ -42,7 +41,7 @@ _PREFILLED = "vllm:time_to_first_token_seconds_count"
 class VllmAdapter:
     kind = "vllm"
 
-    def decode_batch(self, payload: bytes) -> tuple[float, tuple[EngineEvent, ...]]:
+    def decode_batch(self, payload: bytes) -> DecodedBatch:
         return decode_batch(payload, VLLM_DIALECT)
 
     def parse_load(self, metrics_text: str) -> EngineLoad:

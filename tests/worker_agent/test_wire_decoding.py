@@ -774,3 +774,25 @@ def test_one_malformed_event_never_drops_the_others(
     mixed = adapter.decode_batch(encode([ts, [*valid[:where], bad, *valid[where:]], 0]))
     assert mixed.events == alone.events
     assert len(mixed.skipped) == 1
+
+
+@pytest.mark.parametrize(
+    ("release", "event", "salt"),
+    [
+        ("0.5.17", ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU"], None),
+        (
+            "0.5.18",
+            ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU", {"cache_salt": "t"}],
+            "t",
+        ),
+        ("0.5.19", ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU", {}], None),
+        ("0.5.20", stored_map(cache_salt="t"), "t"),
+    ],
+)
+def test_every_sglang_releases_stores_decode_with_their_salt(
+    release: str, event: Any, salt: str | None
+) -> None:
+    (stored_event,) = SGLANG.decode_batch(batch(event)).events
+    assert isinstance(stored_event, EngineBlocksStored)
+    assert stored_event.block_hashes == (11, 12)
+    assert stored_event.cache_salt == salt

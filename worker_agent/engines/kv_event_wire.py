@@ -175,7 +175,10 @@ def _stored(
     parent = None if parent_raw is None else normalise_hash(parent_raw)
     lora_name = _optional_str(fields.get("lora_name"), "lora_name")
     if dialect.salt_field is not None:
-        salt = _optional_str(fields.get(dialect.salt_field), dialect.salt_field)
+        salt_value = fields.get(dialect.salt_field)
+        if isinstance(salt_value, dict):  # SGLang 0.5.18-0.5.19: a metadata map there
+            salt_value = salt_value.get("cache_salt")
+        salt = _optional_str(salt_value, dialect.salt_field)
     else:
         salt = _salt_from_extra_keys(fields.get("extra_keys"), lora_name)
     return EngineBlocksStored(

@@ -1,5 +1,10 @@
-"""SGLang: the same ZMQ framing as vLLM 0.26+, tagged-map events with signed 64-bit
-hashes and the cache salt as an event field; `sglang:*` metrics."""
+"""SGLang: the same ZMQ framing as vLLM 0.26+, signed 64-bit hashes; `sglang:*` metrics.
+
+Its events changed shape twice, and every shape decodes: up to 0.5.17 positional arrays
+that end at the medium (no salt: those releases hash identical prompts of different
+tenants alike); 0.5.18 and 0.5.19 the same arrays with a metadata map at position 7
+(`{"cache_salt": ...}`) on salted stores; from 0.5.20 tagged maps with a `cache_salt`
+field."""
 
 from __future__ import annotations
 

@@ -1,0 +1,57 @@
+"""Batches made by vLLM's own event classes (wire_corpus/, see make_corpus.py there):
+decoded, translated, and checked against the keys the router computes for the prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvplane.core.keys import KeyNamespace, block_keys
+from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
+from worker_agent.engines.vllm import VllmAdapter
+from worker_agent.events import SkippedEvent
+from worker_agent.translate import BlockTranslator
+
+CORPUS = Path(__file__).parent / "wire_corpus"
+MODEL = "corpus-model"
+BLOCK_SIZE = 4
+KEYS = block_keys(list(range(1, 9)), KeyNamespace(MODEL, BLOCK_SIZE))  # what the router keys
+
+
+def agent_events(name: str) -> tuple[list[KvEvent], tuple[SkippedEvent, ...], BlockTranslator]:
+    decoded = VllmAdapter().decode_batch((CORPUS / f"vllm-{name}.bin").read_bytes())
+    translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=100)
+    return translator.translate(decoded.events), decoded.skipped, translator
+
+
+def test_the_corpus_was_made_by_a_real_vllm() -> None:
+    assert (CORPUS / "VERSION").read_text().startswith("vllm 0.")
+
+
+def test_an_offloaded_block_is_credited_to_its_tier_and_outlives_its_gpu_copy() -> None:
+    events, skipped, translator = agent_events("offload")
+    assert skipped == ()
+    assert events == [
+        BlocksStored(keys=KEYS, tier=Tier.DEVICE),
+        BlocksStored(keys=KEYS[1:], tier=Tier.HOST, first_position=1, parent_key=KEYS[0]),
+        BlocksRemoved(keys=KEYS, tier=Tier.DEVICE),
+    ]
+    # The block offloaded to storage was never stored with its tokens: counted.
+    assert (translator.counters.offloaded_blocks, translator.counters.unresolved_blocks) == (1, 1)
+
+
+def test_a_lowercase_medium_is_its_tier() -> None:
+    events, skipped, _ = agent_events("lowercase-medium")
+    assert skipped == ()
+    assert events == [
+        BlocksStored(keys=KEYS, tier=Tier.HOST),
+        BlocksRemoved(keys=KEYS[1:], tier=Tier.HOST),
+    ]
+
+
+def test_blocks_another_node_holds_are_never_the_publishers() -> None:
+    events, skipped, _ = agent_events("remote")
+    assert skipped == (
+        SkippedEvent("BlockStored", "remote"),
+        SkippedEvent("BlockRemoved", "remote"),
+    )
+    assert events == [BlocksStored(keys=KEYS, tier=Tier.DEVICE), AllBlocksCleared()]

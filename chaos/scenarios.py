@@ -327,6 +327,23 @@ async def event_batches_dropped(chaos: Chaos) -> Measured:
     return measured
 
 
+async def odd_events(chaos: Chaos) -> Measured:
+    """Every batch of one engine carries events no agent can use (an unknown type, an
+    unknown medium, blocks another node holds, a removal that does not decode) among
+    its own: they are skipped and the rest applied, so its incarnation never changes
+    and its index entries stay exact."""
+    fleet, measured = chaos.fleet, Measured()
+    worker = fleet.workers[0]
+    _, incarnation = await fleet.state_of(worker)
+    await fleet.fault(worker, odd_events=True)
+    await asyncio.sleep(chaos.lease_s + chaos.profile.hold_s)
+    await fleet.fault(worker, odd_events=False)
+    _, now = await fleet.state_of(worker)
+    if now != incarnation:
+        measured.problems.append(f"a new incarnation for odd events ({incarnation} -> {now})")
+    return measured
+
+
 async def sequence_restarted(chaos: Chaos) -> Measured:
     """The engine restarts in place: requests fail, the cache empties, its event
     sequence starts again from 0. The agent must start a new incarnation."""
@@ -476,6 +493,7 @@ SCENARIOS: list[tuple[str, str, Fault]] = [
         engine_stalled,
     ),
     ("event-batches-dropped", "half of an engine's event batches lost", event_batches_dropped),
+    ("odd-events", "events no agent can use in every batch of an engine", odd_events),
     (
         "sequence-restarted",
         "an engine restarts in place (sequence from 0, cache empty)",

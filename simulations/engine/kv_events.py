@@ -12,6 +12,7 @@ Three forms, named after the vLLM release whose bytes they reproduce (see
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
@@ -121,8 +122,12 @@ class EventEncoder:
         self._rank = data_parallel_rank
         self._encoder = msgspec.msgpack.Encoder()
 
-    def encode_batch(self, ts: float, events: Sequence[CacheEvent]) -> bytes:
-        wire_events = [self._wire_event(event) for event in events]
+    def encode_batch(self, ts: float, events: Sequence[CacheEvent], *, odd: bool = False) -> bytes:
+        """The batch as the engine sends it; `odd`: with events no agent can use among
+        them (a fault the chaos suite injects: see odd_events())."""
+        wire_events: list[Any] = [self._wire_event(event) for event in events]
+        if odd:
+            wire_events = [*odd_events(events), *wire_events]
         batch: EventBatch | EarlyEventBatch
         if self.wire_format is WireFormat.VLLM_0_9:
             batch = EarlyEventBatch(ts, wire_events)
@@ -164,3 +169,29 @@ class EventEncoder:
         if form is WireFormat.VLLM_0_32:
             return AllBlocksClearedEvent()
         return LegacyAllBlocksCleared()
+
+
+def odd_events(events: Sequence[CacheEvent]) -> list[dict[str, Any]]:
+    """Events a newer or stranger engine might send that an agent must skip, never
+    credit: an unknown event type, a store on an unknown medium, a store of blocks
+    another node holds (fresh hashes and tokens, so that crediting them would show as
+    entries no engine holds), and a removal that does not decode."""
+    block_size = next((e.block_size for e in events if isinstance(e, BlocksStored)), 16)
+    fresh = random.Random(len(events))
+
+    def store(**fields: Any) -> dict[str, Any]:
+        return {
+            "type": "BlockStored",
+            "block_hashes": [fresh.getrandbits(63)],
+            "parent_block_hash": None,
+            "token_ids": [fresh.randrange(1, 30_000) for _ in range(block_size)],
+            "block_size": block_size,
+            **fields,
+        }
+
+    return [
+        {"type": "BlockPinned", "block_hashes": [fresh.getrandbits(63)]},
+        store(medium="TAPE"),
+        store(medium=MEDIUM_GPU, locality="REMOTE"),
+        {"type": "BlockRemoved", "block_hashes": "not hashes", "medium": MEDIUM_GPU},
+    ]

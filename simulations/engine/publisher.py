@@ -47,6 +47,7 @@ class EventPublisher:
         self._encoder = encoder
         self._topic = config.topic.encode()
         self.drop_fraction = drop_fraction
+        self.odd_events = False  # a fault: events no agent can use in every batch
         self._drop_random = random.Random(seed)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_sequence = 0
@@ -81,7 +82,7 @@ class EventPublisher:
             return  # only non-empty batches are sent, as vLLM
         sequence = self._next_sequence
         self._next_sequence += 1
-        payload = self._encoder.encode_batch(time.time(), events)
+        payload = self._encoder.encode_batch(time.time(), events, odd=self.odd_events)
         self._buffer.append((sequence, payload))
         if self.drop_fraction and self._drop_random.random() < self.drop_fraction:
             return

@@ -104,6 +104,7 @@ class FaultRequest(BaseModel):
 
     stall_s: float | None = Field(None, ge=0, le=3600)
     drop_event_fraction: float | None = Field(None, ge=0, le=1)
+    odd_events: bool | None = None  # events no agent can use, in every batch
     restart: bool = False
     die: bool = False
     # /metrics answers only after this long (0: at once again), as a scrape can when an
@@ -323,6 +324,10 @@ def create_engine_app(
             if engine.publisher is None:
                 return _error("KV events are off: there are no batches to drop", 409, "Conflict")
             engine.publisher.drop_fraction = fault.drop_event_fraction
+        if fault.odd_events is not None:
+            if engine.publisher is None:
+                return _error("KV events are off: there are no batches", 409, "Conflict")
+            engine.publisher.odd_events = fault.odd_events
         if fault.restart:
             engine.restart()
         if fault.metrics_stall_s is not None:

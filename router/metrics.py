@@ -231,6 +231,15 @@ class RouterMetrics:
             ["worker", "kind"],
             registry=r,
         )
+        self.skipped_events = Gauge(
+            "kvplane_worker_skipped_events",
+            "Engine events each worker's agent skipped since it started, as it last reported: "
+            "events it could not use (the rest of their batches applied), by the engine's "
+            "event type and the reason (malformed, unknown_type, unknown_medium, remote); at "
+            "most 16 kinds a worker",
+            ["worker", "event_type", "reason"],
+            registry=r,
+        )
         self.wiring_checks = Gauge(
             "kvplane_worker_wiring_check",
             "1 for each worker's wiring check in its current status (pass, warn, fail, "
@@ -329,6 +338,7 @@ class RouterMetrics:
         self.index_degraded.set(1 if degraded else 0)
         self.suspect_workers.set(suspect_workers)
         self.worker_load.clear()
+        self.skipped_events.clear()
         for worker, in_flight, prefill_tokens, load in loads:
             self.worker_load.labels(worker=worker, kind="router_in_flight").set(in_flight)
             self.worker_load.labels(worker=worker, kind="router_prefill_tokens").set(prefill_tokens)
@@ -336,6 +346,12 @@ class RouterMetrics:
                 self.worker_load.labels(worker=worker, kind="running").set(load.running)
                 self.worker_load.labels(worker=worker, kind="waiting").set(load.waiting)
                 self.worker_load.labels(worker=worker, kind="kv_usage").set(load.kv_usage)
+            for skipped in (
+                () if load is None or load.wiring is None else load.wiring.skipped_events
+            ):
+                self.skipped_events.labels(
+                    worker=worker, event_type=skipped.event_type, reason=skipped.reason.value
+                ).set(skipped.count)
 
     def set_wiring(
         self, workers: Iterable[WorkerWiringSample], predictions_only: Mapping[str, bool]

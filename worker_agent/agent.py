@@ -21,7 +21,7 @@ from typing import NamedTuple
 import aiohttp
 
 from kvplane.core.config import Settings
-from kvplane.core.types import WiringReport
+from kvplane.core.types import SkippedEvents, WiringReport
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import EngineAdapter, process_start_time
 from worker_agent.events import EngineCacheConfig, EngineLoad
@@ -177,7 +177,9 @@ class WorkerAgent:
                     skipped = source.skipped_events.copy()
                     log.info(
                         "events skipped so far: %s",
-                        ", ".join(f"{e.event_type} ({e.reason}): {n}" for e, n in skipped.items()),
+                        ", ".join(
+                            f"{e.event_type} ({e.reason.value}): {n}" for e, n in skipped.items()
+                        ),
                     )
             healthy, metrics, metrics_error = await _probe(http)
             failures = 0 if healthy else failures + 1
@@ -242,7 +244,12 @@ class WorkerAgent:
             replay_answered=source.replay_answered,
             replay_timeout_s=self.settings.agent.replay_timeout_s,
         )
-        return self.wiring.observe(facts, counters, time.monotonic())
+        report = self.wiring.observe(facts, counters, time.monotonic())
+        skipped = tuple(
+            SkippedEvents(kind.event_type, kind.reason, count)
+            for kind, count in source.skipped_events.items()
+        )
+        return dataclasses.replace(report, skipped_events=skipped)
 
 
 class _EngineHttp:

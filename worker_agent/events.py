@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NewType
 
-from kvplane.core.types import Tier
+from kvplane.core.types import SkipReason, Tier
 
 EngineBlockHash = NewType("EngineBlockHash", int)
 """An engine's own hash of one block (vLLM's, SGLang's), as an unsigned 64-bit integer.
@@ -21,9 +21,9 @@ class WireDecodeError(ValueError):
     """What does not decode as the engine's events: a whole message (nothing of it is
     used), or one event of a batch (that event is skipped, for `reason`)."""
 
-    def __init__(self, message: str, reason: str = "malformed") -> None:
+    def __init__(self, message: str, reason: SkipReason = SkipReason.MALFORMED) -> None:
         super().__init__(message)
-        self.reason = reason  # a short code, for counting: see SkippedEvent
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +66,10 @@ EngineEvent = EngineBlocksStored | EngineBlocksOffloaded | EngineBlocksRemoved |
 
 @dataclass(frozen=True, slots=True)
 class SkippedEvent:
-    """An event of a batch that could not be used, and why: `malformed` (a field that
-    does not decode), `unknown_type` (a newer engine's event), `unknown_medium` (a tier
-    the agent cannot place: never credited as the device), `remote` (held by another
-    node, not by the publisher)."""
+    """An event of a batch that could not be used, and why."""
 
-    event_type: str  # its tag as sent, at most 64 characters; "?" without one
-    reason: str
+    event_type: str  # its tag as sent, at most MAX_EVENT_TYPE_CHARS; "?" without one
+    reason: SkipReason
 
 
 @dataclass(frozen=True, slots=True)

@@ -298,7 +298,7 @@ class KvEventSource:
                 log.warning(
                     "skipping %s events that cannot be used (%s), first in batch %d",
                     event.event_type,
-                    event.reason,
+                    event.reason.value,
                     sequence,
                 )
             self.skipped_events[event] += 1

@@ -90,6 +90,30 @@ class ReplayState(enum.Enum):
 MAX_WIRING_DETAIL_CHARS = 512
 
 
+class SkipReason(enum.Enum):
+    """Why an agent skipped an engine event it could not use (the rest of its batch
+    goes through)."""
+
+    MALFORMED = "malformed"  # a field that does not decode, or no type tag
+    UNKNOWN_TYPE = "unknown_type"  # an event type from a newer engine
+    UNKNOWN_MEDIUM = "unknown_medium"  # a tier the agent cannot place: never the device
+    REMOTE = "remote"  # held by another node, not by the publisher
+
+
+MAX_EVENT_TYPE_CHARS = 64
+MAX_SKIPPED_KINDS = 16
+"""Kinds (event type, reason) of skipped events an agent reports, and the router keeps."""
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedEvents:
+    """How many events of one type an agent skipped for one reason since it started."""
+
+    event_type: str  # as the engine named it, at most MAX_EVENT_TYPE_CHARS; "?" for none
+    reason: SkipReason
+    count: int
+
+
 @dataclass(frozen=True, slots=True)
 class WiringReport:
     """What an agent found about its own wiring to its engine."""
@@ -100,6 +124,7 @@ class WiringReport:
     # The diagnosis of each and its fix: one line, ids and addresses only.
     events_detail: str = ""
     replay_detail: str = ""
+    skipped_events: tuple[SkippedEvents, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ from kvplane.core.config import ControlPlaneSettings
 from kvplane.core.keys import SCHEME_VERSION, BlockKey
 from kvplane.core.types import (
     MAX_CHAIN_END,
+    MAX_EVENT_TYPE_CHARS,
+    MAX_SKIPPED_KINDS,
     MAX_WIRING_DETAIL_CHARS,
     AllBlocksCleared,
     BlocksRemoved,
@@ -32,6 +34,8 @@ from kvplane.core.types import (
     KvEvent,
     LoadReport,
     ReplayState,
+    SkippedEvents,
+    SkipReason,
     Tier,
     WiringReport,
     WorkerInfo,
@@ -171,6 +175,10 @@ def wiring_to_wire(report: WiringReport) -> pb.Wiring:
         engine_block_size=report.engine_block_size or 0,
         events_detail=_one_line(report.events_detail),
         replay_detail=_one_line(report.replay_detail),
+        skipped_events=[
+            pb.SkippedEvents(event_type=s.event_type, reason=s.reason.value, count=s.count)
+            for s in sorted(report.skipped_events, key=lambda s: -s.count)[:MAX_SKIPPED_KINDS]
+        ],
     )
 
 
@@ -329,7 +337,28 @@ def _parse_wiring(message: pb.Wiring) -> WiringReport:
         engine_block_size=message.engine_block_size or None,
         events_detail=_checked_detail(message.events_detail),
         replay_detail=_checked_detail(message.replay_detail),
+        skipped_events=_checked_skips(message.skipped_events),
     )
+
+
+_SKIP_REASONS = {reason.value: reason for reason in SkipReason}
+
+
+def _checked_skips(entries: Iterable[pb.SkippedEvents]) -> tuple[SkippedEvents, ...]:
+    """The agent's skipped-event counts that become metric labels: a bounded number of
+    kinds, each a known reason and a short printable type; others are left out."""
+    kept = []
+    for entry in entries:
+        reason = _SKIP_REASONS.get(entry.reason)
+        event_type = entry.event_type
+        if reason is None or not event_type.isprintable():
+            continue
+        if not 0 < len(event_type) <= MAX_EVENT_TYPE_CHARS:
+            continue
+        kept.append(SkippedEvents(event_type, reason, entry.count))
+        if len(kept) == MAX_SKIPPED_KINDS:
+            break
+    return tuple(kept)
 
 
 def _checked_detail(detail: str) -> str:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvplane.core.keys import SCHEME_VERSION
 from kvplane.core.types import (
     MAX_CHAIN_END,
+    MAX_SKIPPED_KINDS,
     MAX_WIRING_DETAIL_CHARS,
     AllBlocksCleared,
     BlocksRemoved,
@@ -20,6 +21,8 @@ from kvplane.core.types import (
     EventsState,
     KvEvent,
     ReplayState,
+    SkippedEvents,
+    SkipReason,
     Tier,
     WiringReport,
 )
@@ -242,3 +245,37 @@ def test_an_agents_detail_is_made_one_short_printable_line() -> None:
     assert report.wiring is not None
     assert report.wiring.events_detail == "y" * MAX_WIRING_DETAIL_CHARS
     assert report.wiring.replay_detail == "a b"
+
+
+def test_skipped_event_counts_survive_the_wire_most_first_and_bounded() -> None:
+    kinds = [
+        SkippedEvents(f"Type{n}", SkipReason.UNKNOWN_TYPE, n) for n in range(MAX_SKIPPED_KINDS + 4)
+    ]
+    wiring = WiringReport(EventsState.FLOWING, ReplayState.OK, 16, skipped_events=tuple(kinds))
+    report = parse_load(load_message(0, 0, 0.0, wiring=wiring).load)
+    assert not isinstance(report, Rejection)
+    assert report.wiring is not None
+    assert report.wiring.skipped_events == tuple(reversed(kinds))[:MAX_SKIPPED_KINDS]
+
+
+def test_skipped_event_counts_that_would_be_bad_labels_are_left_out() -> None:
+    wiring = pb.Wiring(
+        skipped_events=[
+            pb.SkippedEvents(event_type="BlockStored", reason="remote", count=3),
+            pb.SkippedEvents(event_type="BlockStored", reason="because", count=1),
+            pb.SkippedEvents(event_type="x" * 65, reason="malformed", count=1),
+            pb.SkippedEvents(event_type="two\nlines", reason="malformed", count=1),
+            pb.SkippedEvents(event_type="", reason="malformed", count=1),
+            *[
+                pb.SkippedEvents(event_type=f"T{n}", reason="unknown_type", count=1)
+                for n in range(MAX_SKIPPED_KINDS)
+            ],
+        ]
+    )
+    report = parse_load(pb.Load(kv_usage=0.1, wiring=wiring))  # the heartbeat itself stands
+    assert not isinstance(report, Rejection)
+    assert report.wiring is not None
+    skipped = report.wiring.skipped_events
+    assert skipped[0] == SkippedEvents("BlockStored", SkipReason.REMOTE, 3)
+    assert len(skipped) == MAX_SKIPPED_KINDS
+    assert all(s.event_type == "BlockStored" or s.event_type.startswith("T") for s in skipped)

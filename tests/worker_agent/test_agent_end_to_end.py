@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import (
     AgentSettings,
@@ -374,3 +375,40 @@ async def test_an_engine_whose_metrics_fail_stays_up(index_settings: IndexSettin
                 await wait_until("the index follows the engine still", running.matches_engine)
         finally:
             await cancel_task(task)
+
+
+async def test_odd_events_are_skipped_counted_and_reported_to_the_router(
+    index_settings: IndexSettings,
+) -> None:
+    async with fleet(index_settings) as running, httpx.AsyncClient() as client:
+        first = running.incarnation
+        answer = await client.post(running.sim.base_url + "/sim/faults", json={"odd_events": True})
+        assert answer.status_code == 200
+        for prompt in PROMPTS:
+            await running.send(client, prompt)
+        await wait_until("the index matches the engine", running.matches_engine)
+        assert running.incarnation == first  # the odd events cost nothing else
+
+        async def reported() -> dict[tuple[str, str], float]:
+            metrics = await client.get(f"http://127.0.0.1:{running.router.http_port}/metrics")
+            return {
+                (sample.labels["event_type"], sample.labels["reason"]): sample.value
+                for family in text_string_to_metric_families(metrics.text)
+                if family.name == "kvplane_worker_skipped_events"
+                for sample in family.samples
+                if sample.labels["worker"] == WORKER
+            }
+
+        async def all_kinds_reported() -> bool:
+            return len(await reported()) == 4
+
+        await wait_until("the router shows the agent's skipped events", all_kinds_reported)
+        counts = await reported()
+        assert set(counts) == {
+            ("BlockPinned", "unknown_type"),
+            ("BlockStored", "unknown_medium"),
+            ("BlockStored", "remote"),
+            ("BlockRemoved", "malformed"),
+        }
+        assert len(set(counts.values())) == 1  # one of each in every batch
+        assert min(counts.values()) >= len(PROMPTS)

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from kvplane.core.serving import cancel_task
+from kvplane.core.types import SkipReason
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.events import SkippedEvent
 from worker_agent.kv_event_source import END_OF_REPLAY, KvEventSource, SourceItem, StateLost
@@ -172,6 +173,6 @@ async def test_an_odd_event_is_skipped_and_counted_and_its_batch_goes_through() 
         assert not isinstance(item, StateLost)
         assert len(item.events) == 2
         assert items.source.skipped_events == {
-            SkippedEvent("BlockStored", "unknown_medium"): 1,
-            SkippedEvent("BlockPinned", "unknown_type"): 1,
+            SkippedEvent("BlockStored", SkipReason.UNKNOWN_MEDIUM): 1,
+            SkippedEvent("BlockPinned", SkipReason.UNKNOWN_TYPE): 1,
         }

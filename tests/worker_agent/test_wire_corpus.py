@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvplane.core.keys import KeyNamespace, block_keys
-from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, Tier
+from kvplane.core.types import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    SkipReason,
+    Tier,
+)
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.events import SkippedEvent
 from worker_agent.translate import BlockTranslator
@@ -51,7 +58,7 @@ def test_a_lowercase_medium_is_its_tier() -> None:
 def test_blocks_another_node_holds_are_never_the_publishers() -> None:
     events, skipped, _ = agent_events("remote")
     assert skipped == (
-        SkippedEvent("BlockStored", "remote"),
-        SkippedEvent("BlockRemoved", "remote"),
+        SkippedEvent("BlockStored", SkipReason.REMOTE),
+        SkippedEvent("BlockRemoved", SkipReason.REMOTE),
     )
     assert events == [BlocksStored(keys=KEYS, tier=Tier.DEVICE), AllBlocksCleared()]

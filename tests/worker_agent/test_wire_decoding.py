@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplane.core.types import Tier
+from kvplane.core.types import SkipReason, Tier
 from worker_agent.engines.kv_event_wire import DecodedBatch, normalise_hash
 from worker_agent.engines.sglang import SglangAdapter
 from worker_agent.engines.vllm import VllmAdapter
@@ -199,7 +199,7 @@ def test_sglang_batch_is_not_vllm() -> None:
     pinned = [e for e in as_sglang.events if getattr(e, "tier", None) is Tier.HOST]
     assert pinned
     assert all(event not in as_vllm.events for event in pinned)
-    assert {s.reason for s in as_vllm.skipped} == {"unknown_medium"}
+    assert {s.reason for s in as_vllm.skipped} == {SkipReason.UNKNOWN_MEDIUM}
     assert len(as_vllm.events) + len(as_vllm.skipped) == len(as_sglang.events)
 
 
@@ -517,7 +517,7 @@ def test_mediums_are_read_whatever_their_case(adapter: Any) -> None:
 def test_an_unknown_medium_is_skipped_and_never_credited_as_the_device(adapter: Any) -> None:
     decoded = adapter.decode_batch(batch(stored_map(medium="tape"), removed_map()))
     assert decoded.events == (EngineBlocksRemoved((11,), Tier.DEVICE),)
-    assert decoded.skipped == (SkippedEvent("BlockStored", "unknown_medium"),)
+    assert decoded.skipped == (SkippedEvent("BlockStored", SkipReason.UNKNOWN_MEDIUM),)
 
 
 @ADAPTERS
@@ -526,7 +526,7 @@ def test_blocks_held_remotely_are_not_the_publishers(adapter: Any) -> None:
         batch(stored_map(locality="REMOTE"), removed_map(locality="remote"), stored_map())
     )
     assert decoded.events == (STORED_11_12,)
-    assert [s.reason for s in decoded.skipped] == ["remote", "remote"]
+    assert [s.reason for s in decoded.skipped] == [SkipReason.REMOTE, SkipReason.REMOTE]
 
 
 @ADAPTERS
@@ -544,7 +544,7 @@ def test_a_store_by_hash_alone_is_an_offload(adapter: Any) -> None:
 
 
 def decoded_reasons(adapter: Any, event: Any) -> list[str]:
-    return [skipped.reason for skipped in adapter.decode_batch(batch(event)).skipped]
+    return [skipped.reason.value for skipped in adapter.decode_batch(batch(event)).skipped]
 
 
 @ADAPTERS

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, cast
 
 import msgspec
 
-from kvplane.core.types import Tier
+from kvplane.core.types import MAX_EVENT_TYPE_CHARS, SkipReason, Tier
 from worker_agent.events import (
     EngineBlockHash,
     EngineBlocksOffloaded,
@@ -102,7 +102,7 @@ def _tag_of(raw: Any) -> str:
         if isinstance(raw, list) and raw
         else None
     )
-    return tag[:64] if isinstance(tag, str) else "?"
+    return tag[:MAX_EVENT_TYPE_CHARS] if isinstance(tag, str) else "?"
 
 
 def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent:
@@ -130,7 +130,7 @@ def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent:
     if tag == "AllBlocksCleared":
         return EngineCacheCleared()
     if isinstance(tag, str):  # an event type from a newer engine: not ours to interpret
-        raise WireDecodeError("an event of an unknown type", reason="unknown_type")
+        raise WireDecodeError("an event of an unknown type", reason=SkipReason.UNKNOWN_TYPE)
     raise WireDecodeError("an event has no type tag")
 
 
@@ -138,7 +138,7 @@ def _refuse_remote(fields: Mapping[str, Any]) -> None:
     """A block another node holds (vLLM's `locality`) is not the publisher's to claim."""
     locality = fields.get("locality")
     if isinstance(locality, str) and locality.upper() == "REMOTE":
-        raise WireDecodeError("a block held remotely", reason="remote")
+        raise WireDecodeError("a block held remotely", reason=SkipReason.REMOTE)
 
 
 def _stored(
@@ -226,7 +226,7 @@ def _tier(medium: Any, dialect: WireDialect) -> Tier:
         return Tier.DEVICE  # before vLLM 0.10.2 there was only the device
     tier = dialect.mediums.get(medium.upper()) if isinstance(medium, str) else None
     if tier is None:
-        raise WireDecodeError("an event names an unknown medium", reason="unknown_medium")
+        raise WireDecodeError("an event names an unknown medium", reason=SkipReason.UNKNOWN_MEDIUM)
     return tier
 
 

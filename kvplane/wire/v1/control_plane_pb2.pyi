@@ -175,18 +175,30 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ..., engine_down: _Optional[bool] = ..., wiring: _Optional[_Union[Wiring, _Mapping]] = ...) -> None: ...
 
 class Wiring(_message.Message):
-    __slots__ = ("events", "replay", "engine_block_size", "events_detail", "replay_detail")
+    __slots__ = ("events", "replay", "engine_block_size", "events_detail", "replay_detail", "skipped_events")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_DETAIL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: EventsState
     replay: ReplayState
     engine_block_size: int
     events_detail: str
     replay_detail: str
-    def __init__(self, events: _Optional[_Union[EventsState, str]] = ..., replay: _Optional[_Union[ReplayState, str]] = ..., engine_block_size: _Optional[int] = ..., events_detail: _Optional[str] = ..., replay_detail: _Optional[str] = ...) -> None: ...
+    skipped_events: _containers.RepeatedCompositeFieldContainer[SkippedEvents]
+    def __init__(self, events: _Optional[_Union[EventsState, str]] = ..., replay: _Optional[_Union[ReplayState, str]] = ..., engine_block_size: _Optional[int] = ..., events_detail: _Optional[str] = ..., replay_detail: _Optional[str] = ..., skipped_events: _Optional[_Iterable[_Union[SkippedEvents, _Mapping]]] = ...) -> None: ...
+
+class SkippedEvents(_message.Message):
+    __slots__ = ("event_type", "reason", "count")
+    EVENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    event_type: str
+    reason: str
+    count: int
+    def __init__(self, event_type: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ()

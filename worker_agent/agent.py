@@ -64,6 +64,15 @@ class WorkerAgent:
                     cache.block_size,
                     router_block,
                 )
+            log.info(
+                "keying %s events of model %s in router blocks of %d tokens (engine blocks "
+                "of %s); of a hybrid model's KV cache groups only group 0 (full attention) "
+                "is followed, the others' events are counted and dropped",
+                self.adapter.kind,
+                model,
+                router_block,
+                cache.block_size if cache is not None and cache.block_size else "unknown size",
+            )
             self.translator = BlockTranslator(
                 model,
                 self.settings.control_plane.block_size,

@@ -1,7 +1,7 @@
 """What engine adapters produce: the engine's KV cache events and load, engine-neutral.
 
 Hashes are the engine's own, normalised to unsigned 64-bit integers; they are opaque
-here and only used to match removals with earlier stores.
+here and only used to match removals and hash-only stores with earlier stores.
 """
 
 from __future__ import annotations

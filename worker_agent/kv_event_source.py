@@ -33,6 +33,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvplane.core.clock import Clock
+from kvplane.core.types import MAX_SKIPPED_KINDS, OTHER_EVENT_TYPES
 from worker_agent.engines.base import EngineAdapter
 from worker_agent.events import EngineEventBatch, SkippedEvent, WireDecodeError
 
@@ -294,6 +295,8 @@ class KvEventSource:
             # Its envelope is broken: what it held is unknown, a hole in the picture.
             return StateLost(f"batch {sequence} did not decode: {error}")
         for event in skipped:
+            if event not in self.skipped_events and len(self.skipped_events) >= MAX_SKIPPED_KINDS:
+                event = SkippedEvent(OTHER_EVENT_TYPES, event.reason)  # a bounded tally
             if event not in self.skipped_events:  # once per kind; the counts are logged
                 log.warning(
                     "skipping %s events that cannot be used (%s), first in batch %d",

@@ -13,8 +13,13 @@ engine blocks and is announced only while all k are held on that tier. (If one o
 is removed and stored again, the key stays withdrawn until its last block is stored
 again: the index may miss a block, which is safe, but never holds one that is gone.)
 
+A store that names its blocks by hash alone (an offloading connector's copy to a
+slower tier) is credited to that tier under the keys the blocks got from their own
+stores with tokens.
+
 Never guess: a chain whose parent is unknown (the agent missed its store) cannot be
-keyed and is skipped and counted; a removal of an unknown block is counted.
+keyed and is skipped and counted; so is a hash-only store of a block the agent does
+not know; a removal of an unknown block is counted.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ class TrackingLimitExceeded(Exception):
 @dataclass(slots=True)
 class TranslationCounters:
     stored_blocks: int = 0  # engine blocks stored
-    offloaded_blocks: int = 0  # stored by hash only on another tier, credited there
-    unresolved_blocks: int = 0  # stored by hash only, but unknown to the agent: skipped
+    offloaded_blocks: int = 0  # stored by hash alone, of blocks the agent knows
+    unresolved_blocks: int = 0  # stored by hash alone, but not resolvable: skipped
     orphan_blocks: int = 0  # stored after a parent the agent does not know: skipped
     unknown_removals: int = 0  # removals of blocks the agent does not hold
     mismatched_blocks: int = 0  # engine block size that does not divide the router's
@@ -88,7 +93,9 @@ class BlockTranslator:
         self.max_tracked_blocks = max_tracked_blocks
         self.counters = TranslationCounters()
         self._blocks: dict[EngineBlockHash, _EngineBlock] = {}
-        self._engine_block_size = 0  # as its last store said (hash-only stores do not)
+        # The engine's block size as its stores say (hash-only stores do not); None once
+        # they disagree (a hybrid model's groups): a router block's members are unknown.
+        self._engine_block_size: int | None = 0
         self._announced: dict[tuple[Tier, BlockKey], _Announced] = {}
 
     @property
@@ -133,6 +140,7 @@ class BlockTranslator:
     def clear(self) -> None:
         self._blocks.clear()
         self._announced.clear()
+        self._engine_block_size = 0
 
     def snapshot(self) -> list[KvEvent]:
         """Every announced key, for a new incarnation that must send the whole picture:
@@ -158,7 +166,10 @@ class BlockTranslator:
             self.counters.mismatched_blocks += count
             return []
         group = self.router_block_size // engine_size
-        self._engine_block_size = engine_size
+        if self._engine_block_size not in (0, engine_size):
+            self._engine_block_size = None
+        elif self._engine_block_size == 0:
+            self._engine_block_size = engine_size
         if event.parent_hash is None:
             namespace = KeyNamespace(
                 model=self.model,
@@ -178,9 +189,7 @@ class BlockTranslator:
 
         if group == 1:
             return self._store_run(event, chain_key, position)
-        runs: list[KvEvent] = []
-        run: list[BlockKey] = []
-        run_start, run_parent = 0, None
+        runs = _Runs(event.tier)
         parent_hash = event.parent_hash
         for index, block_hash in enumerate(event.block_hashes):
             block = self._blocks.get(block_hash)
@@ -202,17 +211,10 @@ class BlockTranslator:
                 router_position = position // group
                 parent_key = chain_key if router_position else None
                 self._announced[(event.tier, key)] = (parent_key, router_position)
-                if run and run[-1] == parent_key:  # the key right after the run's last
-                    run.append(key)
-                else:
-                    if run:
-                        runs.append(_stored(run, event.tier, run_start, run_parent))
-                    run, run_start, run_parent = [key], router_position, parent_key
+                runs.add(key, parent_key, router_position)
             chain_key = block.chain_key
             parent_hash, position = block_hash, position + 1
-        if run:
-            runs.append(_stored(run, event.tier, run_start, run_parent))
-        return runs
+        return runs.done()
 
     def _store_run(
         self, event: EngineBlocksStored, chain_key: BlockKey, position: int
@@ -316,12 +318,13 @@ class BlockTranslator:
         """Blocks stored on `event.tier` by engine hash alone: each one the agent knows
         (from its store with tokens) is credited to that tier under the key it already
         has; the others cannot be keyed, and are counted."""
+        if self._engine_block_size is None:  # which blocks make a router block is unknown
+            self.counters.unresolved_blocks += len(event.block_hashes)
+            return []
         # A block is known only after a store with tokens, which set the block size.
         group = self.router_block_size // self._engine_block_size if self._blocks else 1
         tier, shift = event.tier, _REF_BITS * event.tier
-        runs: list[KvEvent] = []
-        run: list[BlockKey] = []
-        run_start, run_parent = 0, None
+        runs = _Runs(tier)
         for block_hash in event.block_hashes:
             block = self._blocks.get(block_hash)
             if block is None:
@@ -339,15 +342,8 @@ class BlockTranslator:
                 continue
             self._announced[(tier, key)] = placed
             parent_key, position = placed
-            if run and run[-1] == parent_key:
-                run.append(key)
-            else:
-                if run:
-                    runs.append(_stored(run, tier, run_start, run_parent))
-                run, run_start, run_parent = [key], position, parent_key
-        if run:
-            runs.append(_stored(run, tier, run_start, run_parent))
-        return runs
+            runs.add(key, parent_key, position)
+        return runs.done()
 
     def _placement(self, key: BlockKey) -> _Announced | None:
         """Where an announced key sits in its chain (its parent key and position), as
@@ -380,6 +376,32 @@ class BlockTranslator:
             if not block.refs:
                 del self._blocks[block_hash]
         return [BlocksRemoved(keys=withdrawn, tier=event.tier)] if withdrawn else []
+
+
+class _Runs:
+    """Announced keys gathered into chained runs, one BlocksStored each."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self._runs: list[KvEvent] = []
+        self._run: list[BlockKey] = []
+        self._start = 0
+        self._parent: BlockKey | None = None
+
+    def add(self, key: BlockKey, parent_key: BlockKey | None, position: int) -> None:
+        if self._run and self._run[-1] == parent_key:  # the key right after the run's last
+            self._run.append(key)
+            return
+        self._close()
+        self._run, self._start, self._parent = [key], position, parent_key
+
+    def done(self) -> list[KvEvent]:
+        self._close()
+        return self._runs
+
+    def _close(self) -> None:
+        if self._run:
+            self._runs.append(_stored(self._run, self.tier, self._start, self._parent))
 
 
 def _stored(

@@ -8,6 +8,7 @@ here knows about the wire or any backend.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -100,16 +101,20 @@ class SkipReason(enum.Enum):
     REMOTE = "remote"  # held by another node, not by the publisher
 
 
-MAX_EVENT_TYPE_CHARS = 64
+EVENT_TYPE_PATTERN = re.compile(r"[A-Za-z0-9_.:?()-]{1,64}")
+"""An engine event type as agents report it and routers accept it (a metric label): the
+engine's tag if it is that, else "?"."""
+OTHER_EVENT_TYPES = "(other)"
 MAX_SKIPPED_KINDS = 16
-"""Kinds (event type, reason) of skipped events an agent reports, and the router keeps."""
+"""Kinds (event type, reason) of skipped events an agent counts apart, and the router
+keeps; an agent counts the types past them as OTHER_EVENT_TYPES."""
 
 
 @dataclass(frozen=True, slots=True)
 class SkippedEvents:
     """How many events of one type an agent skipped for one reason since it started."""
 
-    event_type: str  # as the engine named it, at most MAX_EVENT_TYPE_CHARS; "?" for none
+    event_type: str  # matches EVENT_TYPE_PATTERN
     reason: SkipReason
     count: int
 

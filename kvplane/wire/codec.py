@@ -23,8 +23,8 @@ from google.protobuf.message import DecodeError
 from kvplane.core.config import ControlPlaneSettings
 from kvplane.core.keys import SCHEME_VERSION, BlockKey
 from kvplane.core.types import (
+    EVENT_TYPE_PATTERN,
     MAX_CHAIN_END,
-    MAX_EVENT_TYPE_CHARS,
     MAX_SKIPPED_KINDS,
     MAX_WIRING_DETAIL_CHARS,
     AllBlocksCleared,
@@ -350,12 +350,9 @@ def _checked_skips(entries: Iterable[pb.SkippedEvents]) -> tuple[SkippedEvents, 
     kept = []
     for entry in entries:
         reason = _SKIP_REASONS.get(entry.reason)
-        event_type = entry.event_type
-        if reason is None or not event_type.isprintable():
+        if reason is None or not EVENT_TYPE_PATTERN.fullmatch(entry.event_type):
             continue
-        if not 0 < len(event_type) <= MAX_EVENT_TYPE_CHARS:
-            continue
-        kept.append(SkippedEvents(event_type, reason, entry.count))
+        kept.append(SkippedEvents(entry.event_type, reason, entry.count))
         if len(kept) == MAX_SKIPPED_KINDS:
             break
     return tuple(kept)

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from kvplane.core.serving import cancel_task
-from kvplane.core.types import SkipReason
+from kvplane.core.types import MAX_SKIPPED_KINDS, OTHER_EVENT_TYPES, SkipReason
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.events import SkippedEvent
 from worker_agent.kv_event_source import END_OF_REPLAY, KvEventSource, SourceItem, StateLost
@@ -176,3 +176,16 @@ async def test_an_odd_event_is_skipped_and_counted_and_its_batch_goes_through() 
             SkippedEvent("BlockStored", SkipReason.UNKNOWN_MEDIUM): 1,
             SkippedEvent("BlockPinned", SkipReason.UNKNOWN_TYPE): 1,
         }
+
+
+async def test_the_tally_of_skipped_kinds_is_bounded() -> None:
+    engine = ScriptedEngine(lambda start: [])
+    async with source_of(engine) as items:
+        newer = [{"type": f"Future{n}"} for n in range(MAX_SKIPPED_KINDS + 4)]
+        batch = msgspec.msgpack.encode([0.0, newer, 0])
+        await engine.pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), batch])
+        async with asyncio.timeout(5):
+            await items.get()
+        tally = items.source.skipped_events
+        assert len(tally) == MAX_SKIPPED_KINDS + 1
+        assert tally[SkippedEvent(OTHER_EVENT_TYPES, SkipReason.UNKNOWN_TYPE)] == 4

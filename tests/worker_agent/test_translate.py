@@ -207,3 +207,18 @@ def test_an_offload_before_any_store_is_counted_not_guessed() -> None:
     agent = translator()
     assert agent.translate([offloaded([1, 2])]) == []
     assert agent.counters.unresolved_blocks == 2
+
+
+def test_offloads_are_not_guessed_once_stores_disagree_on_the_block_size() -> None:
+    # A router block of 64 tokens is four 16-token blocks, or two of 32: after stores of
+    # both sizes, which blocks make one is unknown, and an offload credits nothing.
+    agent = translator(router_block_size=64)
+    agent.translate([stored([1, 2, 3, 4], TOKENS, size=16)])
+    agent.translate([stored([5, 6], [9] * 64, size=32)])
+    assert agent.translate([offloaded([3, 4])]) == []
+    assert agent.counters.unresolved_blocks == 2
+    agent.clear()  # a new picture starts over
+    keys = all_keys(agent.translate([stored([1, 2, 3, 4], TOKENS, size=16)]))
+    assert agent.translate([offloaded([1, 2, 3, 4])]) == [
+        BlocksStored(keys=keys, tier=Tier.HOST, first_position=0, parent_key=None)
+    ]

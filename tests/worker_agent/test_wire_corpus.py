@@ -44,6 +44,10 @@ def test_an_offloaded_block_is_credited_to_its_tier_and_outlives_its_gpu_copy() 
     ]
     # The block offloaded to storage was never stored with its tokens: counted.
     assert (translator.counters.offloaded_blocks, translator.counters.unresolved_blocks) == (1, 1)
+    # What a new incarnation would send: the host copy only.
+    assert translator.snapshot() == [
+        BlocksStored(keys=KEYS[1:], tier=Tier.HOST, first_position=1, parent_key=KEYS[0])
+    ]
 
 
 def test_a_lowercase_medium_is_its_tier() -> None:

@@ -474,10 +474,12 @@ def test_malformed_payloads_raise(adapter: Any, payload: bytes) -> None:
         adapter.decode_batch(payload)
 
 
-def assert_skipped_alone(decoded: DecodedBatch, event: Any) -> None:
-    """The batch of the one event decodes, with that event skipped."""
+def assert_skipped_alone(decoded: DecodedBatch, event: Any, name: str) -> None:
+    """The batch of the one event decodes, with that event skipped for its reason."""
     assert decoded.events == ()
     (skipped,) = decoded.skipped
+    medium = "medium" in name  # the cases named so have an unknown medium
+    assert skipped.reason is (SkipReason.UNKNOWN_MEDIUM if medium else SkipReason.MALFORMED)
     tag = (
         event.get("type")
         if isinstance(event, dict)
@@ -489,19 +491,33 @@ def assert_skipped_alone(decoded: DecodedBatch, event: Any) -> None:
 
 
 @ADAPTERS
-@pytest.mark.parametrize("event", MALFORMED_EVENTS.values(), ids=MALFORMED_EVENTS)
-def test_malformed_events_are_skipped(adapter: Any, event: Any) -> None:
-    assert_skipped_alone(adapter.decode_batch(batch(event)), event)
+@pytest.mark.parametrize(("name", "event"), MALFORMED_EVENTS.items(), ids=MALFORMED_EVENTS)
+def test_malformed_events_are_skipped(adapter: Any, name: str, event: Any) -> None:
+    assert_skipped_alone(adapter.decode_batch(batch(event)), event, name)
 
 
-@pytest.mark.parametrize("event", VLLM_ONLY_MALFORMED.values(), ids=VLLM_ONLY_MALFORMED)
-def test_malformed_for_vllm(event: Any) -> None:
-    assert_skipped_alone(VLLM.decode_batch(batch(event)), event)
+@pytest.mark.parametrize(("name", "event"), VLLM_ONLY_MALFORMED.items(), ids=VLLM_ONLY_MALFORMED)
+def test_malformed_for_vllm(name: str, event: Any) -> None:
+    assert_skipped_alone(VLLM.decode_batch(batch(event)), event, name)
 
 
-@pytest.mark.parametrize("event", SGLANG_ONLY_MALFORMED.values(), ids=SGLANG_ONLY_MALFORMED)
-def test_malformed_for_sglang(event: Any) -> None:
-    assert_skipped_alone(SGLANG.decode_batch(batch(event)), event)
+@pytest.mark.parametrize(
+    ("name", "event"), SGLANG_ONLY_MALFORMED.items(), ids=SGLANG_ONLY_MALFORMED
+)
+def test_malformed_for_sglang(name: str, event: Any) -> None:
+    assert_skipped_alone(SGLANG.decode_batch(batch(event)), event, name)
+
+
+@ADAPTERS
+@pytest.mark.parametrize(
+    ("tag", "reported"),
+    [("BlockPinned", "BlockPinned"), ("Pin\x1b[31m", "?"), ("x" * 65, "?"), (7, "?")],
+)
+def test_the_type_an_odd_event_is_counted_under_is_a_short_plain_name(
+    adapter: Any, tag: Any, reported: str
+) -> None:
+    (skipped,) = adapter.decode_batch(batch({"type": tag, "block_hashes": [1]})).skipped
+    assert skipped.event_type == reported
 
 
 @ADAPTERS
@@ -515,18 +531,27 @@ def test_mediums_are_read_whatever_their_case(adapter: Any) -> None:
 
 @ADAPTERS
 def test_an_unknown_medium_is_skipped_and_never_credited_as_the_device(adapter: Any) -> None:
-    decoded = adapter.decode_batch(batch(stored_map(medium="tape"), removed_map()))
+    # The long s (U+017F) is upper-cased to "S" by Unicode: only ASCII names are read.
+    decoded = adapter.decode_batch(
+        batch(stored_map(medium="tape"), stored_map(medium="\u017ftorage"), removed_map())
+    )
     assert decoded.events == (EngineBlocksRemoved((11,), Tier.DEVICE),)
-    assert decoded.skipped == (SkippedEvent("BlockStored", SkipReason.UNKNOWN_MEDIUM),)
+    assert decoded.skipped == (SkippedEvent("BlockStored", SkipReason.UNKNOWN_MEDIUM),) * 2
 
 
 @ADAPTERS
 def test_blocks_held_remotely_are_not_the_publishers(adapter: Any) -> None:
     decoded = adapter.decode_batch(
-        batch(stored_map(locality="REMOTE"), removed_map(locality="remote"), stored_map())
+        batch(
+            stored_map(locality="REMOTE"),
+            removed_map(locality="remote"),
+            stored_map(locality="PEER"),  # not plainly local: not the publisher's
+            stored_map(locality=2),
+            stored_map(locality="local"),
+        )
     )
     assert decoded.events == (STORED_11_12,)
-    assert [s.reason for s in decoded.skipped] == [SkipReason.REMOTE, SkipReason.REMOTE]
+    assert [s.reason for s in decoded.skipped] == [SkipReason.REMOTE] * 4
 
 
 @ADAPTERS
@@ -541,6 +566,14 @@ def test_a_store_by_hash_alone_is_an_offload(adapter: Any) -> None:
     # With a parent or tokens it is an ordinary store, and must be whole.
     with_parent = stored_map(token_ids=[], block_size=0, parent_block_hash=10)
     assert decoded_reasons(adapter, with_parent) == ["malformed"]
+    with_tokens = stored_map(block_size=0)
+    assert decoded_reasons(adapter, with_tokens) == ["malformed"]
+    false_size = stored_map(token_ids=[], block_size=False, medium="DISK")
+    assert decoded_reasons(adapter, false_size) == ["malformed"]
+    # A device block is always stored with its tokens.
+    for medium in ("GPU", _ABSENT):
+        on_device = stored_map(token_ids=[], block_size=0, medium=medium)
+        assert decoded_reasons(adapter, on_device) == ["malformed"]
 
 
 def decoded_reasons(adapter: Any, event: Any) -> list[str]:
@@ -785,7 +818,11 @@ def test_one_malformed_event_never_drops_the_others(
             ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU", {"cache_salt": "t"}],
             "t",
         ),
-        ("0.5.19", ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU", {}], None),
+        (
+            "0.5.19",
+            ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU", {"cache_salt": "u"}],
+            "u",
+        ),
         ("0.5.20", stored_map(cache_salt="t"), "t"),
     ],
 )
@@ -796,3 +833,10 @@ def test_every_sglang_releases_stores_decode_with_their_salt(
     assert isinstance(stored_event, EngineBlocksStored)
     assert stored_event.block_hashes == (11, 12)
     assert stored_event.cache_salt == salt
+
+
+def test_a_metadata_map_without_a_salt_is_not_taken_for_an_unsalted_store() -> None:
+    # Only salted stores carry the map: one without a salt would key the chain in the
+    # shared scope, where the engine's own hashes say it does not belong.
+    event = ["BlockStored", [11, 12], None, list(range(1, 9)), 4, None, "GPU", {"other": 1}]
+    assert decoded_reasons(SGLANG, event) == ["malformed"]

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, cast
 
 import msgspec
 
-from kvplane.core.types import MAX_EVENT_TYPE_CHARS, SkipReason, Tier
+from kvplane.core.types import EVENT_TYPE_PATTERN, SkipReason, Tier
 from worker_agent.events import (
     EngineBlockHash,
     EngineBlocksOffloaded,
@@ -95,14 +95,15 @@ def normalise_hash(value: Any) -> EngineBlockHash:
 
 
 def _tag_of(raw: Any) -> str:
-    tag = (
-        raw.get("type")
-        if isinstance(raw, dict)
-        else raw[0]
-        if isinstance(raw, list) and raw
-        else None
-    )
-    return tag[:MAX_EVENT_TYPE_CHARS] if isinstance(tag, str) else "?"
+    """The event's type tag as reported (a metric label and a log word): "?" unless
+    it is a short plain name."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+    else:
+        tag = None
+    return tag if isinstance(tag, str) and EVENT_TYPE_PATTERN.fullmatch(tag) else "?"
 
 
 def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent:
@@ -135,10 +136,11 @@ def _decode_event(raw: Any, dialect: WireDialect) -> EngineEvent:
 
 
 def _refuse_remote(fields: Mapping[str, Any]) -> None:
-    """A block another node holds (vLLM's `locality`) is not the publisher's to claim."""
+    """A block another node holds (vLLM's `locality`: LOCAL or REMOTE) is not the
+    publisher's to claim; a locality that is not plainly local is taken as remote."""
     locality = fields.get("locality")
-    if isinstance(locality, str) and locality.upper() == "REMOTE":
-        raise WireDecodeError("a block held remotely", reason=SkipReason.REMOTE)
+    if locality is not None and not (isinstance(locality, str) and locality.upper() == "LOCAL"):
+        raise WireDecodeError("a block not held locally", reason=SkipReason.REMOTE)
 
 
 def _stored(
@@ -152,11 +154,10 @@ def _stored(
         and block_size == 0
         and fields.get("parent_block_hash") is None
     ):
-        return EngineBlocksOffloaded(
-            block_hashes=hashes,
-            tier=_tier(fields.get("medium"), dialect),
-            group_idx=_group(fields.get("group_idx")),
-        )
+        tier = _tier(fields.get("medium"), dialect)
+        if tier is Tier.DEVICE:  # a device block is stored with its tokens, always
+            raise WireDecodeError("a store by hash alone on the device")
+        return EngineBlocksOffloaded(hashes, tier, _group(fields.get("group_idx")))
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise WireDecodeError("BlockStored has no valid block_size")
     raw_tokens = fields.get("token_ids")
@@ -178,6 +179,8 @@ def _stored(
         salt_value = fields.get(dialect.salt_field)
         if isinstance(salt_value, dict):  # SGLang 0.5.18-0.5.19: a metadata map there
             salt_value = salt_value.get("cache_salt")
+            if not isinstance(salt_value, str):  # on salted stores only: else unknown
+                raise WireDecodeError("the metadata map has no cache_salt")
         salt = _optional_str(salt_value, dialect.salt_field)
     else:
         salt = _salt_from_extra_keys(fields.get("extra_keys"), lora_name)
@@ -224,7 +227,11 @@ def _hashes(value: Any) -> tuple[EngineBlockHash, ...]:
 def _tier(medium: Any, dialect: WireDialect) -> Tier:
     if medium is None:
         return Tier.DEVICE  # before vLLM 0.10.2 there was only the device
-    tier = dialect.mediums.get(medium.upper()) if isinstance(medium, str) else None
+    tier = (
+        dialect.mediums.get(medium.upper())
+        if isinstance(medium, str) and medium.isascii()
+        else None
+    )
     if tier is None:
         raise WireDecodeError("an event names an unknown medium", reason=SkipReason.UNKNOWN_MEDIUM)
     return tier

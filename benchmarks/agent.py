@@ -98,7 +98,9 @@ async def _forward(payloads: list[bytes], grpc_port: int) -> float:
     engine.start()
     translator = _translator()
     publisher = ControlPlanePublisher(
-        WorkerIdentity("bench-worker", "http://127.0.0.1:1", "bench", BLOCK_SIZE, 0, "vllm", {}),
+        WorkerIdentity(
+            "bench-worker", "http://127.0.0.1:1", "bench", BLOCK_SIZE, 0, "vllm", "", {}
+        ),
         AgentSettings(control_plane_address=f"127.0.0.1:{grpc_port}"),
         ControlPlaneSettings(block_size=BLOCK_SIZE),
         snapshot=translator.snapshot,

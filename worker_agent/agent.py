@@ -22,6 +22,7 @@ import aiohttp
 
 from kvplane.core.config import Settings
 from kvplane.core.types import SkippedEvents, WiringReport
+from kvplane.wire.codec import MAX_ENGINE_FIELD_CHARS
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import EngineAdapter, process_start_time
 from worker_agent.events import EngineCacheConfig, EngineLoad
@@ -56,6 +57,9 @@ class WorkerAgent:
         agent = self.settings.agent
         async with _EngineHttp(agent.engine_url) as http:
             model, cache = await self._engine_facts(http)
+            version = await _engine_version(http, self.adapter.version_path)
+            for warning in self.adapter.release_warnings(version):
+                log.warning("%s", warning)
             router_block = self.settings.control_plane.block_size
             if cache is not None and cache.block_size and router_block % cache.block_size:
                 log.error(
@@ -86,6 +90,7 @@ class WorkerAgent:
                     block_size=self.settings.control_plane.block_size,
                     kv_capacity_blocks=(cache.num_blocks or 0) if cache else 0,
                     engine_kind=self.adapter.kind,
+                    engine_version=version,
                     labels=dict(agent.labels),
                 ),
                 agent,
@@ -283,6 +288,20 @@ class _EngineHttp:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._session.close()
+
+
+async def _engine_version(http: _EngineHttp, path: str) -> str:
+    """The engine's release as it says at `path` ("" if it does not: the version only
+    informs operators and the warnings above)."""
+    try:
+        async with http.get(path) as response:
+            response.raise_for_status()
+            version = (await response.json(content_type=None)).get("version")
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        return ""
+    if not isinstance(version, str) or not version.isprintable():
+        return ""
+    return version[:MAX_ENGINE_FIELD_CHARS]
 
 
 class _Probe(NamedTuple):

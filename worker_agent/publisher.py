@@ -51,6 +51,7 @@ class WorkerIdentity:
     block_size: int
     kv_capacity_blocks: int
     engine_kind: str
+    engine_version: str  # "" when the engine does not say
     labels: dict[str, str]
 
 
@@ -241,6 +242,7 @@ class ControlPlanePublisher:
                 block_size=self._identity.block_size,
                 kv_capacity_blocks=self._identity.kv_capacity_blocks,
                 engine_kind=self._identity.engine_kind,
+                engine_version=self._identity.engine_version,
                 labels=self._identity.labels,
             )
             reply = await stream.request(register_message(info))

@@ -43,6 +43,7 @@ from kvplane.core.types import (
 from kvplane.wire.v1 import control_plane_pb2 as pb
 
 WORKER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_ENGINE_FIELD_CHARS = 64  # engine_kind and engine_version, as the fleet API shows them
 UNREADABLE_DETAIL = (
     f"(the agent's detail was not one printable line of at most {MAX_WIRING_DETAIL_CHARS} "
     "characters)"
@@ -217,6 +218,11 @@ def parse_register(message: pb.Register, limits: Limits) -> WorkerInfo | Rejecti
         return _invalid("base_url must be an http:// or https:// URL with a host")
     if not message.model:
         return _invalid("model must not be empty")
+    for name in ("engine_kind", "engine_version"):
+        if not _is_short_line(getattr(message, name), MAX_ENGINE_FIELD_CHARS):
+            return _invalid(
+                f"{name} must be printable, at most {MAX_ENGINE_FIELD_CHARS} characters"
+            )
     if message.block_size != limits.block_size:
         return Rejection(
             pb.REJECT_CODE_INCOMPATIBLE,
@@ -239,6 +245,10 @@ def parse_register(message: pb.Register, limits: Limits) -> WorkerInfo | Rejecti
         engine_version=message.engine_version,
         labels=dict(message.labels),
     )
+
+
+def _is_short_line(text: str, limit: int) -> bool:
+    return len(text) <= limit and text.isprintable()
 
 
 def _is_http_url(url: str) -> bool:

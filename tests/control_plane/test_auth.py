@@ -202,7 +202,7 @@ def _publisher(
     )
     translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=1000)
     publisher = ControlPlanePublisher(
-        WorkerIdentity("tls-agent", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", {}),
+        WorkerIdentity("tls-agent", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", "", {}),
         agent,
         ControlPlaneSettings(block_size=BLOCK_SIZE, agent_token=token),  # type: ignore[arg-type]
         snapshot=translator.snapshot,

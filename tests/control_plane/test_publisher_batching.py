@@ -27,7 +27,7 @@ async def _publish_steps(
     the batches the control plane applied for them."""
     translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=1000)
     publisher = ControlPlanePublisher(
-        WorkerIdentity("w1", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", {}),
+        WorkerIdentity("w1", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", "", {}),
         AgentSettings(
             control_plane_address=f"127.0.0.1:{router.grpc_port}", batch_linger_s=linger_s
         ),

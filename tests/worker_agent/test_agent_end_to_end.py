@@ -32,6 +32,7 @@ from router.app import RunningRouter, running_router
 from simulations.engine.app import RunningEngineSim
 from simulations.engine.block_hash import BlockHasher
 from simulations.engine.config import KVEventsConfig
+from simulations.engine.protocol import VLLM_VERSION
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent
@@ -188,6 +189,7 @@ async def test_the_index_follows_stores_and_evictions(index_settings: IndexSetti
         record = running.router.workers.get(WORKER)
         assert record is not None
         assert record.last_load is not None  # heartbeats with the engine's load arrive
+        assert record.info.engine_version == VLLM_VERSION  # as the engine's /version says
 
 
 async def test_router_blocks_of_two_engine_blocks(index_settings: IndexSettings) -> None:

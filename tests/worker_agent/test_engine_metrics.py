@@ -7,6 +7,7 @@ import pytest
 from simulations.engine.app import cache_config_labels
 from simulations.engine.config import EngineSimConfig
 from simulations.engine.metrics import EngineMetrics
+from worker_agent.engines.base import release_of
 from worker_agent.engines.sglang import SglangAdapter
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.events import EngineCacheConfig, EngineLoad
@@ -234,3 +235,23 @@ def test_sglang_token_usage_is_averaged_over_data_parallel_ranks() -> None:
         for rank, (running, waiting, usage) in enumerate([(2, 1, 0.25), (3, 1, 0.75)])
     )
     assert SGLANG.parse_load(text) == EngineLoad(running=5, waiting=2, kv_usage=0.5)
+
+
+@pytest.mark.parametrize(
+    ("version", "warned"),
+    [("0.5.17", True), ("0.5.9", True), ("0.5.18", False), ("0.5.18.post1", False),
+     ("0.6", False), ("main", False)],
+)  # fmt: skip
+def test_sglang_releases_that_share_hashes_across_tenants_are_named(
+    version: str, warned: bool
+) -> None:
+    warnings = SglangAdapter().release_warnings(version)
+    assert bool(warnings) == warned
+    assert all(version in warning and "0.5.18" in warning for warning in warnings)
+    assert VllmAdapter().release_warnings(version) == []
+
+
+def test_a_release_is_read_from_its_leading_numbers() -> None:
+    assert release_of("0.5.18.post1") == (0, 5, 18)
+    assert release_of("0.33") == (0, 33, 0)
+    assert release_of("v0.33") is None

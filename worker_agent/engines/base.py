@@ -20,6 +20,7 @@ from worker_agent.events import (
 
 class EngineAdapter(Protocol):
     kind: str
+    version_path: str  # where the engine says its release: a JSON object with "version"
 
     def decode_batch(self, payload: bytes) -> DecodedBatch:
         """A KV event batch's timestamp, usable events and skipped events;
@@ -38,6 +39,23 @@ class EngineAdapter(Protocol):
         """The engine's prefix-cache counters, if its metrics have them (ValueError if
         they do not parse)."""
         ...
+
+    def release_warnings(self, version: str) -> list[str]:
+        """What is known to go wrong with this release of the engine, one line each."""
+        ...
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def release_of(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as "0.5.18.post1"; None if it
+    starts otherwise."""
+    found = _RELEASE.match(version)
+    if found is None:
+        return None
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
 
 
 _METRIC_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")

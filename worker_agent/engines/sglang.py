@@ -9,7 +9,13 @@ field."""
 from __future__ import annotations
 
 from kvplane.core.types import Tier
-from worker_agent.engines.base import mean, metric_samples, prefix_cache_counters, total
+from worker_agent.engines.base import (
+    mean,
+    metric_samples,
+    prefix_cache_counters,
+    release_of,
+    total,
+)
 from worker_agent.engines.kv_event_wire import DecodedBatch, WireDialect, decode_batch
 from worker_agent.events import (
     EngineCacheConfig,
@@ -42,6 +48,7 @@ _PREFILLED = "sglang:time_to_first_token_seconds_count"
 
 class SglangAdapter:
     kind = "sglang"
+    version_path = "/server_info"
 
     def decode_batch(self, payload: bytes) -> DecodedBatch:
         return decode_batch(payload, SGLANG_DIALECT)
@@ -60,3 +67,14 @@ class SglangAdapter:
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
         return prefix_cache_counters(metrics_text, _PROMPT_TOKENS, _CACHED_TOKENS, _PREFILLED)
+
+    def release_warnings(self, version: str) -> list[str]:
+        release = release_of(version)
+        if release is None or release >= (0, 5, 18):
+            return []
+        return [
+            f"SGLang {version} hashes identical prompts of different tenants alike and sends "
+            "no cache salt in its events: tenants that share this engine share its cache "
+            "(and the agent keys every block in the shared scope); SGLang 0.5.18 or later "
+            "keeps salted prefixes apart"
+        ]

@@ -40,6 +40,7 @@ _PREFILLED = "vllm:time_to_first_token_seconds_count"
 
 class VllmAdapter:
     kind = "vllm"
+    version_path = "/version"
 
     def decode_batch(self, payload: bytes) -> DecodedBatch:
         return decode_batch(payload, VLLM_DIALECT)
@@ -64,6 +65,9 @@ class VllmAdapter:
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
         return prefix_cache_counters(metrics_text, _PREFIX_QUERIES, _PREFIX_HITS, _PREFILLED)
+
+    def release_warnings(self, version: str) -> list[str]:
+        return []  # the agent keys blocks itself: vLLM's per-process hash seeds do not matter
 
 
 def _int_label(value: str | None) -> int | None:

@@ -14,6 +14,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 from pydantic import ValidationError
@@ -91,6 +92,17 @@ def _run_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_worker_token(args: argparse.Namespace) -> int:
+    from kvplane.core.worker_credentials import worker_token
+
+    secret = settings_from_args(args).control_plane.worker_credential_secret
+    if secret is None:
+        _fail(2, "no control_plane.worker_credential_secret is configured (--config or "
+              "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET)")  # fmt: skip
+    print(worker_token(secret.get_secret_value(), args.worker_id))
+    return 0
+
+
 def _run_check(args: argparse.Namespace) -> int:
     from router.check import run_check
 
@@ -133,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_check_flags(check)
     check.set_defaults(handler=_run_check)
+
+    token = commands.add_parser(
+        "worker-token",
+        help="print the token that lets one worker's agent register (worker credentials)",
+        description="Derives a worker's own token from control_plane.worker_credential_secret "
+        "(the --config file or KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET, as the router "
+        "reads it); give it to that worker's agent as its control_plane.agent_token. A token "
+        "for one worker cannot register another. See docs/wire-contract.md.",
+    )
+    token.add_argument("--config", type=Path, help="TOML configuration file (KVPLANE_* win)")
+    token.add_argument("--worker-id", required=True, help="the worker the token speaks for")
+    token.set_defaults(handler=_run_worker_token)
 
     for name, tool in TOOLS.items():
         # Listed for `kvplane --help`; main() hands their arguments to the tool itself.

@@ -9,6 +9,7 @@ import pytest
 from kvplane.cli import build_parser, main
 from kvplane.core.config import load_settings
 from kvplane.core.flags import settings_from_args
+from kvplane.core.worker_credentials import worker_token
 
 
 def write_config(tmp_path: Path) -> Path:
@@ -130,3 +131,17 @@ def test_a_missing_tokenizer_directory_fails_the_start(
         main(["router", "--http-port", "0", "--grpc-port", "0", "--tokenizer", str(missing)])
     assert exited.value.code == 1
     assert f"no tokenizer directory at {missing}" in capsys.readouterr().err
+
+
+def test_worker_token_prints_the_token_the_router_verifies(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = "s" * 40
+    monkeypatch.setenv("KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET", secret)
+    assert main(["worker-token", "--worker-id", "pod-7"]) == 0
+    assert capsys.readouterr().out.strip() == worker_token(secret, "pod-7")
+    monkeypatch.delenv("KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET")
+    with pytest.raises(SystemExit) as refused:
+        main(["worker-token", "--worker-id", "pod-7"])
+    assert refused.value.code == 2
+    assert "worker_credential_secret" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,6 +22,7 @@ from pydantic_settings import (
 )
 
 from kvplane.core.keys import SCHEME_VERSION
+from kvplane.core.worker_credentials import MIN_SECRET_CHARS
 
 
 class ConfigError(ValueError):
@@ -50,9 +51,19 @@ class ControlPlaneSettings(_Section):
     max_batch_blocks: int = Field(default=65536, ge=1)
     max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     agent_token: SecretStr | None = None
+    # Set: each agent proves its worker id at Register with its own token (`kvplane
+    # worker-token`, docs/wire-contract.md); agent_token alone is then not enough.
+    worker_credential_secret: SecretStr | None = None
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # set: agents must present a certificate (mTLS)
+
+    @field_validator("worker_credential_secret")
+    @classmethod
+    def _long_enough(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None and len(secret.get_secret_value()) < MIN_SECRET_CHARS:
+            raise ValueError(f"must be at least {MIN_SECRET_CHARS} characters")
+        return secret
 
     @model_validator(mode="after")
     def _tls_pairs(self) -> ControlPlaneSettings:

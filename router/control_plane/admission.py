@@ -7,6 +7,7 @@ import enum
 import hmac
 from collections.abc import Iterable
 
+from kvplane.core.worker_credentials import is_worker_token
 from kvplane.wire.codec import Rejection
 from kvplane.wire.v1 import control_plane_pb2 as pb
 
@@ -17,13 +18,8 @@ class SequenceVerdict(enum.Enum):
     GAP = "gap"  # batches were lost in between: the worker must resync
 
 
-def authenticate(
-    metadata: Iterable[tuple[str, str | bytes]] | None, expected_token: str | None
-) -> Rejection | None:
-    """None when the call may proceed: no token is configured, or the call carries
-    `authorization: Bearer <token>` with the configured token."""
-    if expected_token is None:
-        return None
+def presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
+    """The call's `authorization: Bearer <token>`; b"" without one."""
     presented = b""
     for key, value in metadata or ():
         if key.lower() == "authorization":
@@ -31,11 +27,30 @@ def authenticate(
             scheme, _, token = raw.partition(b" ")
             if scheme.lower() == b"bearer":
                 presented = token.strip()
+    return presented
+
+
+def authenticate(presented: bytes, expected_token: str | None) -> Rejection | None:
+    """None when the call may proceed: no token is configured, or the call presented
+    the configured token."""
+    if expected_token is None:
+        return None
     # compare_digest on bytes: its time does not depend on where the tokens differ.
     if presented and hmac.compare_digest(presented, expected_token.encode()):
         return None
     return Rejection(
         pb.REJECT_CODE_UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)"
+    )
+
+
+def authenticate_worker(presented: bytes, secret: str | None, worker_id: str) -> Rejection | None:
+    """None when the stream may speak for `worker_id`: no worker credentials are
+    configured, or it presented that worker's own token."""
+    if secret is None or is_worker_token(secret, worker_id, presented):
+        return None
+    return Rejection(
+        pb.REJECT_CODE_UNAUTHENTICATED,
+        f"the bearer token is not worker {worker_id}'s own (issue it with kvplane worker-token)",
     )
 
 

@@ -42,7 +42,13 @@ from kvplane.wire.codec import (
     parse_register,
 )
 from kvplane.wire.v1 import control_plane_pb2 as pb
-from router.control_plane.admission import SequenceVerdict, authenticate, classify_sequence
+from router.control_plane.admission import (
+    SequenceVerdict,
+    authenticate,
+    authenticate_worker,
+    classify_sequence,
+    presented_token,
+)
 from router.control_plane.workers import (
     RegisterVerdict,
     WorkerRecord,
@@ -121,8 +127,10 @@ class ControlPlaneService:
         self.metrics = metrics
         self.limits = Limits.from_settings(settings)
         self.lease_s = settings.lease_s
-        token = settings.agent_token
-        self._token = None if token is None else token.get_secret_value()
+        token, secret = settings.agent_token, settings.worker_credential_secret
+        # Worker credentials replace the shared token: each agent presents its own.
+        self.worker_secret = None if secret is None else secret.get_secret_value()
+        self._token = None if token is None or secret is not None else token.get_secret_value()
         self._stream_ids = itertools.count(1)
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -136,7 +144,8 @@ class ControlPlaneService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Connect": handler})
 
     async def connect(self, requests: AsyncIterator[bytes], context: Context) -> None:
-        rejection = authenticate(context.invocation_metadata(), self._token)
+        presented = presented_token(context.invocation_metadata())
+        rejection = authenticate(presented, self._token)
         if rejection is not None:
             # Take the agent's first message (unread) before refusing: an agent writes
             # Register and then reads, and a call that ended before its write reaches
@@ -147,7 +156,7 @@ class ControlPlaneService:
                         break
             await self._reject(context, rejection, worker_id=None)
             return
-        stream = _Stream(self, next(self._stream_ids))
+        stream = _Stream(self, next(self._stream_ids), presented)
         self.metrics.streams.inc()
         try:
             async for data in requests:
@@ -189,8 +198,9 @@ class _Stream:
     """One agent stream. It speaks for at most one worker; `registered` is False before
     the first Register and again after a Resync, until the next Register."""
 
-    def __init__(self, service: ControlPlaneService, stream_id: int) -> None:
+    def __init__(self, service: ControlPlaneService, stream_id: int, token: bytes) -> None:
         self.service = service
+        self.token = token  # what the call presented: a worker's own, with credentials on
         self.index = service.index
         self.view = service.view
         self.metrics = service.metrics
@@ -243,6 +253,9 @@ class _Stream:
         info = parse_register(message, self.service.limits)
         if isinstance(info, Rejection):
             return info
+        refused = authenticate_worker(self.token, self.service.worker_secret, info.worker_id)
+        if refused is not None:
+            return refused
         if self.worker_id is not None and info.worker_id != self.worker_id:
             return Rejection(
                 pb.REJECT_CODE_INVALID_MESSAGE,

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from kvplane.core.worker_credentials import worker_token
 from kvplane.wire.codec import Rejection
 from kvplane.wire.v1 import control_plane_pb2 as pb
-from router.control_plane.admission import SequenceVerdict, authenticate, classify_sequence
+from router.control_plane.admission import (
+    SequenceVerdict,
+    authenticate,
+    authenticate_worker,
+    classify_sequence,
+    presented_token,
+)
+
+SECRET = "a-router-secret-of-at-least-32-characters"
 
 
 @pytest.mark.parametrize(
@@ -25,7 +34,7 @@ from router.control_plane.admission import SequenceVerdict, authenticate, classi
     ],
 )
 def test_bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None, ok: bool) -> None:
-    result = authenticate(metadata, "s3cret")
+    result = authenticate(presented_token(metadata), "s3cret")
     if ok:
         assert result is None
     else:
@@ -35,7 +44,29 @@ def test_bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None, ok: 
 
 
 def test_no_token_configured_lets_every_call_in() -> None:
-    assert authenticate(None, None) is None
+    assert authenticate(presented_token(None), None) is None
+
+
+def test_a_worker_token_speaks_for_its_worker_only() -> None:
+    mine = worker_token(SECRET, "w1").encode()
+    assert authenticate_worker(mine, SECRET, "w1") is None
+    for presented, worker_id in [
+        (mine, "w2"),  # another worker's token
+        (worker_token("another-secret-of-at-least-32-characters", "w1").encode(), "w1"),
+        (mine[:-1], "w1"),
+        (b"", "w1"),
+    ]:
+        refused = authenticate_worker(presented, SECRET, worker_id)
+        assert isinstance(refused, Rejection)
+        assert refused.code == pb.REJECT_CODE_UNAUTHENTICATED
+        assert worker_id in refused.reason
+    assert authenticate_worker(b"", None, "w1") is None  # no credentials configured
+
+
+def test_worker_tokens_are_stable_and_distinct() -> None:
+    assert worker_token(SECRET, "w1") == worker_token(SECRET, "w1")
+    assert worker_token(SECRET, "w1") != worker_token(SECRET, "w2")
+    assert worker_token(SECRET, "w1").startswith("kvw1.")
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from kvplane.core.config import AgentSettings, ControlPlaneSettings
 from kvplane.core.keys import KeyNamespace, block_keys
 from kvplane.core.serving import cancel_task
 from kvplane.core.types import Tier
+from kvplane.core.worker_credentials import worker_token
 from kvplane.wire.codec import events_message, register_message
 from kvplane.wire.stream import AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
@@ -62,6 +63,30 @@ async def test_call_with_the_token_is_served() -> None:
         stream = AgentStream(channel, token=TOKEN)
         assert (await stream.request(register_message(worker()))).ack.sequence == 0
         assert (await stream.request(events_message(1, [stored(prompt_keys(1))]))).ack.sequence == 1
+        assert set(await router.index.lookup(prompt_keys(1))) == {"w1"}
+
+
+SECRET = "the-routers-worker-credential-secret-0123456789"
+
+
+async def test_with_worker_credentials_a_token_registers_its_own_worker_only() -> None:
+    settings = make_settings(agent_token=TOKEN, worker_credential_secret=SECRET)
+    async with router_with_channel(settings) as (router, channel):
+        mine = AgentStream(channel, token=worker_token(SECRET, "w1"))
+        assert (await mine.request(register_message(worker("w1")))).ack.sequence == 0
+        assert (await mine.request(events_message(1, [stored(prompt_keys(1))]))).ack.sequence == 1
+        # w1's token cannot register w2; the token every agent used to share is no longer
+        # enough for anyone.
+        for token, worker_id in [(worker_token(SECRET, "w1"), "w2"), (TOKEN, "w2")]:
+            stream = AgentStream(channel, token=token)
+            reply = await stream.request(register_message(worker(worker_id)))
+            assert body(reply) == "reject"
+            assert reply.reject.code == pb.REJECT_CODE_UNAUTHENTICATED
+        # Nor can it take w1 over with a higher incarnation and another address.
+        thief = AgentStream(channel, token=TOKEN)
+        hijack = worker("w1", incarnation=2, base_url="http://203.0.113.9:8000")
+        assert body(await thief.request(register_message(hijack))) == "reject"
+        assert [s.info for s in await router.index.workers()] == [worker("w1")]
         assert set(await router.index.lookup(prompt_keys(1))) == {"w1"}
 
 

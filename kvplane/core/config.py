@@ -54,6 +54,11 @@ class ControlPlaneSettings(_Section):
     # Set: each agent proves its worker id at Register with its own token (`kvplane
     # worker-token`, docs/wire-contract.md); agent_token alone is then not enough.
     worker_credential_secret: SecretStr | None = None
+    # A worker's base_url must name the address its agent connects from, or a host or
+    # network listed here (a Service name, an ingress): a Register naming any other is
+    # refused, so that no agent can send a worker's requests somewhere else.
+    bind_engines_to_agents: bool = True
+    allowed_engine_hosts: list[str] = Field(default_factory=list)
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # set: agents must present a certificate (mTLS)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Iterable
+import ipaddress
+from collections.abc import Iterable, Sequence
 
 from kvplane.core.worker_credentials import is_worker_token
 from kvplane.wire.codec import Rejection
 from kvplane.wire.v1 import control_plane_pb2 as pb
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class SequenceVerdict(enum.Enum):
@@ -52,6 +55,47 @@ def authenticate_worker(presented: bytes, secret: str | None, worker_id: str) ->
         pb.REJECT_CODE_UNAUTHENTICATED,
         f"the bearer token is not worker {worker_id}'s own (issue it with kvplane worker-token)",
     )
+
+
+def peer_address(peer: str | None) -> IPAddress | None:
+    """The address a gRPC peer string names ("ipv4:10.0.0.5:4321", "ipv6:[::1]:4321");
+    None for any other kind (a Unix socket)."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif kind == "ipv6":
+        host = rest.rpartition(":")[0].strip("[]")
+    else:
+        return None
+    try:
+        return ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+
+
+def engine_host_allowed(host: str, agent: IPAddress | None, allowed: Sequence[str]) -> bool:
+    """Whether a worker's engine may be at `host`: the address its agent connects from
+    (`localhost` for a loopback agent), or a host or network in `allowed`. No name is
+    resolved: a name is allowed only if listed."""
+    try:
+        address: IPAddress | None = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        address = None
+    if address is None:
+        if host == "localhost" and agent is not None and agent.is_loopback:
+            return True
+        return host in allowed
+    if address == agent:
+        return True
+    for entry in allowed:
+        try:
+            if address in ipaddress.ip_network(entry, strict=False):
+                return True
+        except ValueError:
+            continue  # a host name: compared above
+    return False
 
 
 def classify_sequence(sequence: int, last_applied: int) -> SequenceVerdict:

@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from urllib.parse import urlsplit
 
 import grpc
 import grpc.aio
@@ -43,10 +44,13 @@ from kvplane.wire.codec import (
 )
 from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.control_plane.admission import (
+    IPAddress,
     SequenceVerdict,
     authenticate,
     authenticate_worker,
     classify_sequence,
+    engine_host_allowed,
+    peer_address,
     presented_token,
 )
 from router.control_plane.workers import (
@@ -131,6 +135,8 @@ class ControlPlaneService:
         # Worker credentials replace the shared token: each agent presents its own.
         self.worker_secret = None if secret is None else secret.get_secret_value()
         self._token = None if token is None or secret is not None else token.get_secret_value()
+        self.bind_engines = settings.bind_engines_to_agents
+        self.allowed_engine_hosts = list(settings.allowed_engine_hosts)
         self._stream_ids = itertools.count(1)
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -156,7 +162,7 @@ class ControlPlaneService:
                         break
             await self._reject(context, rejection, worker_id=None)
             return
-        stream = _Stream(self, next(self._stream_ids), presented)
+        stream = _Stream(self, next(self._stream_ids), presented, peer_address(context.peer()))
         self.metrics.streams.inc()
         try:
             async for data in requests:
@@ -198,9 +204,16 @@ class _Stream:
     """One agent stream. It speaks for at most one worker; `registered` is False before
     the first Register and again after a Resync, until the next Register."""
 
-    def __init__(self, service: ControlPlaneService, stream_id: int, token: bytes) -> None:
+    def __init__(
+        self,
+        service: ControlPlaneService,
+        stream_id: int,
+        token: bytes,
+        agent_address: IPAddress | None,
+    ) -> None:
         self.service = service
         self.token = token  # what the call presented: a worker's own, with credentials on
+        self.agent_address = agent_address  # where the agent connects from
         self.index = service.index
         self.view = service.view
         self.metrics = service.metrics
@@ -256,6 +269,15 @@ class _Stream:
         refused = authenticate_worker(self.token, self.service.worker_secret, info.worker_id)
         if refused is not None:
             return refused
+        host = urlsplit(info.base_url).hostname or ""
+        if self.service.bind_engines and not engine_host_allowed(
+            host, self.agent_address, self.service.allowed_engine_hosts
+        ):
+            return Rejection(
+                pb.REJECT_CODE_INCOMPATIBLE,
+                f"base_url names {host}, neither the address this agent connects from "
+                f"({self.agent_address}) nor a host in control_plane.allowed_engine_hosts",
+            )
         if self.worker_id is not None and info.worker_id != self.worker_id:
             return Rejection(
                 pb.REJECT_CODE_INVALID_MESSAGE,

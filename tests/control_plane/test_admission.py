@@ -3,6 +3,8 @@ and the order of batches."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
 from kvplane.core.worker_credentials import worker_token
@@ -13,6 +15,8 @@ from router.control_plane.admission import (
     authenticate,
     authenticate_worker,
     classify_sequence,
+    engine_host_allowed,
+    peer_address,
     presented_token,
 )
 
@@ -82,3 +86,44 @@ def test_worker_tokens_are_stable_and_distinct() -> None:
 )
 def test_sequence_verdict(sequence: int, last: int, verdict: SequenceVerdict) -> None:
     assert classify_sequence(sequence, last) is verdict
+
+
+@pytest.mark.parametrize(
+    ("peer", "address"),
+    [
+        ("ipv4:10.0.0.5:4321", "10.0.0.5"),
+        ("ipv6:[::1]:4321", "::1"),
+        ("ipv6:[fe80::1%eth0]:4321", "fe80::1"),
+        ("unix:/tmp/socket", None),
+        ("ipv4:not-an-address:1", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_the_agents_address_is_read_off_the_grpc_peer(
+    peer: str | None, address: str | None
+) -> None:
+    found = peer_address(peer)
+    assert (None if found is None else str(found)) == address
+
+
+@pytest.mark.parametrize(
+    ("host", "agent", "allowed", "ok"),
+    [
+        ("10.0.0.5", "10.0.0.5", [], True),  # the agent's own address: a sidecar
+        ("10.0.0.6", "10.0.0.5", [], False),  # anywhere else
+        ("10.0.0.6", "10.0.0.5", ["10.0.0.0/24"], True),
+        ("10.0.1.6", "10.0.0.5", ["10.0.0.0/24"], False),
+        ("localhost", "127.0.0.1", [], True),
+        ("localhost", "10.0.0.5", [], False),
+        ("engine.ns.svc", "10.0.0.5", [], False),  # names are never resolved
+        ("engine.ns.svc", "10.0.0.5", ["engine.ns.svc"], True),
+        ("::1", "::1", [], True),
+        ("10.0.0.5", None, [], False),  # an agent on a Unix socket: only what is listed
+    ],
+)
+def test_an_engine_may_be_where_its_agent_is_or_where_listed(
+    host: str, agent: str | None, allowed: list[str], ok: bool
+) -> None:
+    address = None if agent is None else ipaddress.ip_address(agent)
+    assert engine_host_allowed(host, address, allowed) is ok

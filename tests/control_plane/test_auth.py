@@ -90,6 +90,19 @@ async def test_with_worker_credentials_a_token_registers_its_own_worker_only() -
         assert set(await router.index.lookup(prompt_keys(1))) == {"w1"}
 
 
+async def test_a_worker_may_name_only_an_engine_where_its_agent_is() -> None:
+    async with router_with_channel(make_settings()) as (router, channel):
+        elsewhere = worker("w1", base_url="http://203.0.113.9:8000")  # not this agent's host
+        reply = await AgentStream(channel).request(register_message(elsewhere))
+        assert body(reply) == "reject"
+        assert reply.reject.code == pb.REJECT_CODE_INCOMPATIBLE
+        assert "allowed_engine_hosts" in reply.reject.reason
+        assert await router.index.workers() == []
+    listed = make_settings(allowed_engine_hosts=["203.0.113.0/24"])
+    async with router_with_channel(listed) as (router, channel):
+        assert (await AgentStream(channel).request(register_message(elsewhere))).ack.sequence == 0
+
+
 @dataclass(frozen=True)
 class Pki:
     ca: bytes

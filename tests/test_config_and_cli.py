@@ -145,3 +145,16 @@ def test_worker_token_prints_the_token_the_router_verifies(
         main(["worker-token", "--worker-id", "pod-7"])
     assert refused.value.code == 2
     assert "worker_credential_secret" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "127.0.0.1:6379"])
+def test_a_redis_url_of_another_scheme_is_one_line_of_invalid_configuration(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["router", "--index", "redis", "--redis-url", url, "--http-port", "0"])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "index.redis_url" in error
+    assert "redis://" in error

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -39,6 +40,15 @@ class IndexSettings(_Section):
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = Field(default="kvp", pattern=r"^[A-Za-z0-9._-]{1,32}$")
     max_entries: int = Field(default=20_000_000, ge=1)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        # Checked here, where a wrong one is one line of "invalid configuration", not
+        # where redis-py would raise it from deep inside the router's start-up.
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return url
 
 
 class ControlPlaneSettings(_Section):

@@ -474,8 +474,8 @@ class ProxyService:
 
     def _settled(self, exchange: _Exchange, outcome: str, usage: Usage | None, status: int) -> None:
         self.fleet.finished(exchange.ticket)
-        if status >= 400:
-            outcome = "engine_error"
+        if status >= 400:  # the engine refused the request (a 4xx) or failed it
+            outcome = "engine_refused" if status < 500 else "engine_error"
         self._count(outcome, exchange.worker_id)
         worker = exchange.worker_id
         if status < 400 and usage is not None:

@@ -257,6 +257,15 @@ async def test_an_unknown_model_is_a_404_while_workers_are_live() -> None:
         with pytest.raises(openai.NotFoundError, match="no-such-model"):
             await client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
         assert await completion(client) == SURVIVOR  # the known model still is
+        # The engine refused it: the client's mistake, counted apart from engine failures.
+        worker = fleet.workers[0].worker_id
+        refused = await router_metric(
+            fleet, "kvplane_requests_total", outcome="engine_refused", worker=worker
+        )
+        failed = await router_metric(
+            fleet, "kvplane_requests_total", outcome="engine_error", worker=worker
+        )
+        assert (refused, failed) == (1, 0)
 
 
 # -- a worker killed ---------------------------------------------------------------------

@@ -69,6 +69,10 @@ class ControlPlaneSettings(_Section):
     # refused, so that no agent can send a worker's requests somewhere else.
     bind_engines_to_agents: bool = True
     allowed_engine_hosts: list[str] = Field(default_factory=list)
+    # Incarnations are the agent's wall clock in ns: one further ahead of this router's
+    # clock is refused, so that a forged one (2**64 - 1) cannot fence the real agent out
+    # for longer than this.
+    max_incarnation_ahead_s: float = Field(default=60.0, gt=0)
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # set: agents must present a certificate (mTLS)

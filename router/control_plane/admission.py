@@ -98,6 +98,12 @@ def engine_host_allowed(host: str, agent: IPAddress | None, allowed: Sequence[st
     return False
 
 
+def incarnation_too_far_ahead(incarnation: int, now_s: float, max_ahead_s: float) -> bool:
+    """Whether an incarnation (the agent's wall clock in ns when it began) is further
+    ahead of `now_s` than any honest clock would be."""
+    return incarnation > int((now_s + max_ahead_s) * 1e9)
+
+
 def classify_sequence(sequence: int, last_applied: int) -> SequenceVerdict:
     if sequence <= last_applied:
         return SequenceVerdict.DUPLICATE

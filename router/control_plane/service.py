@@ -50,6 +50,7 @@ from router.control_plane.admission import (
     authenticate_worker,
     classify_sequence,
     engine_host_allowed,
+    incarnation_too_far_ahead,
     peer_address,
     presented_token,
 )
@@ -136,6 +137,7 @@ class ControlPlaneService:
         self.worker_secret = None if secret is None else secret.get_secret_value()
         self._token = None if token is None or secret is not None else token.get_secret_value()
         self.bind_engines = settings.bind_engines_to_agents
+        self.max_incarnation_ahead_s = settings.max_incarnation_ahead_s
         self.allowed_engine_hosts = list(settings.allowed_engine_hosts)
         self._stream_ids = itertools.count(1)
 
@@ -269,6 +271,15 @@ class _Stream:
         refused = authenticate_worker(self.token, self.service.worker_secret, info.worker_id)
         if refused is not None:
             return refused
+        if incarnation_too_far_ahead(
+            info.incarnation, self.service.wall_clock(), self.service.max_incarnation_ahead_s
+        ):
+            return Rejection(
+                pb.REJECT_CODE_INCOMPATIBLE,
+                f"incarnation {info.incarnation} is more than "
+                f"{self.service.max_incarnation_ahead_s:g} s ahead of this router's clock "
+                "(incarnations are the agent's wall clock in ns: check both clocks)",
+            )
         host = urlsplit(info.base_url).hostname or ""
         if self.service.bind_engines and not engine_host_allowed(
             host, self.agent_address, self.service.allowed_engine_hosts

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -473,20 +474,23 @@ async def test_values_out_of_range_are_rejected(
 
 
 async def test_extreme_but_valid_values_stay_with_their_worker(ingest: Ingest) -> None:
-    """Keys 0 and 2^64-1, the last chain position and the largest incarnation are valid:
-    they are indexed for the worker that sent them, and for no other."""
+    """Keys 0 and 2^64-1, the last chain position, the largest capacity and an incarnation
+    near the furthest ahead of the router's clock it accepts are valid: they are indexed
+    for the worker that sent them, and for no other. (An incarnation further ahead is
+    refused: test_auth.py.)"""
     extreme = [0, 2**64 - 1]
     index = ingest.fleet.router.index
+    ahead = int((time.time() + ControlPlaneSettings().max_incarnation_ahead_s - 5) * 1e9)
     async with unchanged(ingest, bogus_keys=extreme):
         agent = stream(ingest)
-        info = forged("extreme", incarnation=2**64 - 1, kv_capacity_blocks=2**64 - 1)
+        info = forged("extreme", incarnation=ahead, kv_capacity_blocks=2**64 - 1)
         assert (await agent.request(register_message(info))).ack.sequence == 0
         batch = [stored(extreme), stored([5], first_position=MAX_CHAIN_END - 1, parent=2**64 - 1)]
         assert (await agent.request(events_message(1, batch))).ack.sequence == 1
         assert set(await index.lookup(extreme)) == {"extreme"}
         assert (await index.lookup(extreme))["extreme"].blocks == 2
         status = next(w for w in await index.workers() if w.info.worker_id == "extreme")
-        assert (status.info.incarnation, status.info.kv_capacity_blocks) == (2**64 - 1, 2**64 - 1)
+        assert (status.info.incarnation, status.info.kv_capacity_blocks) == (ahead, 2**64 - 1)
         await leave(agent)
 
         async def dropped() -> bool:

@@ -274,3 +274,16 @@ async def test_the_agent_publishes_over_mutual_tls_with_its_token(pki: Pki, tmp_
         wrong, _ = _publisher(router.grpc_port, pki, tmp_path, "wrong")
         with pytest.raises(PublisherRejected, match="UNAUTHENTICATED"):
             await asyncio.wait_for(wrong.run(), timeout=10)
+
+
+async def test_a_forged_incarnation_far_ahead_cannot_fence_the_real_agent_out() -> None:
+    now = 1_754_000_000.0
+    async with router_with_channel(make_settings(), wall_clock=lambda: now) as (router, channel):
+        forged = worker("w1", incarnation=2**64 - 1)
+        reply = await AgentStream(channel).request(register_message(forged))
+        assert body(reply) == "reject"
+        assert reply.reject.code == pb.REJECT_CODE_INCOMPATIBLE
+        assert await router.index.workers() == []
+        # An honest agent's clock, a little ahead of the router's, is welcome.
+        honest = worker("w1", incarnation=int((now + 5) * 1e9))
+        assert (await AgentStream(channel).request(register_message(honest))).ack.sequence == 0

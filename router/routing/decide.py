@@ -60,12 +60,6 @@ class Decision:
         believed = self.believed[row].tolist()
         return {tier: blocks for tier, blocks in zip(TIERS, believed, strict=True) if blocks}
 
-    def matching(self) -> dict[str, Mapping[Tier, int]]:
-        """matched() of every candidate that matched anything (a dict built anew: read
-        it once per decision, not once per worker)."""
-        matching = np.flatnonzero(self.believed.any(axis=1)).tolist()
-        return {self.candidates[row]: self.matched(self.candidates[row]) for row in matching}
-
     def predicted_tokens(self, worker_id: str) -> int:
         """The cached prefix the router expects the engine to report for this request."""
         row = self._row(worker_id)
@@ -139,7 +133,8 @@ class RoutingPlanner:
             now = self._clock()
             roster = self.fleet.roster  # (after the lookup's await: the current one)
             rows = self.fleet.serving_rows(model)
-            facts = self.fleet.facts(roster, rows, tenant.name, now)
+            private = tenant.isolation == "private"  # only they pay for others' company
+            facts = self.fleet.facts(roster, rows, tenant.name if private else None, now)
             self.predicted.prune(now)
             predicted = self.predicted.match(keys, now) if len(rows) else {}
             # Where each roster row sits among the candidates; -1: not one (and the

@@ -209,9 +209,10 @@ class Fleet:
             chosen.append(Candidate(info, load, self.traffic(info.worker_id)))
         return chosen
 
-    def facts(self, roster: Roster, rows: Rows, tenant: str, now: float) -> CandidateFacts:
-        """What scoring reads of `roster`'s `rows` for a request of `tenant`, with
-        nothing matched yet (the planner adds each worker's cached prefix)."""
+    def facts(self, roster: Roster, rows: Rows, tenant: str | None, now: float) -> CandidateFacts:
+        """What scoring reads of `roster`'s `rows`, with nothing matched yet (the planner
+        adds each worker's cached prefix); the requests of tenants other than `tenant`
+        running on each, for a private tenant's request (None: not counted, zeros)."""
         waiting, running = queue_estimate(
             roster.reported[rows],
             (roster.report_waiting[rows], roster.report_running[rows]),
@@ -219,12 +220,13 @@ class Fleet:
             roster.in_flight[rows],
             roster.prefilling[rows],
         )
-        in_flight = roster.in_flight[rows]
-        others = in_flight.copy()
-        for position in np.flatnonzero(in_flight):  # only workers with requests in flight
-            others[position] -= self.traffic(roster.infos[rows[position]].worker_id).by_tenant[
-                tenant
-            ]
+        if tenant is None:
+            others = np.zeros(len(rows))
+        else:  # a Python step per busy worker: paid by private tenants' requests only
+            others = roster.in_flight[rows].copy()
+            for position in np.flatnonzero(others):
+                worker_id = roster.infos[rows[position]].worker_id
+                others[position] -= self.traffic(worker_id).by_tenant[tenant]
         evicted = self.evictions.shares(
             roster.evicted_blocks[rows],
             roster.evicted_as_of[rows],
@@ -282,13 +284,13 @@ class Fleet:
         traffic.prefill_tokens += prefill_tokens
         traffic.by_tenant[tenant] += 1
         traffic.waiting_for_first_byte.add(ticket)
-        self._rewrite(worker_id)
+        self._traffic_changed(worker_id)
         return ticket
 
     def first_byte(self, ticket: Ticket) -> None:
         if ticket.prefilling:
             self._prefilled(ticket)
-            self._rewrite(ticket.worker_id)
+            self._traffic_changed(ticket.worker_id)
 
     def finished(self, ticket: Ticket) -> None:
         if ticket.prefilling:
@@ -300,7 +302,7 @@ class Fleet:
         traffic.by_tenant[ticket.tenant] -= 1
         if traffic.by_tenant[ticket.tenant] <= 0:
             del traffic.by_tenant[ticket.tenant]
-        self._rewrite(ticket.worker_id)
+        self._traffic_changed(ticket.worker_id)
 
     def _prefilled(self, ticket: Ticket) -> None:
         ticket.prefilling = False
@@ -332,14 +334,28 @@ class Fleet:
         roster.report_waiting[row] = load.waiting if load is not None else 0
         roster.report_running[row] = load.running if load is not None else 0
         roster.kv_usage[row] = load.kv_usage if load is not None else 0.0
+        roster.report_received_at[row] = received_at if received_at is not None else 0.0
+        roster.evicted_blocks[row], roster.evicted_as_of[row] = self.evictions.recorded(worker_id)
+        roster.suspect[row] = self.accuracy.is_suspect(worker_id, info.incarnation)
+        self._write_traffic(row, traffic)
+
+    def _traffic_changed(self, worker_id: str) -> None:
+        """Only the traffic columns of the worker's row: what a request's start, first
+        byte and end change (three times a request, on the proxy's path)."""
+        row = self._roster.position.get(worker_id)
+        if row is not None:
+            self._write_traffic(row, self.traffic(worker_id))
+
+    def _write_traffic(self, row: int, traffic: WorkerTraffic) -> None:
+        roster = self._roster
         roster.in_flight[row] = traffic.in_flight
         roster.prefilling[row] = traffic.prefilling
         roster.prefill_tokens[row] = traffic.prefill_tokens
         roster.sent_since_report[row] = (
-            0 if received_at is None else traffic.prefilling_sent_after(received_at)
+            traffic.prefilling_sent_after(float(roster.report_received_at[row]))
+            if roster.reported[row]
+            else 0
         )
-        roster.evicted_blocks[row], roster.evicted_as_of[row] = self.evictions.recorded(worker_id)
-        roster.suspect[row] = self.accuracy.is_suspect(worker_id, info.incarnation)
 
     def _own_record(self, info: WorkerInfo) -> WorkerRecord | None:
         """This router's view of the registered incarnation (None for an older or

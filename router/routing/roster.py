@@ -51,6 +51,7 @@ class Roster:
         self.unreachable_until = zeros()
         # Its agent's last load report to this router.
         self.reported = flags()
+        self.report_received_at = zeros()  # on the fleet's clock
         self.report_waiting = zeros()
         self.report_running = zeros()
         self.kv_usage = zeros()

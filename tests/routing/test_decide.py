@@ -210,7 +210,7 @@ async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
     assert first.factor == "tie"
-    assert first.matching() == {}
+    assert not first.believed.any()
     planner.routed(first, "w3")
     second = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
@@ -279,7 +279,7 @@ async def test_another_cache_scope_matches_nothing() -> None:
     decision = await planner.decide(
         model=MODEL, tenant=ACME, cache_scope="acme-salt", tokens=TOKENS
     )
-    assert decision.matching() == {}
+    assert not decision.believed.any()
     assert decision.factor == "tie"
     await store(planner, "w1", 8, scope="acme-salt")
     decision = await planner.decide(
@@ -387,7 +387,7 @@ async def test_a_failing_index_leaves_load_only_routing() -> None:
     assert not decision.index_answered
     assert not planner.index_answering
     assert len(decision.ranked) == len(WORKERS)
-    assert decision.matching() == {}
+    assert not decision.believed.any()
     index.failing = False
     clock.advance(INDEX_PROBE_INTERVAL_S)  # the next probe of the index
     decision = await planner.decide(

@@ -271,6 +271,7 @@ async def test_the_facts_read_every_source_as_it_stands_now() -> None:
 
     rows = fleet.candidate_rows()
     facts = fleet.facts(fleet.roster, rows, "acme", clock.now)
+    assert not fleet.facts(fleet.roster, rows, None, clock.now).other_tenants_running.any()
     by_id = {worker_id: row for row, worker_id in enumerate(facts.worker_ids)}
     w1, w2 = by_id["w1"], by_id["w2"]
     # w1 reported 2 waiting; one request was sent since, one before (which it counted).

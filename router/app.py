@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -25,12 +27,14 @@ from starlette.routing import BaseRoute
 from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings, Settings
 from kvplane.core.serving import (
+    bind_http,
     cancel_task,
     freeze_startup_heap,
     serving_http,
     wait_for_stop_signal,
 )
 from kvplane.core.types import BlocksRemoved, Tier
+from router.auth import AdminToken
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi
@@ -58,7 +62,9 @@ from router.tracing import open_tracing
 log = logging.getLogger(__name__)
 
 _GRPC_STOP_GRACE_S = 1.0
-_HTTP_STOP_GRACE_S = 2
+STUCK_AFTER_DRAIN_S = 10.0
+"""A router still running this long after its drain should have ended (a thread that
+does not return, a peer that does not close) exits anyway."""
 REGISTRY_REFRESH_S = 0.25
 """How often the router re-reads the workers' registrations from the index."""
 SCOPE_REFRESH_S = 1.0
@@ -77,6 +83,7 @@ class RunningRouter:
     fleet: Fleet
     planner: RoutingPlanner
     tenants: TenantDirectory
+    draining: asyncio.Event  # set: /readyz fails, and the router is about to stop
 
 
 @contextlib.asynccontextmanager
@@ -89,12 +96,24 @@ async def running_router(
 ) -> AsyncIterator[RunningRouter]:
     """The router on the configured ports; `span_exporter` receives its spans, and
     every decision that reads time reads `clock` (tests drive both by hand)."""
-    cp, proxy_settings = settings.control_plane, settings.proxy
+    cp, proxy_settings, http = settings.control_plane, settings.proxy, settings.http
     async with contextlib.AsyncExitStack() as stack:
-        # Unwound in reverse: readiness fails first, then gRPC stops (streams still open
-        # are cancelled after a grace period; their clean-up, dropping drained workers,
-        # needs the index), then HTTP, the upstream connections and the background
-        # tasks, and the index closes last.
+        # Unwound in reverse: readiness fails first, then HTTP stops (the requests in
+        # progress, streams included, get http.drain_timeout_s to finish), the upstream
+        # connections and the background tasks, then gRPC (streams still open are
+        # cancelled after a grace period; their clean-up, dropping drained workers, needs
+        # the index), and the index closes last.
+        # The ports are bound first: one in use fails the start at once, before the
+        # tokenizers load.
+        public_listener = stack.enter_context(contextlib.closing(bind_http(http.host, http.port)))
+        admin_listener = (
+            None
+            if http.admin_port is None
+            else stack.enter_context(contextlib.closing(bind_http(http.host, http.admin_port)))
+        )
+        grpc_server = grpc.aio.server(options=_grpc_options(cp))
+        grpc_port = _bind_grpc(grpc_server, cp)
+        stack.push_async_callback(grpc_server.stop, None)  # a start that fails unbinds it
         backend = open_index(settings.index, clock)
         stack.push_async_callback(backend.close)
         tracer, tracer_provider = open_tracing(settings.tracing, span_exporter)
@@ -193,6 +212,7 @@ async def running_router(
         )
 
         serving = asyncio.Event()  # set while the gRPC server accepts streams
+        draining = asyncio.Event()
 
         def see_routable() -> Sight:
             candidates = [c.info for c in fleet.candidates()]
@@ -222,38 +242,56 @@ async def running_router(
             metrics.set_tokenisation(**dataclasses.asdict(proxy.prompt_tokens.stats()))
             metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
 
-        def http_app(routes: Sequence[BaseRoute], *, serve_metrics: bool) -> FastAPI:
+        def http_app(
+            routes: Sequence[BaseRoute],
+            *,
+            serve_metrics: bool,
+            metrics_guard: AdminToken | None = None,
+        ) -> FastAPI:
             return create_http_app(
                 index=index,
                 view=view,
                 metrics=metrics,
                 grpc_serving=serving.is_set,
+                draining=draining.is_set,
                 routes=routes,
                 before_scrape=before_scrape,
                 model_routing=lambda: see_routable().routing,
                 serve_metrics=serve_metrics,
+                metrics_guard=metrics_guard,
             )
 
-        http = settings.http
-        separate_admin = http.admin_port is not None
-        public_routes = [*proxy.routes(), *([] if separate_admin else fleet_api.routes())]
-        public_app = http_app(public_routes, serve_metrics=not separate_admin)
+        # Tenants reach their own routes on the client port. With an admin port the
+        # operators' routes and /metrics are there only; without one they share the
+        # client port, where /metrics then needs the admin token when one is set.
+        separate_admin = admin_listener is not None
+        public_routes = [
+            *proxy.routes(),
+            *fleet_api.tenant_routes(),
+            *([] if separate_admin else fleet_api.admin_routes()),
+        ]
+        public_app = http_app(
+            public_routes,
+            serve_metrics=not separate_admin,
+            metrics_guard=None if admin_token is None else fleet_api.admin_token,
+        )
+        # The gRPC server stops after HTTP: agents keep the picture current while the
+        # requests in progress drain.
+        stack.push_async_callback(grpc_server.stop, _GRPC_STOP_GRACE_S)
         http_port = await stack.enter_async_context(
             serving_http(
                 HotPaths(public_app, public_routes),
-                http.host,
-                http.port,
-                stop_grace_s=_HTTP_STOP_GRACE_S,
+                public_listener,
+                stop_grace_s=http.drain_timeout_s,
             )
         )
         admin_port = admin_app = None
-        if http.admin_port is not None:
-            admin_app = http_app(fleet_api.routes(), serve_metrics=True)
+        if admin_listener is not None:
+            admin_app = http_app(fleet_api.admin_routes(), serve_metrics=True)
             admin_port = await stack.enter_async_context(
-                serving_http(admin_app, http.host, http.admin_port, stop_grace_s=_HTTP_STOP_GRACE_S)
+                serving_http(admin_app, admin_listener, stop_grace_s=http.drain_timeout_s)
             )
 
-        grpc_server = grpc.aio.server(options=_grpc_options(cp))
         grpc_server.add_generic_rpc_handlers(
             [
                 ControlPlaneService(
@@ -267,9 +305,7 @@ async def running_router(
                 ).rpc_handler()
             ]
         )
-        grpc_port = _bind_grpc(grpc_server, cp)
         await grpc_server.start()
-        stack.push_async_callback(grpc_server.stop, _GRPC_STOP_GRACE_S)
         serving.set()
         stack.callback(serving.clear)
 
@@ -285,11 +321,15 @@ async def running_router(
             fleet=fleet,
             planner=planner,
             tenants=tenants,
+            draining=draining,
         )
 
 
 async def serve(settings: Settings) -> None:
-    """Run the router until SIGINT or SIGTERM."""
+    """Run the router until SIGINT or SIGTERM, then drain: readiness fails at once, new
+    requests are still served for http.drain_delay_s (load balancers take that long to
+    stop sending them), then the ports close and the requests in progress, streams
+    included, get http.drain_timeout_s to finish. A second signal stops it at once."""
     async with running_router(settings) as router:
         log.info(
             "router serving: gRPC control plane on %s:%d, HTTP on %s:%d, index %s",
@@ -301,7 +341,34 @@ async def serve(settings: Settings) -> None:
         )
         freeze_startup_heap()
         await wait_for_stop_signal()
+        drain = settings.http
+        router.draining.set()
+        log.info(
+            "draining: /readyz fails; new requests are served for %g s, then those in "
+            "progress get %g s to finish",
+            drain.drain_delay_s,
+            drain.drain_timeout_s,
+        )
+        _exit_if_still_running_after(
+            drain.drain_delay_s + drain.drain_timeout_s + STUCK_AFTER_DRAIN_S
+        )
+        await asyncio.sleep(drain.drain_delay_s)
         log.info("stopping")
+
+
+def _exit_if_still_running_after(seconds: float) -> None:
+    """Exit the process `seconds` from now if it is still running: the last word of a
+    drain, whatever holds it up (a tokeniser thread the event loop's shutdown waits for,
+    a connection that never closes)."""
+
+    def exit_now() -> None:
+        log.error("still running %g s after the stop signal; exiting", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
 
 
 async def follow_scope_generations(index: LocationIndex, tenants: TenantDirectory) -> None:
@@ -381,9 +448,14 @@ def _bind_grpc(server: grpc.aio.Server, cp: ControlPlaneSettings) -> int:
     host = f"[{cp.grpc_host}]" if ":" in cp.grpc_host else cp.grpc_host
     address = f"{host}:{cp.grpc_port}"
     credentials = _server_credentials(cp)
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError:  # gRPC says only that binding failed
+        raise OSError(
+            f"cannot listen on {address} for gRPC: in use, or not an address of this machine"
+        ) from None
 
 
 def _server_credentials(cp: ControlPlaneSettings) -> grpc.ServerCredentials | None:

@@ -78,7 +78,7 @@ class AdminToken(SecurityBase):
         ):
             raise ApiError(
                 401,
-                "the fleet API needs the admin token (Authorization: Bearer TOKEN)",
+                "this route needs the admin token (Authorization: Bearer TOKEN)",
                 kind="AuthenticationError",
                 headers=_CHALLENGE,
             )

@@ -142,14 +142,9 @@ class FleetApi:
         self.probe = probe
         self.max_body_bytes = max_body_bytes
 
-    def routes(self) -> list[APIRoute]:
+    def admin_routes(self) -> list[APIRoute]:
+        """The operators' routes (the admin token): on the admin port when there is one."""
         admin = [Security(self.admin_token)]
-
-        async def tenant_locality(
-            request: Request, tenant: Annotated[Tenant, Security(self.tenant_key)]
-        ) -> Locality:
-            return await self.tenant_locality(request, tenant)
-
         return [
             APIRoute(
                 "/fleet/workers",
@@ -217,6 +212,17 @@ class FleetApi:
                 },
                 dependencies=admin,
             ),
+        ]
+
+    def tenant_routes(self) -> list[APIRoute]:
+        """The tenants' own routes (their API keys): on the port clients reach."""
+
+        async def tenant_locality(
+            request: Request, tenant: Annotated[Tenant, Security(self.tenant_key)]
+        ) -> Locality:
+            return await self.tenant_locality(request, tenant)
+
+        return [
             RawBodyRoute(
                 "/fleet/tenant/locality",
                 tenant_locality,

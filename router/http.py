@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Security
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute
 
+from router.auth import ADMIN_ERRORS, AdminToken
 from router.control_plane.workers import WorkerView
 from router.errors import EXCEPTION_HANDLERS
 from router.index.base import (
@@ -45,6 +46,7 @@ class Health(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
+    draining: bool = Field(description="the router got its stop signal and is finishing")
     grpc: str
     index: str
     routing: Literal["cache-aware", "predictions-only", "load-only"] = Field(
@@ -63,12 +65,15 @@ def create_http_app(
     view: WorkerView,
     metrics: RouterMetrics,
     grpc_serving: Callable[[], bool],
+    draining: Callable[[], bool] = lambda: False,
     routes: Sequence[BaseRoute] = (),
     before_scrape: Callable[[], None] = lambda: None,
     model_routing: Callable[[], Mapping[str, str]] = dict,
     serve_metrics: bool = True,
+    metrics_guard: AdminToken | None = None,
 ) -> FastAPI:
-    """`model_routing()`: each served model's routing, "cache_aware" or "predictions_only"."""
+    """`model_routing()`: each served model's routing, "cache_aware" or "predictions_only";
+    `metrics_guard`: the credential /metrics needs (none: open)."""
 
     async def healthz() -> Health:
         return Health()
@@ -76,11 +81,13 @@ def create_http_app(
     async def readyz(response: Response) -> Readiness:
         index_problem = await _index_problem(index)
         serving = grpc_serving()
-        response.status_code = 200 if serving else 503
+        stopping = draining()
+        response.status_code = 200 if serving and not stopping else 503
         routing = model_routing()
         blind = sorted(model for model, mode in routing.items() if mode == "predictions_only")
         return Readiness(
-            ready=serving,
+            ready=serving and not stopping,
+            draining=stopping,
             grpc="serving" if serving else "not serving",
             index=index_problem or "ok",
             routing="load-only"
@@ -108,10 +115,10 @@ def create_http_app(
             "/readyz",
             readyz,
             methods=["GET"],
-            summary="200 while gRPC serves; the body says whether routing is cache-aware "
-            "or load-only (the index unreachable)",
+            summary="200 while gRPC serves and the router is not draining; the body says "
+            "whether routing is cache-aware or load-only (the index unreachable)",
             response_description="ready",
-            responses={503: {"model": Readiness, "description": "not serving"}},
+            responses={503: {"model": Readiness, "description": "not serving, or draining"}},
         ),
         APIRoute("/openapi.json", openapi, methods=["GET"], summary="this document"),
     ]
@@ -121,8 +128,11 @@ def create_http_app(
                 "/metrics",
                 metrics_endpoint,
                 methods=["GET"],
-                summary="Prometheus metrics (on the admin port when one is set)",
+                summary="Prometheus metrics (on the admin port when one is set; else here, "
+                "behind the admin token when one is set)",
                 response_class=PlainTextResponse,
+                dependencies=[] if metrics_guard is None else [Security(metrics_guard)],
+                responses={} if metrics_guard is None else _json_errors(ADMIN_ERRORS),
             )
         )
     app = FastAPI(
@@ -143,6 +153,18 @@ def create_http_app(
             route.methods.add("HEAD")
     document.update(openapi_document(app.routes))
     return app
+
+
+def _json_errors(responses: Mapping[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    """Error answers documented as JSON on a route whose own answer is not (FastAPI would
+    give them the route's media type)."""
+    return {
+        status: {
+            **{key: value for key, value in response.items() if key != "model"},
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+        }
+        for status, response in responses.items()
+    }
 
 
 async def _index_problem(index: LocationIndex) -> str | None:

@@ -3,6 +3,7 @@ real process on free loopback ports, as an operator runs them."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ class OneWorkerFleet:
     engine_url: str
     router_url: str
     worker_id: str
+    router: subprocess.Popen[bytes]
 
 
 @contextmanager
@@ -45,7 +47,7 @@ def one_worker_fleet(
                 engine_url + "/health",
             )
         )  # fmt: skip
-        stack.enter_context(
+        router = stack.enter_context(
             spawn_kvplane(
                 ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                  *router_args],
@@ -64,4 +66,4 @@ def one_worker_fleet(
                 module=module,
             )
         )  # fmt: skip
-        yield OneWorkerFleet(engine_url, router_url, worker_id)
+        yield OneWorkerFleet(engine_url, router_url, worker_id, router)

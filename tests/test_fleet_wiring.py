@@ -169,7 +169,7 @@ def test_the_fleet_api_and_the_metrics_show_the_miswired_worker(fleet: Fleet) ->
     assert "tcp://*:" in events["detail"]
     assert _checks(miswired)["replay"]["status"] == "fail"
     assert not workers["good"]["wiring"]["blind"]
-    metrics = httpx.get(fleet.router_url + "/metrics").text
+    metrics = httpx.get(fleet.router_url + "/metrics", headers=ADMIN).text
     assert (
         'kvplane_worker_wiring_check{check="events",status="fail",worker="miswired"} 1.0' in metrics
     )
@@ -196,7 +196,7 @@ def test_token_counts_that_differ_are_reported_within_a_handful_of_requests(
                 )  # fmt: skip
                 assert response.status_code == 200
         row = _workers(fleet.router_url)["other"]
-        metrics = httpx.get(fleet.router_url + "/metrics").text
+        metrics = httpx.get(fleet.router_url + "/metrics", headers=ADMIN).text
         ready = httpx.get(fleet.router_url + "/readyz").json()
     tokenizer = _checks(row)["tokenizer"]
     assert tokenizer["status"] == "fail"

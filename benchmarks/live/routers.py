@@ -40,6 +40,7 @@ from router.tenants import api_key_digest
 _DEFAULT_PEERS_VENV = Path(__file__).resolve().parents[2] / ".peers-venv"
 PEERS_BUILD_COMMAND = "make peers-env"
 ADMIN_TOKEN = "bench-live-admin"  # loopback only, for the fleet API's evidence
+_ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the replicas' shared index: flushed per cell
 
 
@@ -237,7 +238,7 @@ def check_wiring(url: str, token: str = ADMIN_TOKEN) -> dict[str, Any]:
 
 
 def _admin_get(url: str, path: str) -> Any:
-    response = httpx2.get(url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)
+    response = httpx2.get(url + path, headers=_ADMIN_HEADERS, timeout=5)
     response.raise_for_status()
     return response.json()
 
@@ -333,7 +334,8 @@ def _peer_metrics(metrics_url: str) -> dict[str, Any]:
 def _metric_totals(metrics_url: str, keep: Callable[[str], bool]) -> dict[str, Any]:
     """The samples whose names `keep` picks, summed over every label but their own."""
     try:
-        text = httpx2.get(metrics_url + "/metrics", timeout=5).text
+        # kvplane's /metrics on its client port needs the admin token; the peers' ignore it.
+        text = httpx2.get(metrics_url + "/metrics", headers=_ADMIN_HEADERS, timeout=5).text
     except httpx2.HTTPError as error:
         return {"metrics": f"unreadable: {type(error).__name__}"}
     totals: dict[str, float] = {}

@@ -137,6 +137,12 @@ class HttpSettings(_Section):
     # Set: the fleet API and /metrics move to this port, so that the port clients reach
     # serves only the OpenAI API and the probes.
     admin_port: int | None = Field(default=None, ge=0, le=65535)
+    # On SIGTERM /readyz fails at once; new requests are still served for drain_delay_s
+    # (a Kubernetes Service takes a few seconds to stop sending them), then the ports
+    # close and the requests in progress, streams included, have drain_timeout_s to
+    # finish before they are cut.
+    drain_delay_s: float = Field(default=0.0, ge=0, le=300)
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
 
 
 class ProxySettings(_Section):

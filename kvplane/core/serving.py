@@ -50,8 +50,12 @@ def freeze_startup_heap() -> None:
 
 
 def bind_http(host: str, port: int) -> socket.socket:
-    # Bound here rather than by uvicorn: a port in use raises OSError here, where
-    # uvicorn would call sys.exit(), and port 0 tells us the port it picked.
+    """A listening socket on host:port; a port in use, or an address this machine does
+    not have, is an OSError that names them.
+
+    Bound here rather than by uvicorn: uvicorn would call sys.exit(), and port 0 tells
+    us the port it picked. A server binds before its slower start-up work, so that a
+    port in use fails the start at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # The protocol must be named: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket says IPPROTO_TCP (socket.create_server leaves it 0), and
@@ -62,25 +66,30 @@ def bind_http(host: str, port: int) -> socket.socket:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
         listener.listen(socket.SOMAXCONN)
-    except OSError:
+    except OSError as error:
         listener.close()
-        raise
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
     return listener
 
 
 @contextlib.asynccontextmanager
 async def serving_http(
-    app: ASGIApp, host: str, port: int, *, stop_grace_s: int = 2
+    app: ASGIApp, listener: socket.socket, *, stop_grace_s: float = 2
 ) -> AsyncIterator[int]:
-    """Serve `app` on host:port until the block exits; yields the bound port."""
-    with contextlib.closing(bind_http(host, port)) as bound:
+    """Serve `app` on a socket from bind_http() until the block exits; yields its port.
+
+    On the way out the server stops accepting, closes idle connections and lets the
+    requests in progress (streams included) finish within `stop_grace_s`, then cuts
+    what is left."""
+    with contextlib.closing(listener) as bound:
         server = _EmbeddedServer(
             uvicorn.Config(
                 app,
                 lifespan="off",
                 log_config=None,
                 access_log=False,
-                timeout_graceful_shutdown=stop_grace_s,
+                # uvicorn's annotation says int; it waits with asyncio.wait_for.
+                timeout_graceful_shutdown=stop_grace_s,  # type: ignore[arg-type]
             )
         )
         task = asyncio.create_task(server.serve(sockets=[bound]))

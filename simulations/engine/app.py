@@ -14,7 +14,7 @@ import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvplane.core.serving import cancel_task, serving_http, wait_for_stop_signal
+from kvplane.core.serving import bind_http, cancel_task, serving_http, wait_for_stop_signal
 from kvplane.core.tokenizer import load_tokenizer
 from simulations.engine.config import EngineSimConfig
 from simulations.engine.engine import SimEngine
@@ -68,7 +68,9 @@ async def running_engine_sim(config: EngineSimConfig) -> AsyncIterator[RunningEn
         engine = SimEngine(config, tokenizer.plain_token_ids(), metrics, publisher)
         stack.push_async_callback(cancel_task, asyncio.create_task(engine.run()))
         app = create_engine_app(engine, tokenizer, config)
-        http_port = await stack.enter_async_context(serving_http(app, config.host, config.port))
+        http_port = await stack.enter_async_context(
+            serving_http(app, bind_http(config.host, config.port))
+        )
         yield RunningEngineSim(
             http_port=http_port,
             events_endpoint=None if publisher is None else publisher.endpoint,

@@ -113,7 +113,7 @@ CHECKS: list[Callable[..., Any]] = [
 
 
 def valid_credentials(path: str) -> dict[str, str]:
-    if path.startswith("/fleet/") and path != "/fleet/tenant/locality":
+    if path == "/metrics" or (path.startswith("/fleet/") and path != "/fleet/tenant/locality"):
         return ADMIN
     return auth("acme") if path.startswith(("/v1/", "/fleet/")) else {}
 

@@ -43,6 +43,7 @@ async def test_healthz_and_readyz(router: RunningRouter) -> None:
     assert ready.status_code == 200
     assert ready.json() == {
         "ready": True,
+        "draining": False,
         "grpc": "serving",
         "index": "ok",
         "routing": "cache-aware",
@@ -64,6 +65,7 @@ async def test_readyz_fails_while_grpc_is_not_serving() -> None:
     assert response.status_code == 503
     assert response.json() == {
         "ready": False,
+        "draining": False,
         "grpc": "not serving",
         "index": "ok",
         "routing": "cache-aware",

@@ -117,7 +117,7 @@ def lookup(fleet: VllmFleet, keys: list[int]) -> dict[str, PrefixMatch]:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=ADMIN, timeout=10).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)

@@ -27,6 +27,7 @@ from tests.waiting import wait_until
 
 MODEL = "kvplane-tiny"
 ADMIN_TOKEN = "admin-secret"
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 TENANT_KEYS = {"acme": "sk-acme", "globex": "sk-globex"}
 
 

@@ -38,7 +38,14 @@ from router.index.base import PrefixMatch, WorkerState
 from router.index.memory import MemoryLocationIndex
 from simulations.engine.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
-from tests.proxy.conftest import MODEL, TENANT_KEYS, RoutedFleet, routed_fleet, router_settings
+from tests.proxy.conftest import (
+    ADMIN,
+    MODEL,
+    TENANT_KEYS,
+    RoutedFleet,
+    routed_fleet,
+    router_settings,
+)
 from tests.redis_servers import stoppable_redis
 from tests.waiting import wait_until
 
@@ -161,7 +168,7 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
 
 async def router_metric(fleet: RoutedFleet, name: str, **labels: str) -> float:
     async with fleet.http() as http:
-        return sample_sum((await http.get("/metrics")).text, name, **labels)
+        return sample_sum((await http.get("/metrics", headers=ADMIN)).text, name, **labels)
 
 
 async def engine_busy(base_url: str) -> float:
@@ -346,7 +353,12 @@ async def test_redis_stopping_degrades_to_load_only_routing(tmp_path: Path) -> N
         ready = await loss.http.get("/readyz")
         assert ready.status_code == 200
         assert ready.json()["routing"] == "load-only"
-        assert sample_sum((await loss.http.get("/metrics")).text, "kvplane_index_degraded") == 1
+        assert (
+            sample_sum(
+                (await loss.http.get("/metrics", headers=ADMIN)).text, "kvplane_index_degraded"
+            )
+            == 1
+        )
         assert time.monotonic() - loss.stopped_at < lease_s / 2  # all within the lease
 
 
@@ -397,7 +409,7 @@ async def test_a_bug_in_the_index_fails_the_request_rather_than_routing_on_load(
         response = await http.post("/v1/completions", json=body, headers=AUTH)
         assert response.status_code == 500
         assert fleet.router.planner.index_answering
-        text = (await http.get("/metrics")).text
+        text = (await http.get("/metrics", headers=ADMIN)).text
     error = type(bug).__name__
     assert sample_sum(text, "kvplane_index_errors_total", operation="lookup", error=error) == 1
     assert sample_sum(text, "kvplane_index_degraded") == 0

@@ -52,7 +52,7 @@ def _reported(response: httpx.Response) -> int:
 
 async def _metric(fleet: RoutedFleet, name: str, **labels: str) -> float:
     async with fleet.http() as client:
-        text = (await client.get("/metrics")).text
+        text = (await client.get("/metrics", headers=ADMIN)).text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -388,11 +388,27 @@ async def test_an_admin_port_keeps_the_fleet_api_and_metrics_off_the_public_one(
         assert fleet.router.admin_port is not None
         admin = f"http://127.0.0.1:{fleet.router.admin_port}"
         assert (await client.get("/fleet/workers", headers=ADMIN)).status_code == 404
-        assert (await client.get("/metrics")).status_code == 404
+        assert (await client.get("/metrics", headers=ADMIN)).status_code == 404
         assert (await client.get("/readyz")).status_code == 200
         await _complete(fleet, PROMPT)  # the OpenAI API stays on the public port
         assert (await client.get(admin + "/fleet/workers", headers=ADMIN)).status_code == 200
         assert (await client.get(admin + "/metrics")).status_code == 200
+        # A tenant's own locality query stays where the tenant can reach it.
+        query = {"model": MODEL, "prompt": PROMPT}
+        tenant = {"authorization": "Bearer sk-acme"}
+        own = await client.post("/fleet/tenant/locality", json=query, headers=tenant)
+        assert own.status_code == 200, own.text
+        assert own.json()["workers"]
+        assert (await client.post(admin + "/fleet/tenant/locality", json=query)).status_code == 404
+
+
+async def test_metrics_on_the_client_port_need_the_admin_token_when_one_is_set() -> None:
+    async with routed_fleet(1) as fleet, fleet.http() as client:
+        assert (await client.get("/metrics")).status_code == 401
+        assert (
+            await client.get("/metrics", headers={"authorization": "Bearer sk-acme"})
+        ).status_code == 401
+        assert (await client.get("/metrics", headers=ADMIN)).status_code == 200
 
 
 async def test_an_identical_prompt_is_tokenised_once() -> None:

@@ -58,6 +58,7 @@ def _run_bench_router(args: argparse.Namespace) -> int:
         requests=args.requests,
         concurrency=args.concurrency,
         sequential=args.sequential,
+        oversized=args.oversized,
         host_tier=args.host_tier,
     )
 
@@ -156,6 +157,13 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     router_bench.add_argument("--concurrency", type=int, default=32)
     router_bench.add_argument(
         "--sequential", type=int, default=1000, help="one-at-a-time requests, for latency"
+    )
+    router_bench.add_argument(
+        "--oversized",
+        type=int,
+        default=3,
+        help="10 MB prompts sent after the proxy's runs: the router's CPU before it "
+        "refuses one (0: skip)",
     )
     router_bench.add_argument(
         "--host-tier",

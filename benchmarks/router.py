@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx2
@@ -126,6 +126,19 @@ class ProxyFigures:
     router_cpu_ms_per_request: float
     engine_cpu_ms_per_request: float
     errors: int
+    oversized: OversizedFigures | None = None
+
+
+@dataclass(frozen=True)
+class OversizedFigures:
+    """Prompts far over the engine's max_model_len, each sent alone: what the router
+    spends before it refuses one."""
+
+    requests: int
+    prompt_megabytes: float
+    statuses: list[int]  # the router's answers (400: refused by the router's cap)
+    router_cpu_ms_per_request: float
+    seconds_per_request: float
 
 
 # -- the decision path -------------------------------------------------------------
@@ -465,7 +478,36 @@ def _wait_routable(router_url: str, timeout_s: float = 60.0) -> None:
             time.sleep(0.1)
 
 
-def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -> ProxyFigures:
+def measure_oversized(router_url: str, router_pid: int, count: int) -> OversizedFigures:
+    """`count` completions of a 10 MB prompt, one at a time, through the router."""
+    prompt = ("Blocks of sixteen tokens are keyed by every token before them. " * 160_000)[
+        : 10 * 1024 * 1024
+    ]
+    body = json.dumps({"model": SIM_MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    statuses = []
+    cpu_before, started = _cpu_seconds(router_pid), time.perf_counter()
+    with httpx2.Client(timeout=600.0) as client:
+        for _ in range(count):
+            answer = client.post(
+                router_url + "/v1/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+            statuses.append(answer.status_code)
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds(router_pid) - cpu_before
+    return OversizedFigures(
+        requests=count,
+        prompt_megabytes=round(len(body) / 1e6, 1),
+        statuses=statuses,
+        router_cpu_ms_per_request=round(cpu / count * 1000, 1),
+        seconds_per_request=round(seconds / count, 3),
+    )
+
+
+def measure_proxy(
+    requests: int, concurrency: int, sequential: int, seed: int, oversized: int = 0
+) -> ProxyFigures:
     events, replay = free_port(), free_port()
     grpc_port, http_port = free_port(), free_port()
     router_url = f"http://127.0.0.1:{http_port}"
@@ -499,7 +541,7 @@ def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -
         )  # fmt: skip
         _wait_routable(router_url)
         require_wiring(router_url, _ADMIN_TOKEN)  # BlindFleet: no figures from a blind router
-        return asyncio.run(
+        figures = asyncio.run(
             _proxy_runs(
                 sim.base_url,
                 router_url,
@@ -511,6 +553,11 @@ def measure_proxy(requests: int, concurrency: int, sequential: int, seed: int) -
                 seed=seed,
             )
         )
+        if oversized > 0:
+            figures = replace(
+                figures, oversized=measure_oversized(router_url, router.pid, oversized)
+            )
+        return figures
     raise AssertionError("unreachable")  # for mypy: ExitStack may swallow exceptions
 
 
@@ -592,6 +639,13 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
             f"{proxy.router_cpu_ms_per_request:.2f} ms/request (engine "
             f"{proxy.engine_cpu_ms_per_request:.2f}); {proxy.errors} errors"
         )
+        if proxy.oversized is not None:
+            big = proxy.oversized
+            print(
+                f"oversized: {big.requests} prompts of {big.prompt_megabytes} MB, answered "
+                f"{sorted(set(big.statuses))}: router CPU {big.router_cpu_ms_per_request:,.1f} "
+                f"ms and {big.seconds_per_request:.3f} s each"
+            )
 
 
 def run_router_benchmark(
@@ -605,6 +659,7 @@ def run_router_benchmark(
     requests: int,
     concurrency: int,
     sequential: int,
+    oversized: int = 0,
     host_tier: bool = False,
     seed: int = 1,
 ) -> int:
@@ -620,7 +675,9 @@ def run_router_benchmark(
         host_tier=host_tier,
         seed=seed,
     )
-    proxy = measure_proxy(requests, concurrency, sequential, seed) if requests > 0 else None
+    proxy = (
+        measure_proxy(requests, concurrency, sequential, seed, oversized) if requests > 0 else None
+    )
     _print_table(rows, proxy)
     if json_path is not None:
         report = {

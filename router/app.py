@@ -56,6 +56,7 @@ from router.routing.sight import FleetSight, Sight
 from router.routing.token_agreement import TokenCountAgreement
 from router.routing.wiring import is_blind
 from router.scoring.policy import configured_policy
+from router.tenant_limits import TenantLimiter
 from router.tenants import TenantDirectory
 from router.tracing import open_tracing
 
@@ -185,6 +186,7 @@ async def running_router(
             upstream=upstream,
             metrics=metrics,
             tracer=tracer,
+            limiter=TenantLimiter(clock, busy_retry_after_s=proxy_settings.retry_after_s),
         )
         await asyncio.to_thread(proxy.prompt_tokens.tokenizers.preload)
         admin_token = settings.http.admin_token

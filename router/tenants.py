@@ -14,6 +14,7 @@ generation are ever matched again; they leave as the engines evict them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -25,7 +26,13 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from kvplane.core.config import ConfigError, IsolationClass, TenantSettings, TenantSpec
+from kvplane.core.config import (
+    ConfigError,
+    IsolationClass,
+    RequestLimits,
+    TenantSettings,
+    TenantSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class Tenant:
     isolation: IsolationClass = "shared"
     required_labels: Mapping[str, str] = field(default_factory=dict)
     pool: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 ANONYMOUS_TENANT = Tenant(name=ANONYMOUS, cache_scope=SHARED_SCOPE, cache_salt=None)
@@ -80,9 +88,17 @@ class TenantDirectory:
     """API key → tenant, and tenant name → tenant."""
 
     def __init__(
-        self, specs: Iterable[TenantSpec], *, secret: bytes, allow_anonymous: bool
+        self,
+        specs: Iterable[TenantSpec],
+        *,
+        secret: bytes,
+        allow_anonymous: bool,
+        anonymous_limits: RequestLimits | None = None,
     ) -> None:
         self.allow_anonymous = allow_anonymous
+        self._anonymous = dataclasses.replace(
+            ANONYMOUS_TENANT, limits=anonymous_limits or RequestLimits()
+        )
         self._specs = list(specs)
         self._secret = secret
         self._generations: dict[str, int] = {}
@@ -107,11 +123,12 @@ class TenantDirectory:
                 isolation=spec.isolation,
                 required_labels=dict(spec.required_labels),
                 pool=spec.pool,
+                limits=spec.limits,
             )
             by_name[spec.name] = tenant
             by_digest.update(dict.fromkeys(spec.api_key_sha256, tenant))
         if self.allow_anonymous:
-            by_name[ANONYMOUS] = ANONYMOUS_TENANT
+            by_name[ANONYMOUS] = self._anonymous
         self._by_name, self._by_digest = by_name, by_digest
 
     def apply_generations(self, generations: Mapping[str, int]) -> None:
@@ -144,7 +161,12 @@ class TenantDirectory:
         allow_anonymous = (
             not specs if settings.allow_anonymous is None else settings.allow_anonymous
         )
-        return cls(specs, secret=secret, allow_anonymous=allow_anonymous)
+        return cls(
+            specs,
+            secret=secret,
+            allow_anonymous=allow_anonymous,
+            anonymous_limits=settings.anonymous_limits,
+        )
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant of an `Authorization: Bearer KEY` header; anonymous for an
@@ -155,7 +177,7 @@ class TenantDirectory:
             if scheme.lower() == "bearer" and key.strip():
                 tenant = self._by_digest.get(api_key_digest(key.strip()))
         if tenant is None and self.allow_anonymous:
-            return ANONYMOUS_TENANT
+            return self._anonymous
         return tenant
 
     def get(self, name: str) -> Tenant | None:

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 import filecmp
 from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR, build_default_tokenizer, load_tokenizer
+from kvplane.core.tokenizer import (
+    CUT_SLACK_TOKENS,
+    DEFAULT_TOKENIZER_DIR,
+    MIN_COUNT_CHUNK_CHARS,
+    build_default_tokenizer,
+    load_tokenizer,
+)
 from tests.engine_sim.conftest import engine_sim
 
 
@@ -86,3 +95,45 @@ async def test_a_tokenizer_without_a_chat_template_refuses_chat(tmp_path: Path) 
 def test_a_missing_tokenizer_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no tokenizer directory"):
         load_tokenizer(tmp_path / "missing")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    words=st.lists(
+        st.sampled_from(["the", "cache", " ", "\n", "blocks", "<s>", "é", "0123", "==", "  "]),
+        min_size=1,
+        max_size=3000,
+    ),
+    limit=st.integers(min_value=1, max_value=40_000),
+)
+def test_counting_past_a_limit_never_finds_more_tokens_than_there_are(
+    words: list[str], limit: int
+) -> None:
+    tokenizer = load_tokenizer()
+    text = "".join(words) * 8  # up to about 100k characters: several chunks, several cuts
+    tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    past = tokenizer.counts_past(text, limit)
+    if past is None:
+        # Within the limit by the count; slack per cut may hide up to that much more.
+        assert tokens <= limit + CUT_SLACK_TOKENS * (len(text) // MIN_COUNT_CHUNK_CHARS + 1)
+    else:
+        assert limit < past <= tokens
+
+
+def test_counting_stops_once_past_the_limit() -> None:
+    tokenizer = load_tokenizer()
+    chunk = "blocks of sixteen tokens " * 1000  # about 25k characters
+    seen: list[int] = []
+    encode = tokenizer.encode
+
+    def counting_encode(text: str, *, add_special_tokens: bool) -> list[int]:
+        seen.append(len(text))
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    tokenizer_copy = copy.copy(tokenizer)
+    tokenizer_copy.encode = counting_encode  # type: ignore[method-assign]
+    huge = chunk * 400  # 10 MB
+    past = tokenizer_copy.counts_past(huge, 8192)
+    assert past is not None
+    assert past > 8192
+    assert sum(seen) < 4 * MIN_COUNT_CHUNK_CHARS  # a few chunks read, not 10 MB

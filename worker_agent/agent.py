@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -56,7 +56,7 @@ class WorkerAgent:
     async def run(self) -> None:
         agent = self.settings.agent
         async with _EngineHttp(agent.engine_url) as http:
-            model, cache = await self._engine_facts(http)
+            model, max_model_len, cache = await self._engine_facts(http)
             version = await _engine_version(http, self.adapter.version_path)
             for warning in self.adapter.release_warnings(version):
                 log.warning("%s", warning)
@@ -92,6 +92,7 @@ class WorkerAgent:
                     engine_kind=self.adapter.kind,
                     engine_version=version,
                     labels=dict(agent.labels),
+                    max_model_len=max_model_len,
                 ),
                 agent,
                 self.settings.control_plane,
@@ -123,20 +124,20 @@ class WorkerAgent:
             finally:
                 source.close()
 
-    async def _engine_facts(self, http: _EngineHttp) -> tuple[str, EngineCacheConfig | None]:
-        """The model name (configured, or the engine's first) and its cache configuration;
-        waits for the engine to answer."""
+    async def _engine_facts(self, http: _EngineHttp) -> tuple[str, int, EngineCacheConfig | None]:
+        """The model name (configured, or the engine's first), its longest prompt plus
+        output (0 when the engine does not say) and its cache configuration; waits for
+        the engine to answer."""
         delay = self.settings.agent.reconnect_min_s
         while True:
             try:
-                model = self.settings.agent.model
-                if model is None:
-                    async with http.get("/v1/models") as response:
-                        response.raise_for_status()
-                        model = str((await response.json(content_type=None))["data"][0]["id"])
+                async with http.get("/v1/models") as response:
+                    response.raise_for_status()
+                    served = (await response.json(content_type=None))["data"]
+                model = self.settings.agent.model or str(served[0]["id"])
                 async with http.get("/metrics") as response:
                     cache = self.adapter.parse_cache_config(await response.text())
-                return model, cache
+                return model, _max_model_len(served, model), cache
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as error:
                 log.info(
                     "waiting for the engine at %s (%s)",
@@ -288,6 +289,17 @@ class _EngineHttp:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._session.close()
+
+
+def _max_model_len(served: Any, model: str) -> int:
+    """The `max_model_len` that vLLM and SGLang give each model in /v1/models; 0 when
+    the model is not listed or the field is not a positive integer that fits the wire."""
+    for entry in served if isinstance(served, list) else ():
+        if isinstance(entry, dict) and entry.get("id") == model:
+            length = entry.get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and 0 < length < 2**32:
+                return length
+    return 0
 
 
 async def _engine_version(http: _EngineHttp, path: str) -> str:

@@ -53,6 +53,7 @@ class WorkerIdentity:
     engine_kind: str
     engine_version: str  # "" when the engine does not say
     labels: dict[str, str]
+    max_model_len: int = 0  # 0 when the engine does not say
 
 
 @dataclass(slots=True)
@@ -244,6 +245,7 @@ class ControlPlanePublisher:
                 engine_kind=self._identity.engine_kind,
                 engine_version=self._identity.engine_version,
                 labels=self._identity.labels,
+                max_model_len=self._identity.max_model_len,
             )
             reply = await stream.request(register_message(info))
             if self.incarnation != info.incarnation:

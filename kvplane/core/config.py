@@ -163,12 +163,26 @@ class ProxySettings(_Section):
     suspect_after_misses: int = Field(default=5, ge=1)  # predictions in a row the engine
     # did not confirm before a worker's index entries count as suspect
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # A prompt's tokens are capped at its model's max_model_len, as the engines register
+    # it; this caps them lower (or at all, where the engines do not say). Over the cap a
+    # request is refused before a long prompt is tokenised whole.
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_connections: int = Field(default=1024, ge=1)  # upstream connections, all workers
     # Each of the two token caches (whole prompts, prompt pieces) holds this many (4 B each).
     token_cache_tokens: int = Field(default=2_000_000, ge=0)
 
 
 IsolationClass = Literal["shared", "private", "dedicated"]
+
+
+class RequestLimits(_Section):
+    """How much one tenant may ask of the fleet; past it, a 429 with Retry-After."""
+
+    requests_per_s: float | None = Field(default=None, gt=0)  # sustained
+    burst: int | None = Field(default=None, ge=1)  # above the rate; default: 1 s of it
+    concurrent_requests: int | None = Field(default=None, ge=1)  # streams until they end
+
+
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
 
@@ -184,6 +198,7 @@ class TenantSpec(_Section):
     isolation: IsolationClass = "shared"
     required_labels: dict[str, str] = Field(default_factory=dict)  # `private`: soft
     pool: str | None = None  # `dedicated`: only workers labelled kvplane.io/pool=<pool>
+    limits: RequestLimits = Field(default_factory=RequestLimits)
 
     @model_validator(mode="after")
     def _check(self) -> TenantSpec:
@@ -204,6 +219,7 @@ class TenantSettings(_Section):
     cache_salt_secret: SecretStr | None = None
     # Requests without a key: None allows them only while no tenant is configured.
     allow_anonymous: bool | None = None
+    anonymous_limits: RequestLimits = Field(default_factory=RequestLimits)  # all together
 
 
 class AgentSettings(_Section):

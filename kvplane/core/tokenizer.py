@@ -64,6 +64,13 @@ When memory runs out, the engine evicts the blocks that were freed longest ago f
 """
 
 
+MIN_COUNT_CHUNK_CHARS = 16 * 1024
+CUT_SLACK_TOKENS = 16
+"""Tokens a cut between two chunks may add to their counts (a word, or an added token,
+split in two); counts_past() takes this much off per cut, so that it never finds a
+prompt longer than it is."""
+
+
 class PromptTokenizer:
     """A Hugging Face tokenizer with vLLM's rules for turning requests into token ids."""
 
@@ -87,6 +94,27 @@ class PromptTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def counts_past(self, text: str, limit: int) -> int | None:
+        """A lower bound on the tokens of `text`, when it is over `limit`; else None.
+
+        Tokenises the text a chunk at a time (chunks end at whitespace where they can)
+        and stops as soon as the count is past the limit, so that a prompt megabytes
+        long costs about the limit's worth of tokenising, not its own."""
+        chunk_chars = max(limit, MIN_COUNT_CHUNK_CHARS)
+        counted = cuts = start = 0
+        while start < len(text):
+            end = min(start + chunk_chars, len(text))
+            if end < len(text):
+                space = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+                end = space if space > start + chunk_chars // 2 else end
+            counted += len(self.encode(text[start:end], add_special_tokens=False))
+            at_least = counted - cuts * CUT_SLACK_TOKENS
+            if at_least > limit:
+                return at_least
+            cuts += 1
+            start = end
+        return None
 
     def completion_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a `/v1/completions` prompt."""

@@ -67,6 +67,7 @@ class WorkerInfo:
     engine_kind: str = ""
     engine_version: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
+    max_model_len: int = 0  # the engine's longest prompt plus output, in tokens; 0: unknown
 
 
 class EventsState(enum.Enum):

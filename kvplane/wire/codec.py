@@ -119,6 +119,7 @@ def register_message(info: WorkerInfo, key_scheme_version: int = SCHEME_VERSION)
             engine_kind=info.engine_kind,
             engine_version=info.engine_version,
             labels=dict(info.labels),
+            max_model_len=info.max_model_len,
         )
     )
 
@@ -244,6 +245,7 @@ def parse_register(message: pb.Register, limits: Limits) -> WorkerInfo | Rejecti
         engine_kind=message.engine_kind,
         engine_version=message.engine_version,
         labels=dict(message.labels),
+        max_model_len=message.max_model_len,
     )
 
 

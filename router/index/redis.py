@@ -688,6 +688,20 @@ def _info_to_json(info: WorkerInfo) -> str:
     return json.dumps(fields, separators=(",", ":"))
 
 
+_STORED_INFO_FIELDS = frozenset(
+    field.name
+    for field in dataclasses.fields(WorkerInfo)
+    if field.name not in ("worker_id", "incarnation")
+)
+
+
+def _info_fields(stored: bytes) -> dict[str, Any]:
+    """A registration as stored, less any field this router does not know (written by a
+    newer router sharing the index, during a rolling upgrade)."""
+    fields: dict[str, Any] = json.loads(stored)
+    return {name: value for name, value in fields.items() if name in _STORED_INFO_FIELDS}
+
+
 def _status(worker_id: str, record: list[Any]) -> WorkerStatus:
     incarnation, deadline_us, draining, entries, info, now_us, _ = record
     remaining_s = (int(deadline_us) - int(now_us)) / 1_000_000
@@ -696,7 +710,7 @@ def _status(worker_id: str, record: list[Any]) -> WorkerStatus:
     else:
         state = WorkerState.DRAINING if draining == b"1" else WorkerState.LIVE
     return WorkerStatus(
-        info=WorkerInfo(worker_id=worker_id, incarnation=int(incarnation), **json.loads(info)),
+        info=WorkerInfo(worker_id=worker_id, incarnation=int(incarnation), **_info_fields(info)),
         state=state,
         lease_remaining_s=max(0.0, remaining_s),
         entries=int(entries),

@@ -51,7 +51,7 @@ from router.proxy.schema import (
     ModelList,
     StreamEvent,
 )
-from router.proxy.tokens import PromptTokens
+from router.proxy.tokens import PromptTokens, PromptTooLong
 from router.proxy.upstream import (
     AttemptFailed,
     NoFreeConnection,
@@ -64,6 +64,7 @@ from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet, Ticket
 from router.routing.token_agreement import TokenCountAgreement
+from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
 from router.tracing import Tracer
 
@@ -91,11 +92,16 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     400: documented(
         "refused by the router (not JSON, not an object, `model`, `stream`, `prompt` or "
-        "`messages`) or by the engine (its own checks)"
+        "`messages`; a prompt over the model's maximum length) or by the engine (its own "
+        "checks)"
     ),
     401: UNAUTHORIZED,
     404: documented("the engine does not serve the model"),
     413: BODY_ERRORS[413],
+    429: documented(
+        "the tenant is over its request rate or its requests in progress",
+        {"retry-after": required_header({"type": "integer", "minimum": 1}, "seconds")},
+    ),
     503: documented(
         "no live worker, none answered before its first byte, or the router's connections "
         "to the engines are all in use",
@@ -160,6 +166,11 @@ class RelayResponse(StreamingResponse):
         super().__init__(content, **kw)
         self._finish = finish
         self._client_left = client_left
+        self._after_finish: list[Callable[[], None]] = []
+
+    def after_finish(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once the response has ended, however it ended."""
+        self._after_finish.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         spec = scope.get("asgi", {}).get("spec_version", "2.0")
@@ -183,7 +194,11 @@ class RelayResponse(StreamingResponse):
             if watcher is not None:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
-            await self._finish()
+            try:
+                await self._finish()
+            finally:
+                for callback in self._after_finish:
+                    callback()
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -204,8 +219,10 @@ class ProxyService:
         upstream: Upstream,
         metrics: RouterMetrics,
         tracer: Tracer,
+        limiter: TenantLimiter,
     ) -> None:
         self.settings = settings
+        self.limiter = limiter
         self.tenants = tenants
         self.fleet = fleet
         self.planner = planner
@@ -261,6 +278,27 @@ class ProxyService:
         if tenant is None:
             self._count("unauthorized")
             return unauthorized().response()
+        refused = self.limiter.admit(tenant)  # before the body is read: a refusal costs nothing
+        if refused is not None:
+            self._count(refused.reason)
+            return error_response(
+                429,
+                refused.message,
+                kind="RateLimitError",
+                headers={"retry-after": str(refused.retry_after_s)},
+            )
+        try:
+            response = await self._admitted(request, endpoint, tenant)
+        except BaseException:
+            self.limiter.release(tenant)
+            raise
+        if isinstance(response, RelayResponse):
+            response.after_finish(functools.partial(self.limiter.release, tenant))
+        else:
+            self.limiter.release(tenant)
+        return response
+
+    async def _admitted(self, request: Request, endpoint: Endpoint, tenant: Tenant) -> Response:
         try:
             raw = await read_body(request, self.settings.max_body_bytes)
             parsed = parse_body(raw, endpoint)
@@ -280,7 +318,11 @@ class ProxyService:
             },
         ):
             scope = key_scope(tenant, parsed)
-            tokens = await self._tokenize(parsed, scope)
+            try:
+                tokens = await self._tokenize(parsed, scope)
+            except PromptTooLong as too_long:
+                self._count("prompt_too_long")
+                return error_response(400, str(too_long), kind="BadRequestError")
             decision = await self.planner.decide(
                 model=parsed.model, tenant=tenant, cache_scope=scope, tokens=tokens or []
             )
@@ -294,10 +336,20 @@ class ProxyService:
     async def _tokenize(self, parsed: ParsedRequest, scope: str) -> Sequence[int] | None:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.tokenize") as span:
-            tokens = await self.prompt_tokens.of(parsed, scope)
+            tokens = await self.prompt_tokens.of(parsed, scope, self._prompt_limit(parsed.model))
             span.set_attribute("kvplane.prompt_tokens", -1 if tokens is None else len(tokens))
         self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return tokens
+
+    def _prompt_limit(self, model: str) -> int | None:
+        """The most prompt tokens a request for `model` may have: the engines' own limit
+        and the configured one, the lower; None when neither is known."""
+        known = [
+            limit
+            for limit in (self.fleet.roster.max_model_len(model), self.settings.max_prompt_tokens)
+            if limit is not None
+        ]
+        return min(known, default=None)
 
     def _no_worker(self, tenant: Tenant) -> Response:
         self._count("no_worker")

@@ -52,6 +52,12 @@ MAX_PIECES = 1024
 """A prompt cut into more pieces than this is tokenised whole: a chat makes a few pieces
 a message, and a body stuffed with added tokens would otherwise cost a step of Python
 for each of them where the tokenizer spends nanoseconds."""
+COUNTED_FIRST_CHARS_PER_TOKEN = 4
+"""A prompt longer than this many characters per token of its limit is counted a chunk
+at a time (PromptTokenizer.counts_past) before it is tokenised: past the limit, it is
+refused having cost about the limit's worth of tokenising. Text averages 3-5 characters
+a token, so a prompt within its limit rarely pays for the count."""
+
 CHECKED_FIRST_USES = 8
 CHECK_ONE_IN = 1024
 """Piecewise results compared with whole tokenisation: every one of a tokenizer's first
@@ -123,6 +129,24 @@ class TokenCache:
         return entry
 
 
+class PromptTooLong(Exception):
+    """A prompt with more tokens than its model takes: refused before it is routed."""
+
+    def __init__(self, tokens: int, limit: int, *, at_least: bool) -> None:
+        self.tokens = tokens
+        self.limit = limit
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{'at least ' if at_least else ''}{tokens} tokens."
+        )
+
+
+def _within(token_ids: Sequence[int], limit: int | None) -> Sequence[int]:
+    if limit is not None and len(token_ids) > limit:
+        raise PromptTooLong(len(token_ids), limit, at_least=False)
+    return token_ids
+
+
 @dataclass(frozen=True, slots=True)
 class TokenisationStats:
     """What the caches saved since start, for the metrics."""
@@ -186,8 +210,13 @@ class PromptTokens:
             piecewise_differences=self._differences,
         )
 
-    async def of(self, request: ParsedRequest, scope: str) -> Sequence[int] | None:
-        """The request's token ids; `scope` is the cache scope it is keyed in."""
+    async def of(
+        self, request: ParsedRequest, scope: str, limit: int | None = None
+    ) -> Sequence[int] | None:
+        """The request's token ids; `scope` is the cache scope it is keyed in.
+
+        Raises PromptTooLong for a prompt over `limit` tokens, found before the whole of
+        a long prompt is tokenised."""
         try:
             key = tokenisation_key(request, scope)
         except (msgspec.EncodeError, TypeError, ValueError):  # not JSON-encodable: no cache
@@ -195,18 +224,24 @@ class PromptTokens:
         if key is not None:
             cached = self.cache.get(key)
             if cached is not None:
-                return cached
-        token_ids = await self._tokenise(request, self.tokenizers.for_model(request.model), scope)
-        if token_ids is None or key is None:
-            return token_ids
-        return self.cache.put(key, token_ids)
+                return _within(cached, limit)
+        tokenizer = self.tokenizers.for_model(request.model)
+        token_ids = await self._tokenise(request, tokenizer, scope, limit)
+        if token_ids is None:
+            return None
+        _within(token_ids, limit)
+        return token_ids if key is None else self.cache.put(key, token_ids)
 
     async def _tokenise(
-        self, request: ParsedRequest, tokenizer: PromptTokenizer, scope: str
+        self, request: ParsedRequest, tokenizer: PromptTokenizer, scope: str, limit: int | None
     ) -> Sequence[int] | None:
         prompt = prompt_input(request, tokenizer)
         if not isinstance(prompt, PromptText):
             return prompt
+        if limit is not None and len(prompt.text) > limit * COUNTED_FIRST_CHARS_PER_TOKEN:
+            past = await asyncio.to_thread(tokenizer.counts_past, prompt.text, limit)
+            if past is not None:
+                raise PromptTooLong(past, limit, at_least=True)
         pieces = tokenizer.pieces
         parts = (
             None

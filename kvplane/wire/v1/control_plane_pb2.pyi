@@ -84,7 +84,7 @@ class ControlMessage(_message.Message):
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "base_url", "model", "block_size", "key_scheme_version", "kv_capacity_blocks", "engine_kind", "engine_version", "labels")
+    __slots__ = ("worker_id", "incarnation", "base_url", "model", "block_size", "key_scheme_version", "kv_capacity_blocks", "engine_kind", "engine_version", "labels", "max_model_len")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Register(_message.Message):
     ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: int
     base_url: str
@@ -112,7 +113,8 @@ class Register(_message.Message):
     engine_kind: str
     engine_version: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., key_scheme_version: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engine_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., key_scheme_version: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engine_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("parent_key", "keys", "first_position", "tier")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,7 +100,13 @@ def _run_worker_token(args: argparse.Namespace) -> int:
     if secret is None:
         _fail(2, "no control_plane.worker_credential_secret is configured (--config or "
               "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET)")  # fmt: skip
-    print(worker_token(secret.get_secret_value(), args.worker_id))
+    token = worker_token(secret.get_secret_value(), args.worker_id)
+    if args.output is None:
+        print(token)
+    else:  # readable by its owner only: an init container hands it to the agent
+        descriptor = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as output:
+            output.write(token + "\n")
     return 0
 
 
@@ -156,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.add_argument("--config", type=Path, help="TOML configuration file (KVPLANE_* win)")
     token.add_argument("--worker-id", required=True, help="the worker the token speaks for")
+    token.add_argument(
+        "--output",
+        type=Path,
+        help="write it to this file (mode 0600) instead: the agent's "
+        "control_plane.agent_token_file",
+    )
     token.set_defaults(handler=_run_worker_token)
 
     for name, tool in TOOLS.items():

@@ -128,7 +128,12 @@ async def running_router(
         tenants = TenantDirectory.from_settings(settings.tenants)
         predicted = PredictedPrefixes(proxy_settings.predicted_ttl_s)
         accuracy = PredictionAccuracy(
-            proxy_settings.suspect_after_misses, tolerance_tokens=cp.block_size
+            proxy_settings.suspect_after_misses,
+            tolerance_tokens=cp.block_size,
+            withdraw_after_suspicions=proxy_settings.withdraw_credit_after_suspicions,
+            withdrawal_s=proxy_settings.credit_withdrawal_s,
+            clock=clock,
+            on_suspect=lambda worker_id: metrics.worker_suspicions.labels(worker=worker_id).inc(),
         )
         evictions = RecentEvictions(settings.scoring.eviction_horizon_s)
         fleet = Fleet(
@@ -224,6 +229,7 @@ async def running_router(
             metrics.set_routing_view(
                 degraded=not (planner.index_answering and fleet.registry_is_current()),
                 suspect_workers=len(accuracy.suspects()),
+                credit_withdrawn=accuracy.withdrawn(),
                 loads=(
                     WorkerLoadSample(
                         c.worker_id, c.traffic.in_flight, c.traffic.prefill_tokens, c.load

@@ -283,6 +283,10 @@ class FleetApi:
                     last_heartbeat_age_s=_age(now, local.last_heartbeat_at if local else None),
                     stream_on_this_router=local is not None and local.stream is not None,
                     suspect=self.accuracy.is_suspect(info.worker_id, info.incarnation),
+                    credit_withdrawn_for_s=_until(
+                        now, self.accuracy.withdrawn_until(info.worker_id)
+                    ),
+                    max_model_len=info.max_model_len or None,
                     wiring=_wiring(seen.checks[info.worker_id]),
                 )
             )
@@ -498,6 +502,10 @@ def _not_routable(status: WorkerStatus) -> Check:
 
 def _age(now: float, then: float | None) -> float | None:
     return None if then is None else round(now - then, 3)
+
+
+def _until(now: float, then: float | None) -> float | None:
+    return None if then is None else round(then - now, 3)
 
 
 def _tiers(blocks: Mapping[Tier, int], block_size: int) -> dict[str, int]:

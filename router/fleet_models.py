@@ -156,6 +156,11 @@ class WorkerRow(BaseModel):
     last_heartbeat_age_s: float | None
     stream_on_this_router: bool
     suspect: bool
+    credit_withdrawn_for_s: float | None = Field(
+        description="seconds until the cache credit of a worker that turned suspect again "
+        "and again comes back; null while it stands"
+    )
+    max_model_len: int | None = Field(description="the engine's, as its agent registered it")
     wiring: Wiring
 
 

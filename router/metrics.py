@@ -273,6 +273,18 @@ class RouterMetrics:
             "Workers whose index entries keep failing predictions (counted as uncached)",
             registry=r,
         )
+        self.worker_suspicions = Counter(
+            "kvplane_worker_suspicions",
+            "Times a worker's index entries turned suspect (its predictions kept failing)",
+            ["worker"],
+            registry=r,
+        )
+        self.credit_withdrawn = Gauge(
+            "kvplane_worker_credit_withdrawn",
+            "1 while a worker that turned suspect again and again has no cache credit",
+            ["worker"],
+            registry=r,
+        )
         self.token_cache_lookups = Gauge(
             "kvplane_token_cache_lookups",
             "Tokenisations looked up in the cache of identical prompts since start, by result",
@@ -332,11 +344,19 @@ class RouterMetrics:
             self.index_bytes.set(stats.bytes)
 
     def set_routing_view(
-        self, *, degraded: bool, suspect_workers: int, loads: Iterable[WorkerLoadSample]
+        self,
+        *,
+        degraded: bool,
+        suspect_workers: int,
+        loads: Iterable[WorkerLoadSample],
+        credit_withdrawn: Iterable[str] = (),
     ) -> None:
         """Refresh the gauges of the router's picture of its workers (on scrape)."""
         self.index_degraded.set(1 if degraded else 0)
         self.suspect_workers.set(suspect_workers)
+        self.credit_withdrawn.clear()
+        for worker in credit_withdrawn:
+            self.credit_withdrawn.labels(worker=worker).set(1)
         self.worker_load.clear()
         self.skipped_events.clear()
         for worker, in_flight, prefill_tokens, load in loads:

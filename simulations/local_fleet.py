@@ -17,6 +17,7 @@ from pydantic import SecretStr
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings, Settings
 from kvplane.core.serving import cancel_task
+from kvplane.core.worker_credentials import worker_token
 from simulations.engine.app import RunningEngineSim, running_engine_sim
 from simulations.engine.config import EngineSimConfig, KVEventsConfig
 from worker_agent.agent import WorkerAgent
@@ -86,20 +87,28 @@ async def local_workers(
     grpc_port: int,
     block_size: int = 16,
     agent_token: SecretStr | None = None,
+    worker_credential_secret: str | None = None,
     sim_options: Mapping[str, Any] | None = None,
     labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> AsyncIterator[list[LocalWorker]]:
-    """`count` workers named worker-1.. reporting to the router on `grpc_port`."""
-    control_plane = ControlPlaneSettings(block_size=block_size, agent_token=agent_token)
+    """`count` workers named worker-1.. reporting to the router on `grpc_port`; with
+    `worker_credential_secret` each agent presents its own worker's token."""
     async with contextlib.AsyncExitStack() as stack:
         workers = []
         for number in range(1, count + 1):
             worker_id = f"worker-{number}"
+            token = (
+                agent_token
+                if worker_credential_secret is None
+                else SecretStr(worker_token(worker_credential_secret, worker_id))
+            )
             workers.append(
                 await stack.enter_async_context(
                     local_worker(
                         worker_id,
-                        control_plane=control_plane,
+                        control_plane=ControlPlaneSettings(
+                            block_size=block_size, agent_token=token
+                        ),
                         control_plane_address=f"127.0.0.1:{grpc_port}",
                         sim_options=sim_options,
                         labels=(labels or {}).get(worker_id),

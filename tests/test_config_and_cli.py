@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from kvplane.cli import build_parser, main
 from kvplane.core.config import load_settings
@@ -134,12 +135,24 @@ def test_a_missing_tokenizer_directory_fails_the_start(
 
 
 def test_worker_token_prints_the_token_the_router_verifies(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     secret = "s" * 40
     monkeypatch.setenv("KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET", secret)
     assert main(["worker-token", "--worker-id", "pod-7"]) == 0
     assert capsys.readouterr().out.strip() == worker_token(secret, "pod-7")
+    # Written to a file, it is what an agent's agent_token_file reads.
+    written = tmp_path / "worker-token"
+    assert main(["worker-token", "--worker-id", "pod-7", "--output", str(written)]) == 0
+    assert written.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("KVPLANE_CONTROL_PLANE__AGENT_TOKEN_FILE", str(written))
+    agent_token = load_settings().control_plane.agent_token
+    assert agent_token is not None
+    assert agent_token.get_secret_value() == worker_token(secret, "pod-7")
+    monkeypatch.setenv("KVPLANE_CONTROL_PLANE__AGENT_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValidationError, match="cannot be read"):
+        load_settings()
+    monkeypatch.delenv("KVPLANE_CONTROL_PLANE__AGENT_TOKEN_FILE")
     monkeypatch.delenv("KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET")
     with pytest.raises(SystemExit) as refused:
         main(["worker-token", "--worker-id", "pod-7"])

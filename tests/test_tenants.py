@@ -88,13 +88,13 @@ def test_a_wrong_or_missing_key_is_refused_without_anonymous_access() -> None:
 
 def test_with_anonymous_access_a_wrong_or_missing_key_is_anonymous() -> None:
     tenants = directory(spec("acme", "sk-acme"), allow_anonymous=True)
-    assert tenants.authenticate("Bearer sk-wrong") is ANONYMOUS_TENANT
-    assert tenants.authenticate(None) is ANONYMOUS_TENANT
+    assert tenants.authenticate("Bearer sk-wrong") == ANONYMOUS_TENANT
+    assert tenants.authenticate(None) == ANONYMOUS_TENANT
     acme = tenants.authenticate("Bearer sk-acme")
     assert acme is not None
     assert acme.name == "acme"
     assert ANONYMOUS_TENANT.cache_salt is None
-    assert tenants.get(ANONYMOUS) is ANONYMOUS_TENANT
+    assert tenants.get(ANONYMOUS) == ANONYMOUS_TENANT
     assert {t.name for t in tenants.all()} == {"acme", ANONYMOUS}
 
 

@@ -61,6 +61,9 @@ class ControlPlaneSettings(_Section):
     max_batch_blocks: int = Field(default=65536, ge=1)
     max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     agent_token: SecretStr | None = None
+    # A file holding agent_token, read at start (a worker's own token, written by an
+    # init container running `kvplane worker-token`, or a mounted Secret).
+    agent_token_file: Path | None = None
     # Set: each agent proves its worker id at Register with its own token (`kvplane
     # worker-token`, docs/wire-contract.md); agent_token alone is then not enough.
     worker_credential_secret: SecretStr | None = None
@@ -76,6 +79,22 @@ class ControlPlaneSettings(_Section):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # set: agents must present a certificate (mTLS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_from_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("agent_token_file") is None:
+            return data
+        if data.get("agent_token") is not None:
+            raise ValueError("set agent_token or agent_token_file, not both")
+        path = Path(data["agent_token_file"])
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"agent_token_file {path} cannot be read ({error})") from None
+        if not token:
+            raise ValueError(f"agent_token_file {path} is empty")
+        return {**data, "agent_token": token}
 
     @field_validator("worker_credential_secret")
     @classmethod
@@ -162,6 +181,10 @@ class ProxySettings(_Section):
     predicted_ttl_s: float = Field(default=3.0, ge=0)  # routed prefixes, before events
     suspect_after_misses: int = Field(default=5, ge=1)  # predictions in a row the engine
     # did not confirm before a worker's index entries count as suspect
+    # A worker that turns suspect this many times loses its cache credit for
+    # credit_withdrawal_s, new incarnations included (router/routing/accuracy.py).
+    withdraw_credit_after_suspicions: int = Field(default=3, ge=1)
+    credit_withdrawal_s: float = Field(default=900.0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     # A prompt's tokens are capped at its model's max_model_len, as the engines register
     # it; this caps them lower (or at all, where the engines do not say). Over the cap a

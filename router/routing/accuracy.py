@@ -5,8 +5,15 @@ sends one) says how much of the prompt it really found cached. A report that fal
 short of the prediction by more than the tolerance (one engine block: engines count
 in their own blocks, and recompute a fully cached prompt's last token) is a stale
 location: the index believed in blocks the engine no longer had. A worker whose
-predictions keep failing has suspect index entries: scoring stops counting on them
-until a prediction holds again or the worker starts a new incarnation.
+predictions keep failing (`suspect_after_misses` in a row, or half of its last
+JUDGED_WINDOW) has suspect index entries: scoring stops counting on them until its
+predictions hold again or the worker starts a new incarnation.
+
+A worker that turns suspect again and again (`withdraw_after_suspicions` times) loses
+its cache credit for `withdrawal_s`, whatever it does meanwhile, new incarnations
+included: an agent that announces blocks its engine does not hold (another tenant's,
+to draw its traffic) gains a few requests, and then nothing, and the metrics and the
+fleet API show it.
 
 Only the part of a prediction that the worker's own events vouched for (its index
 entries) is judged: the rest came from this router's predicted entries, which are its
@@ -19,8 +26,12 @@ guesses do.
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kvplane.core.clock import Clock
 
 
 class Verdict(enum.Enum):
@@ -40,26 +51,69 @@ def judge(predicted_tokens: int, reported_tokens: int, tolerance_tokens: int) ->
 HITS_WINDOW = 32
 """The worker's recent hits (requests the engine found cached) looked at for vouching."""
 UNVOUCHED_AFTER_HITS = 4
+JUDGED_WINDOW = 32
+"""A worker's last judged predictions (of something its entries vouched for): with at
+least half of it filled, a worker half of whose predictions in it were stale is suspect
+however it spaces its misses."""
 
 
 @dataclass(slots=True)
 class _Record:
+    """What one incarnation of a worker has shown."""
+
     incarnation: int
     misses_in_a_row: int = 0
     # Per recent hit: whether the worker's index entries vouched for any of it.
     hits_vouched: deque[bool] = field(default_factory=lambda: deque(maxlen=HITS_WINDOW))
+    # Per recent judged prediction: whether it was stale.
+    judged_stale: deque[bool] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
+
+    def suspect(self, after_misses: int) -> bool:
+        judged = len(self.judged_stale)
+        return self.misses_in_a_row >= after_misses or (
+            judged >= JUDGED_WINDOW // 2 and 2 * sum(self.judged_stale) >= judged
+        )
+
+
+@dataclass(slots=True)
+class _Standing:
+    """What a worker id has shown across its incarnations."""
+
+    suspicions: int = 0  # times it turned suspect since its credit was last withdrawn
+    withdrawn_until: float | None = None  # on the clock; None: its credit stands
 
 
 class PredictionAccuracy:
-    def __init__(self, suspect_after_misses: int, tolerance_tokens: int) -> None:
+    def __init__(
+        self,
+        suspect_after_misses: int,
+        tolerance_tokens: int,
+        *,
+        withdraw_after_suspicions: int = 3,
+        withdrawal_s: float = 900.0,
+        clock: Clock = time.monotonic,
+        on_suspect: Callable[[str], None] = lambda worker_id: None,
+    ) -> None:
+        """`on_suspect(worker_id)` runs each time a worker turns suspect."""
         self.suspect_after_misses = suspect_after_misses
         self.tolerance_tokens = tolerance_tokens
+        self.withdraw_after_suspicions = withdraw_after_suspicions
+        self.withdrawal_s = withdrawal_s
+        self._clock = clock
+        self._on_suspect = on_suspect
         self._records: dict[str, _Record] = {}
+        self._standings: dict[str, _Standing] = {}
         self._changed: set[str] = set()
 
     def take_changed(self) -> set[str]:
         """The workers whose suspicion may have changed since the last call (one reader
-        only): the router's Fleet keeps it as a column and re-reads only those."""
+        only): the router's Fleet keeps it as a column and re-reads only those.
+        Withdrawals that have run out are ended here."""
+        now = self._clock()
+        for worker_id, standing in self._standings.items():
+            if standing.withdrawn_until is not None and standing.withdrawn_until <= now:
+                standing.withdrawn_until = None
+                self._changed.add(worker_id)
         changed, self._changed = self._changed, set()
         return changed
 
@@ -81,23 +135,47 @@ class PredictionAccuracy:
         if reported_tokens > self.tolerance_tokens and (predicted_tokens or self_predicted_tokens):
             record.hits_vouched.append(predicted_tokens > 0)
         verdict = judge(predicted_tokens, reported_tokens, self.tolerance_tokens)
-        suspected = record.misses_in_a_row >= self.suspect_after_misses
+        suspected = record.suspect(self.suspect_after_misses)
+        if predicted_tokens > 0:
+            record.judged_stale.append(verdict is Verdict.STALE)
         if verdict is Verdict.STALE:
             record.misses_in_a_row += 1
         elif predicted_tokens > 0 or verdict is Verdict.BETTER:
             # Only a prediction of something, borne out, clears a suspicion.
             record.misses_in_a_row = 0
-        if suspected != (record.misses_in_a_row >= self.suspect_after_misses):
+        if suspected != record.suspect(self.suspect_after_misses):
             self._changed.add(worker_id)
+            if not suspected:
+                self._turned_suspect(worker_id)
         return verdict
 
+    def _turned_suspect(self, worker_id: str) -> None:
+        self._on_suspect(worker_id)
+        standing = self._standings.setdefault(worker_id, _Standing())
+        standing.suspicions += 1
+        if standing.suspicions >= self.withdraw_after_suspicions:
+            standing.suspicions = 0
+            standing.withdrawn_until = self._clock() + self.withdrawal_s
+
     def is_suspect(self, worker_id: str, incarnation: int) -> bool:
+        """Whether the worker's index entries count for nothing now: its predictions
+        keep failing, or its credit is withdrawn."""
+        if self.withdrawn_until(worker_id) is not None:
+            return True
         record = self._records.get(worker_id)
         return (
             record is not None
             and record.incarnation == incarnation
-            and record.misses_in_a_row >= self.suspect_after_misses
+            and record.suspect(self.suspect_after_misses)
         )
+
+    def withdrawn_until(self, worker_id: str) -> float | None:
+        """When the worker's withdrawn cache credit comes back (on the clock); None
+        while it stands."""
+        standing = self._standings.get(worker_id)
+        if standing is None or standing.withdrawn_until is None:
+            return None
+        return standing.withdrawn_until if standing.withdrawn_until > self._clock() else None
 
     def vouching(self, worker_id: str, incarnation: int) -> tuple[int, int]:
         """Of the worker's recent predicted hits: how many, and how many its index
@@ -108,13 +186,19 @@ class PredictionAccuracy:
         return len(record.hits_vouched), sum(record.hits_vouched)
 
     def forget(self, worker_id: str) -> None:
-        """The worker's entries are gone (new incarnation, resync, death)."""
+        """The worker's entries are gone (new incarnation, resync, death); its standing
+        (suspicions, a withdrawal) stays with its id."""
         if self._records.pop(worker_id, None) is not None:
             self._changed.add(worker_id)
 
     def suspects(self) -> set[str]:
-        return {
+        suspect = {
             worker_id
             for worker_id, record in self._records.items()
-            if record.misses_in_a_row >= self.suspect_after_misses
+            if record.suspect(self.suspect_after_misses)
         }
+        return suspect | self.withdrawn()
+
+    def withdrawn(self) -> set[str]:
+        """The workers whose cache credit is withdrawn now."""
+        return {worker_id for worker_id in self._standings if self.withdrawn_until(worker_id)}

@@ -4,6 +4,7 @@ No cluster exists here: nothing is installed (docs/deploy.md says what is untest
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
 
 from tests.deploy.conftest import (
     CHART,
@@ -30,8 +32,15 @@ SECRETS = {
     "agentToken": {"name": "kvplane-agents", "key": "token"},
     "tenants": {"name": "kvplane-tenants", "key": "tenants.toml"},
     "cacheSaltSecret": {"name": "kvplane-salt", "key": "secret"},
+    "workerCredentialSecret": {"name": "kvplane-workers", "key": "secret"},
 }
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+CERT_MANAGER_API = "cert-manager.io/v1"
+CUSTOM_RESOURCES = {  # kinds with no schema in Kubernetes itself
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+    "Certificate": CERT_MANAGER_API,
+    "Issuer": CERT_MANAGER_API,
+}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -63,7 +72,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 
 
 def rendered(tmp_path: Path, name: str) -> list[dict[str, Any]]:
-    api = [SERVICE_MONITOR_API] if name == "external-redis-autoscaling" else []
+    api = [SERVICE_MONITOR_API, CERT_MANAGER_API] if name == "external-redis-autoscaling" else []
     return render(tmp_path, VALUE_SETS[name], api_versions=api)
 
 
@@ -81,8 +90,8 @@ def test_every_object_is_valid_kubernetes(tmp_path: Path, name: str, kubernetes:
     objects = rendered(tmp_path, name)
     assert objects
     for obj in objects:
-        if obj["kind"] == "ServiceMonitor":  # a CRD: no schema in Kubernetes itself
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        if obj["kind"] in CUSTOM_RESOURCES:
+            assert obj["apiVersion"] == CUSTOM_RESOURCES[obj["kind"]]
             continue
         kubernetes_validate.validate(obj, kubernetes, strict=True)
 
@@ -111,22 +120,26 @@ def test_the_agent_sidecar_speaks_to_its_engine_and_router(tmp_path: Path) -> No
 
 def test_secrets_come_from_references_never_values(tmp_path: Path) -> None:
     objects = rendered(tmp_path, "vllm-bundled-redis")
-    assert by_kind(objects, "Secret") == []
+    # The only Secrets rendered are the ones the chart generates itself (not values).
+    assert {o["metadata"]["name"] for o in by_kind(objects, "Secret")} == {
+        "rel-kvplane-redis",
+        "rel-kvplane-router-tls",
+    }
     router = container(one(objects, "Deployment", "rel-kvplane-router"), "router")
     env = {item["name"]: item for item in router["env"]}
     for variable, secret in (
         ("KVPLANE_HTTP__ADMIN_TOKEN", "adminToken"),
         ("KVPLANE_CONTROL_PLANE__AGENT_TOKEN", "agentToken"),
         ("KVPLANE_TENANTS__CACHE_SALT_SECRET", "cacheSaltSecret"),
+        ("KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET", "workerCredentialSecret"),
     ):
         assert "value" not in env[variable]
         assert env[variable]["valueFrom"]["secretKeyRef"] == SECRETS[secret]
     (engines,) = by_kind(objects, "StatefulSet")
     agent_env = {i["name"]: i for i in container(engines, "kvplane-agent")["env"]}
-    assert (
-        agent_env["KVPLANE_CONTROL_PLANE__AGENT_TOKEN"]["valueFrom"]["secretKeyRef"]
-        == (SECRETS["agentToken"])
-    )
+    # Each agent reads its own worker's token, derived in its pod, not a shared one.
+    assert "KVPLANE_CONTROL_PLANE__AGENT_TOKEN" not in agent_env
+    assert agent_env["KVPLANE_CONTROL_PLANE__AGENT_TOKEN_FILE"]["value"].startswith("/var/run")
     volumes = one(objects, "Deployment", "rel-kvplane-router")["spec"]["template"]["spec"][
         "volumes"
     ]
@@ -134,7 +147,7 @@ def test_secrets_come_from_references_never_values(tmp_path: Path) -> None:
     assert tenants["secret"]["secretName"] == "kvplane-tenants"
     defaults = (CHART / "values.yaml").read_text()
     references = re.findall(r"\{name: \"([^\"]*)\", key", defaults)
-    assert len(references) == len(SECRETS)
+    assert len(references) == len(SECRETS) + 1  # and redis.bundled.passwordSecret
     assert set(references) == {""}  # the chart's defaults name no secret, and hold none
 
 
@@ -234,3 +247,110 @@ def test_sidecar_only_renders_the_agent_for_someone_elses_engines(tmp_path: Path
     (agent,) = yaml.safe_load(snippet)
     assert agent["name"] == "kvplane-agent"
     assert flags(agent["args"])["control-plane-address"] == "rel-kvplane-router:50051"
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (o["metadata"]["name"], o["spec"]["template"]["spec"])
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+    ]
+
+
+@pytest.mark.parametrize("name", ["defaults", "simulator-fleet", "vllm-bundled-redis"])
+def test_every_pod_is_hardened_by_default(tmp_path: Path, name: str) -> None:
+    objects = rendered(tmp_path, name)
+    assert len(pod_specs(objects)) >= 2
+    for owner, spec in pod_specs(objects):
+        assert spec["automountServiceAccountToken"] is False, owner
+        pod_context = spec.get("securityContext", {})
+        for box in [*spec.get("initContainers", []), *spec["containers"]]:
+            where = f"{owner}/{box['name']}"
+            context = box["securityContext"]
+            assert context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is True, where
+            assert context["allowPrivilegeEscalation"] is False, where
+            assert context["readOnlyRootFilesystem"] is True, where
+            assert context["capabilities"] == {"drop": ["ALL"]}, where
+            for bound in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(box["resources"][bound]), f"{where} {bound}"
+
+
+def test_the_control_plane_is_tls_and_each_agent_holds_its_own_credential(
+    tmp_path: Path,
+) -> None:
+    objects = rendered(tmp_path, "defaults")
+    config = one(objects, "ConfigMap", "rel-kvplane-router")["data"]["kvplane.toml"]
+    assert 'tls_cert_file = "/etc/kvplane/tls/tls.crt"' in config
+    secret = one(objects, "Secret", "rel-kvplane-router-tls")
+    certificate = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    authority = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    assert certificate.issuer == authority.subject
+    names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    (engines,) = by_kind(objects, "StatefulSet")
+    agent = container(engines, "kvplane-agent")
+    address = flags(agent["args"])["control-plane-address"]
+    assert address.split(":")[0] in names.value.get_values_for_type(x509.DNSName)
+    agent_env = {item["name"]: item for item in agent["env"]}
+    assert agent_env["KVPLANE_AGENT__TLS_CA_FILE"]["value"].endswith("/ca.crt")
+    volumes = {v["name"]: v for v in engines["spec"]["template"]["spec"]["volumes"]}
+    # The engine pods get the CA, never the router's key.
+    assert volumes["control-plane-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    # The worker credential secret: generated, given to the router and to each engine
+    # pod's init container alone, which writes the pod's own token for its agent.
+    generated = one(objects, "Secret", "rel-kvplane-worker-credentials")
+    assert len(base64.b64decode(generated["data"]["worker-credential-secret"])) >= 32
+    router_env = {
+        item["name"]: item
+        for item in container(one(objects, "Deployment", "rel-kvplane-router"), "router")["env"]
+    }
+    reference = {"name": "rel-kvplane-worker-credentials", "key": "worker-credential-secret"}
+    assert (
+        router_env["KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET"]["valueFrom"]["secretKeyRef"]
+        == reference
+    )
+    (init,) = engines["spec"]["template"]["spec"]["initContainers"]
+    assert init["args"][:2] == ["worker-token", "--worker-id"]
+    assert {i["name"] for i in init["env"]} >= {"KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET"}
+    for box in engines["spec"]["template"]["spec"]["containers"]:
+        assert all("SECRET" not in item["name"] for item in box.get("env", [])), box["name"]
+    assert volumes["agent-token"]["emptyDir"]["medium"] == "Memory"
+    # Where cert-manager's API exists, it issues the certificate instead.
+    managed = rendered(tmp_path, "external-redis-autoscaling")
+    issued = one(managed, "Certificate", "rel-kvplane-router-tls")
+    assert "rel-kvplane-router" in issued["spec"]["dnsNames"]
+    assert by_kind(managed, "Secret") == []  # no generated pair (nor, named, credentials)
+
+
+def test_network_policies_keep_each_port_to_its_own_peers(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "vllm-bundled-redis")
+    router = one(objects, "NetworkPolicy", "rel-kvplane-router")
+    by_port = {rule["ports"][0]["port"]: rule.get("from") for rule in router["spec"]["ingress"]}
+    assert by_port[8080] is None  # clients, from anywhere
+    # The admin port: only what networkPolicy.adminFrom names, by default labelled pods.
+    assert by_port[8081] == [{"podSelector": {"matchLabels": {"kvplane.io/admin-client": "true"}}}]
+    # gRPC: agents of this namespace only (no namespaceSelector).
+    assert by_port[50051] == [{"podSelector": {"matchLabels": {"kvplane.io/agent": "true"}}}]
+    # The bundled Redis: a password, and only routers reach it.
+    redis = container(one(objects, "Deployment", "rel-kvplane-redis"), "redis")
+    assert "--requirepass" in redis["args"]
+    router_env = {
+        item["name"]: item
+        for item in container(one(objects, "Deployment", "rel-kvplane-router"), "router")["env"]
+    }
+    assert router_env["KVPLANE_INDEX__REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+    policy = one(objects, "NetworkPolicy", "rel-kvplane-redis")
+    (peer,) = policy["spec"]["ingress"][0]["from"]
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+
+
+def test_the_router_pod_outlives_its_drain(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "defaults")
+    spec = one(objects, "Deployment", "rel-kvplane-router")["spec"]["template"]["spec"]
+    env = {item["name"]: item.get("value") for item in container(
+        one(objects, "Deployment", "rel-kvplane-router"), "router")["env"]}  # fmt: skip
+    delay, timeout = (
+        float(env["KVPLANE_HTTP__DRAIN_DELAY_S"]),
+        float(env["KVPLANE_HTTP__DRAIN_TIMEOUT_S"]),
+    )
+    assert delay > 0
+    assert spec["terminationGracePeriodSeconds"] > delay + timeout

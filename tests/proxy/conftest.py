@@ -86,11 +86,16 @@ async def routed_fleet(
     span_exporter: SpanExporter | None = None,
 ) -> AsyncIterator[RoutedFleet]:
     settings = settings or router_settings()
+    secret = settings.control_plane.worker_credential_secret  # each agent gets its token
     options = {"time_scale": 0.0, "num_gpu_blocks_override": 256, **(sim_options or {})}
     async with (
         running_router(settings, span_exporter=span_exporter) as router,
         local_workers(
-            count, grpc_port=router.grpc_port, sim_options=options, labels=labels
+            count,
+            grpc_port=router.grpc_port,
+            sim_options=options,
+            labels=labels,
+            worker_credential_secret=None if secret is None else secret.get_secret_value(),
         ) as workers,
     ):
 

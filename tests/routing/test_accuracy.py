@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.routing.accuracy import PredictionAccuracy, Verdict, judge
+from router.routing.accuracy import JUDGED_WINDOW, PredictionAccuracy, Verdict, judge
+from tests.clock import ManualClock
 
 TOLERANCE = 16
 
@@ -81,3 +82,60 @@ def test_suspects_are_tracked_per_worker() -> None:
     accuracy.observe("w3", 1, 128, 0)
     assert accuracy.suspects() == {"w1", "w3"}
     assert not accuracy.is_suspect("unknown", 1)
+
+
+def test_misses_spaced_out_by_hits_still_make_a_worker_suspect() -> None:
+    """Four stale predictions, one that holds, over and over: never five in a row, but
+    half of the recent window is stale."""
+    accuracy = PredictionAccuracy(suspect_after_misses=5, tolerance_tokens=TOLERANCE)
+    for _ in range(3):
+        for _ in range(4):
+            accuracy.observe("w1", 1, 128, 0)
+        accuracy.observe("w1", 1, 128, 128)
+    assert not accuracy.is_suspect("w1", 1)  # under half a window judged: too few to tell
+    for _ in range(4):
+        accuracy.observe("w1", 1, 128, 0)
+    accuracy.observe("w1", 1, 128, 128)
+    assert accuracy.is_suspect("w1", 1)
+    for _ in range(JUDGED_WINDOW):  # a window of predictions that hold clears it
+        accuracy.observe("w1", 1, 128, 128)
+    assert not accuracy.is_suspect("w1", 1)
+
+
+def test_a_worker_that_keeps_turning_suspect_loses_its_credit_for_a_while() -> None:
+    clock = ManualClock()
+    turned: list[str] = []
+    accuracy = PredictionAccuracy(
+        suspect_after_misses=2,
+        tolerance_tokens=TOLERANCE,
+        withdraw_after_suspicions=3,
+        withdrawal_s=600,
+        clock=clock,
+        on_suspect=turned.append,
+    )
+    for incarnation in (1, 2, 3):  # a new incarnation clears suspicion, not the record
+        for _ in range(2):
+            accuracy.observe("w1", incarnation, 128, 0)
+        assert accuracy.is_suspect("w1", incarnation)
+        accuracy.forget("w1")
+        accuracy.observe("w1", incarnation + 1, 128, 128)
+    assert turned == ["w1", "w1", "w1"]
+    assert accuracy.withdrawn() == {"w1"}
+    accuracy.take_changed()
+    # Predictions that hold, a new incarnation: the credit stays withdrawn.
+    for _ in range(50):
+        accuracy.observe("w1", 9, 128, 128)
+    assert accuracy.is_suspect("w1", 9)
+    assert accuracy.withdrawn_until("w1") == clock.now + 600
+    assert "w1" in accuracy.suspects()
+    assert not accuracy.is_suspect("w2", 1)  # other workers keep theirs
+    clock.advance(600)
+    assert accuracy.take_changed() == {"w1"}  # the Fleet re-reads its row
+    assert not accuracy.is_suspect("w1", 9)
+    assert accuracy.withdrawn() == set()
+    # It starts over: one more suspicion is not a withdrawal.
+    for _ in range(2):
+        accuracy.observe("w1", 9, 128, 0)
+    assert accuracy.is_suspect("w1", 9)
+    accuracy.observe("w1", 9, 128, 128)
+    assert not accuracy.is_suspect("w1", 9)

@@ -92,9 +92,18 @@ kvplane-tiny
       value: "http://$(POD_IP):{{ .Values.engines.httpPort }}"
     - name: KVPLANE_LOGGING__FORMAT
       value: {{ .Values.router.logFormat | quote }}
+    {{- if .Values.router.workerCredentials }}
+    - name: KVPLANE_CONTROL_PLANE__AGENT_TOKEN_FILE
+      value: /var/run/kvplane/agent-token
+    {{- else }}
     {{- with .Values.router.secrets.agentToken.name }}
     - name: KVPLANE_CONTROL_PLANE__AGENT_TOKEN
       valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $.Values.router.secrets.agentToken.key }}}}
+    {{- end }}
+    {{- end }}
+    {{- if .Values.controlPlaneTls.enabled }}
+    - name: KVPLANE_AGENT__TLS_CA_FILE
+      value: /etc/kvplane/control-plane-ca/ca.crt
     {{- end }}
   resources: {{- toYaml .Values.engines.agent.resources | nindent 4 }}
   securityContext:
@@ -103,4 +112,84 @@ kvplane-tiny
     allowPrivilegeEscalation: false
     readOnlyRootFilesystem: true
     capabilities: {drop: [ALL]}
+  {{- if or .Values.router.workerCredentials .Values.controlPlaneTls.enabled }}
+  volumeMounts:
+    {{- if .Values.router.workerCredentials }}
+    - {name: agent-token, mountPath: /var/run/kvplane, readOnly: true}
+    {{- end }}
+    {{- if .Values.controlPlaneTls.enabled }}
+    - {name: control-plane-ca, mountPath: /etc/kvplane/control-plane-ca, readOnly: true}
+    {{- end }}
+  {{- end }}
+{{- end -}}
+
+{{/* Secrets the chart generates when no name is given: a value read back from the
+Secret already installed (upgrades keep it), else a new random one; base64. */}}
+{{- define "kvplane.generatedValue" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- if and $existing $existing.data (hasKey $existing.data .key) -}}
+{{- index $existing.data .key -}}
+{{- else -}}
+{{- randAlphaNum 48 | b64enc -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvplane.workerCredentialSecret" -}}
+{{- $ref := .Values.router.secrets.workerCredentialSecret -}}
+{{- dict "name" (default (printf "%s-worker-credentials" (include "kvplane.fullname" .)) $ref.name) "key" $ref.key | toJson -}}
+{{- end -}}
+
+{{- define "kvplane.redisPasswordSecret" -}}
+{{- $ref := .Values.redis.bundled.passwordSecret -}}
+{{- dict "name" (default (printf "%s-redis" (include "kvplane.fullname" .)) $ref.name) "key" $ref.key | toJson -}}
+{{- end -}}
+
+{{- define "kvplane.tlsSecretName" -}}
+{{- printf "%s-router-tls" (include "kvplane.fullname" .) -}}
+{{- end -}}
+
+{{/* The names agents reach the router's gRPC port by: its certificate's. */}}
+{{- define "kvplane.routerDnsNames" -}}
+{{- $service := printf "%s-router" (include "kvplane.fullname" .) -}}
+{{- list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) (printf "%s.%s.svc.cluster.local" $service .Release.Namespace) | toJson -}}
+{{- end -}}
+
+{{/* The init container that derives this pod's own agent token (worker credentials):
+the secret reaches it alone, the agent reads the token from a memory-backed volume. */}}
+{{- define "kvplane.workerTokenInit" -}}
+{{- $secret := include "kvplane.workerCredentialSecret" . | fromJson -}}
+- name: kvplane-worker-token
+  image: {{ include "kvplane.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: [worker-token, --worker-id, $(POD_NAME), --output, /var/run/kvplane/agent-token]
+  env:
+    - name: POD_NAME
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
+    - name: KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET
+      valueFrom: {secretKeyRef: {name: {{ $secret.name }}, key: {{ $secret.key }}}}
+  resources:
+    requests: {cpu: 10m, memory: 64Mi}
+    limits: {cpu: 500m, memory: 256Mi}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 10001
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities: {drop: [ALL]}
+  volumeMounts:
+    - {name: agent-token, mountPath: /var/run/kvplane}
+{{- end -}}
+
+{{/* Volumes the agent container needs: its token, the router's CA. */}}
+{{- define "kvplane.agentVolumes" -}}
+{{- if .Values.router.workerCredentials }}
+- name: agent-token
+  emptyDir: {medium: Memory, sizeLimit: 1Mi}
+{{- end }}
+{{- if .Values.controlPlaneTls.enabled }}
+- name: control-plane-ca
+  secret:
+    secretName: {{ include "kvplane.tlsSecretName" . }}
+    items: [{key: ca.crt, path: ca.crt}]
+{{- end }}
 {{- end -}}

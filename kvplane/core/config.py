@@ -79,6 +79,9 @@ class ControlPlaneSettings(_Section):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # set: agents must present a certificate (mTLS)
+    # With mTLS, a worker id must be its agent's certificate's common name or one of its
+    # subject alternative names: a certificate speaks for the workers it names only.
+    bind_worker_ids_to_certificates: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import hmac
 import ipaddress
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvplane.core.worker_credentials import is_worker_token
 from kvplane.wire.codec import Rejection
@@ -54,6 +54,30 @@ def authenticate_worker(presented: bytes, secret: str | None, worker_id: str) ->
     return Rejection(
         pb.REJECT_CODE_UNAUTHENTICATED,
         f"the bearer token is not worker {worker_id}'s own (issue it with kvplane worker-token)",
+    )
+
+
+def certificate_names(auth_context: Mapping[str, Iterable[bytes]]) -> frozenset[str] | None:
+    """The names in the client certificate a call presented over mutual TLS (its common
+    name and subject alternative names); None when it presented none."""
+    if not auth_context.get("x509_pem_cert"):
+        return None
+    names = [
+        *auth_context.get("x509_common_name", ()),
+        *auth_context.get("x509_subject_alternative_name", ()),
+    ]
+    return frozenset(name.decode("utf-8", "replace") for name in names)
+
+
+def certificate_speaks_for(names: frozenset[str] | None, worker_id: str) -> Rejection | None:
+    """None when the stream may speak for `worker_id`: it presented no client
+    certificate, or one naming the worker (common name or subject alternative name)."""
+    if names is None or worker_id in names:
+        return None
+    return Rejection(
+        pb.REJECT_CODE_UNAUTHENTICATED,
+        f"the client certificate does not name worker {worker_id} (its common name or a "
+        "subject alternative name must be the worker id)",
     )
 
 

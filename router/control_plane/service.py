@@ -48,6 +48,8 @@ from router.control_plane.admission import (
     SequenceVerdict,
     authenticate,
     authenticate_worker,
+    certificate_names,
+    certificate_speaks_for,
     classify_sequence,
     engine_host_allowed,
     incarnation_too_far_ahead,
@@ -139,6 +141,7 @@ class ControlPlaneService:
         self.bind_engines = settings.bind_engines_to_agents
         self.max_incarnation_ahead_s = settings.max_incarnation_ahead_s
         self.allowed_engine_hosts = list(settings.allowed_engine_hosts)
+        self.bind_certificates = settings.bind_worker_ids_to_certificates
         self._stream_ids = itertools.count(1)
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -164,7 +167,13 @@ class ControlPlaneService:
                         break
             await self._reject(context, rejection, worker_id=None)
             return
-        stream = _Stream(self, next(self._stream_ids), presented, peer_address(context.peer()))
+        stream = _Stream(
+            self,
+            next(self._stream_ids),
+            presented,
+            peer_address(context.peer()),
+            certificate_names(context.auth_context()) if self.bind_certificates else None,
+        )
         self.metrics.streams.inc()
         try:
             async for data in requests:
@@ -212,10 +221,12 @@ class _Stream:
         stream_id: int,
         token: bytes,
         agent_address: IPAddress | None,
+        certificate: frozenset[str] | None,
     ) -> None:
         self.service = service
         self.token = token  # what the call presented: a worker's own, with credentials on
         self.agent_address = agent_address  # where the agent connects from
+        self.certificate = certificate  # the names of its client certificate, under mTLS
         self.index = service.index
         self.view = service.view
         self.metrics = service.metrics
@@ -268,7 +279,9 @@ class _Stream:
         info = parse_register(message, self.service.limits)
         if isinstance(info, Rejection):
             return info
-        refused = authenticate_worker(self.token, self.service.worker_secret, info.worker_id)
+        refused = authenticate_worker(
+            self.token, self.service.worker_secret, info.worker_id
+        ) or certificate_speaks_for(self.certificate, info.worker_id)
         if refused is not None:
             return refused
         if incarnation_too_far_ahead(

@@ -133,6 +133,7 @@ def _certificate(
     issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
     *,
     ca: bool = False,
+    dns_names: tuple[str, ...] = ("localhost",),
 ) -> x509.Certificate:
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     issuer_name, issuer_key = issuer or (subject, key)
@@ -150,7 +151,10 @@ def _certificate(
     if not ca:
         builder = builder.add_extension(
             x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                [
+                    *(x509.DNSName(name) for name in dns_names),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                ]
             ),
             critical=False,
         )
@@ -169,7 +173,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     other_ca = _certificate("another CA", other_ca_key, None, ca=True)
     server_key, client_key, stranger_key = _key(), _key(), _key()
     server = _certificate("router", server_key, (ca.subject, ca_key))
-    client = _certificate("agent", client_key, (ca.subject, ca_key))
+    # The agent's certificate names the workers it speaks for: w1, and tls-agent.
+    client = _certificate("w1", client_key, (ca.subject, ca_key), dns_names=("tls-agent",))
     stranger = _certificate("stranger", stranger_key, (other_ca.subject, other_ca_key))
     files = {
         "ca.pem": _pem(ca),
@@ -190,9 +195,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-async def _register_over_tls(port: int, credentials: grpc.ChannelCredentials) -> pb.ControlMessage:
+async def _register_over_tls(
+    port: int, credentials: grpc.ChannelCredentials, worker_id: str = "w1"
+) -> pb.ControlMessage:
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        return await AgentStream(channel).request(register_message(worker()))
+        return await AgentStream(channel).request(register_message(worker(worker_id)))
 
 
 async def test_mutual_tls(pki: Pki) -> None:
@@ -205,6 +212,10 @@ async def test_mutual_tls(pki: Pki) -> None:
         trusted = grpc.ssl_channel_credentials(pki.ca, pki.client_key, pki.client_cert)
         reply = await _register_over_tls(router.grpc_port, trusted)
         assert reply.ack.sequence == 0
+        # The certificate speaks for the workers it names only.
+        refused = await _register_over_tls(router.grpc_port, trusted, "w2")
+        assert refused.reject.code == pb.REJECT_CODE_UNAUTHENTICATED
+        assert "does not name worker w2" in refused.reject.reason
 
         for credentials in (
             grpc.ssl_channel_credentials(pki.ca),  # no client certificate

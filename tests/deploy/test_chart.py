@@ -44,7 +44,14 @@ CUSTOM_RESOURCES = {  # kinds with no schema in Kubernetes itself
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "simulator-fleet": {"engines": {"kind": "engine-sim", "replicas": 3, "blockSize": 16}},
+    "simulator-fleet": {
+        "engines": {
+            "kind": "engine-sim",
+            "replicas": 3,
+            "blockSize": 16,
+            "kvEventsTransport": "tcp",
+        }
+    },
     "vllm-bundled-redis": {
         "redis": {"bundled": {"enabled": True}},
         "router": {
@@ -104,10 +111,22 @@ def test_the_agent_sidecar_speaks_to_its_engine_and_router(tmp_path: Path) -> No
         agent = flags(container(engines, "kvplane-agent")["args"])
         events = json.loads(engine["kv-events-config"])
         assert events["enable_kv_cache_events"] is True
-        assert agent["kv-events-endpoint"].endswith(":" + events["endpoint"].rsplit(":", 1)[1])
-        assert agent["kv-events-replay-endpoint"].endswith(
-            ":" + events["replay_endpoint"].rsplit(":", 1)[1]
-        )
+        for agent_flag, engine_field in (
+            ("kv-events-endpoint", "endpoint"),
+            ("kv-events-replay-endpoint", "replay_endpoint"),
+        ):
+            if name == "simulator-fleet":  # tcp: the engine binds every interface's port
+                assert events[engine_field].startswith("tcp://*:")
+                port = events[engine_field].rsplit(":", 1)[1]
+                assert agent[agent_flag] == f"tcp://127.0.0.1:{port}"
+            else:  # ipc, the default: a socket file in a volume both containers mount
+                assert events[engine_field].startswith("ipc:///run/kvplane-events/")
+                assert agent[agent_flag] == events[engine_field]
+                for box in ("engine", "kvplane-agent"):
+                    mounts = {
+                        m["name"]: m["mountPath"] for m in container(engines, box)["volumeMounts"]
+                    }
+                    assert mounts["kv-events"] == "/run/kvplane-events"
         assert agent["kv-events-topic"] == events["topic"]
         assert agent["engine-url"] == f"http://127.0.0.1:{engine['port']}"
         config = one(objects, "ConfigMap", "rel-kvplane-router")["data"]["kvplane.toml"]

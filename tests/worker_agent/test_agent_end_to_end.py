@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -414,3 +415,27 @@ async def test_odd_events_are_skipped_counted_and_reported_to_the_router(
         }
         assert len(set(counts.values())) == 1  # one of each in every batch
         assert min(counts.values()) >= len(PROMPTS)
+
+
+async def test_events_and_replay_over_ipc_sockets(tmp_path: Path) -> None:
+    """An engine and its agent on one host (one pod) keep the event ports off the
+    network with ipc:// endpoints, which an engine binds as it binds a wildcard."""
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/kv-events",
+        replay_endpoint=f"ipc://{tmp_path}/kv-replay",
+    )
+    async with engine_sim(**{**sim_options(), "kv_events_config": events}) as sim:
+        assert sim.events_endpoint == events.endpoint
+        settings = agent_settings(sim, free_port(), IndexSettings())
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            agent, task = start_agent(settings)
+            running = Fleet(sim, router, settings, agent, task)
+            try:
+                await wait_until("the agent registers", running.registered)
+                for prompt in PROMPTS[:4]:
+                    await running.send(client, prompt)
+                await wait_until("the index matches the engine", running.matches_engine)
+                assert await running.index_entries() > 0
+            finally:
+                await cancel_task(task)

@@ -74,8 +74,8 @@ kvplane-tiny
     - agent
     - --engine={{ if eq .Values.engines.kind "engine-sim" }}vllm{{ else }}{{ .Values.engines.kind }}{{ end }}
     - --engine-url=http://127.0.0.1:{{ .Values.engines.httpPort }}
-    - --kv-events-endpoint=tcp://127.0.0.1:{{ .Values.engines.kvEventsPort }}
-    - --kv-events-replay-endpoint=tcp://127.0.0.1:{{ .Values.engines.kvReplayPort }}
+    - --kv-events-endpoint={{ include "kvplane.kvEvents" (dict "root" . "side" "agent" "port" .Values.engines.kvEventsPort "name" "kv-events") }}
+    - --kv-events-replay-endpoint={{ include "kvplane.kvEvents" (dict "root" . "side" "agent" "port" .Values.engines.kvReplayPort "name" "kv-replay") }}
     - --kv-events-topic={{ .Values.engines.kvEventsTopic }}
     - --control-plane-address={{ include "kvplane.fullname" . }}-router:{{ .Values.router.grpcPort }}
     - --block-size={{ .Values.router.blockSize }}
@@ -112,8 +112,11 @@ kvplane-tiny
     allowPrivilegeEscalation: false
     readOnlyRootFilesystem: true
     capabilities: {drop: [ALL]}
-  {{- if or .Values.router.workerCredentials .Values.controlPlaneTls.enabled }}
+  {{- if or .Values.router.workerCredentials .Values.controlPlaneTls.enabled (eq .Values.engines.kvEventsTransport "ipc") }}
   volumeMounts:
+    {{- if eq .Values.engines.kvEventsTransport "ipc" }}
+    - {name: kv-events, mountPath: /run/kvplane-events}
+    {{- end }}
     {{- if .Values.router.workerCredentials }}
     - {name: agent-token, mountPath: /var/run/kvplane, readOnly: true}
     {{- end }}
@@ -182,6 +185,10 @@ the secret reaches it alone, the agent reads the token from a memory-backed volu
 
 {{/* Volumes the agent container needs: its token, the router's CA. */}}
 {{- define "kvplane.agentVolumes" -}}
+{{- if eq .Values.engines.kvEventsTransport "ipc" }}
+- name: kv-events
+  emptyDir: {medium: Memory, sizeLimit: 1Mi}
+{{- end }}
 {{- if .Values.router.workerCredentials }}
 - name: agent-token
   emptyDir: {medium: Memory, sizeLimit: 1Mi}
@@ -192,4 +199,16 @@ the secret reaches it alone, the agent reads the token from a memory-backed volu
     secretName: {{ include "kvplane.tlsSecretName" . }}
     items: [{key: ca.crt, path: ca.crt}]
 {{- end }}
+{{- end -}}
+
+{{/* A KV event socket: a file in the shared kv-events volume (ipc), or a port the engine
+binds on every interface and the agent reaches on localhost (tcp). */}}
+{{- define "kvplane.kvEvents" -}}
+{{- if eq .root.Values.engines.kvEventsTransport "ipc" -}}
+ipc:///run/kvplane-events/{{ .name }}
+{{- else if eq .side "engine" -}}
+tcp://*:{{ .port }}
+{{- else -}}
+tcp://127.0.0.1:{{ .port }}
+{{- end -}}
 {{- end -}}

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from cryptography import x509
 
+from router.metrics import RouterMetrics
 from tests.deploy.conftest import (
     CHART,
     RenderError,
@@ -35,9 +36,11 @@ SECRETS = {
     "workerCredentialSecret": {"name": "kvplane-workers", "key": "secret"},
 }
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
 CERT_MANAGER_API = "cert-manager.io/v1"
 CUSTOM_RESOURCES = {  # kinds with no schema in Kubernetes itself
     "ServiceMonitor": "monitoring.coreos.com/v1",
+    "PrometheusRule": "monitoring.coreos.com/v1",
     "Certificate": CERT_MANAGER_API,
     "Issuer": CERT_MANAGER_API,
 }
@@ -79,7 +82,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 
 
 def rendered(tmp_path: Path, name: str) -> list[dict[str, Any]]:
-    api = [SERVICE_MONITOR_API, CERT_MANAGER_API] if name == "external-redis-autoscaling" else []
+    api = (
+        [SERVICE_MONITOR_API, PROMETHEUS_RULE_API, CERT_MANAGER_API]
+        if name == "external-redis-autoscaling"
+        else []
+    )
     return render(tmp_path, VALUE_SETS[name], api_versions=api)
 
 
@@ -373,3 +380,17 @@ def test_the_router_pod_outlives_its_drain(tmp_path: Path) -> None:
     )
     assert delay > 0
     assert spec["terminationGracePeriodSeconds"] > delay + timeout
+
+
+def test_the_alerts_read_metrics_the_router_exports(tmp_path: Path) -> None:
+    rule = one(
+        rendered(tmp_path, "external-redis-autoscaling"), "PrometheusRule", "rel-kvplane-router"
+    )
+    alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    assert {alert["alert"] for alert in alerts} >= {"KvplaneWorkerCreditWithdrawn"}
+    exported = set(re.findall(r"^# TYPE (\S+) ", RouterMetrics().render().decode(), re.MULTILINE))
+    for alert in alerts:
+        named = set(re.findall(r"\b(kvplane_[a-z_]+)", alert["expr"]))
+        assert named
+        assert named <= exported, alert["alert"]
+    assert by_kind(rendered(tmp_path, "defaults"), "PrometheusRule") == []  # no CRD, no rule

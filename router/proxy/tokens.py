@@ -81,7 +81,11 @@ class Tokenizers:
     def preload(self) -> None:
         """Load every configured tokenizer now: a missing directory fails the start,
         not a request, and the first request does not wait seconds for the load."""
-        for path in {self._settings.tokenizer_dir, *self._settings.tokenizer_dirs.values()}:
+        paths = {self._settings.tokenizer_dir, *self._settings.tokenizer_dirs.values()}
+        for path in paths:  # all checked before the tokenizer library's slow import
+            if path is not None and not path.is_dir():
+                raise FileNotFoundError(f"no tokenizer directory at {path}")
+        for path in paths:
             tokenizer = load_tokenizer(path)
             if tokenizer.no_pieces_reason is not None:
                 logger.info(

@@ -104,7 +104,9 @@ def _run_worker_token(args: argparse.Namespace) -> int:
     if args.output is None:
         print(token)
     else:  # readable by its owner only: an init container hands it to the agent
-        descriptor = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        descriptor = os.open(args.output, flags, 0o600)
+        os.fchmod(descriptor, 0o600)  # a file that was there keeps its mode otherwise
         with os.fdopen(descriptor, "w") as output:
             output.write(token + "\n")
     return 0

@@ -13,16 +13,19 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import grpc.aio
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp
 
 from kvplane.core.clock import Clock, WallClock
 from kvplane.core.config import ControlPlaneSettings, Settings
@@ -131,6 +134,7 @@ async def running_router(
             proxy_settings.suspect_after_misses,
             tolerance_tokens=cp.block_size,
             withdraw_after_suspicions=proxy_settings.withdraw_credit_after_suspicions,
+            suspicion_window_s=proxy_settings.suspicion_window_s,
             withdrawal_s=proxy_settings.credit_withdrawal_s,
             clock=clock,
             on_suspect=lambda worker_id: metrics.worker_suspicions.labels(worker=worker_id).inc(),
@@ -215,6 +219,8 @@ async def running_router(
                 clock=clock,
             ),
             max_body_bytes=proxy_settings.max_body_bytes,
+            prompt_limit=proxy.prompt_limit,
+            limiter=proxy.limiter,
             clock=clock,
         )
 
@@ -286,19 +292,20 @@ async def running_router(
         # The gRPC server stops after HTTP: agents keep the picture current while the
         # requests in progress drain.
         stack.push_async_callback(grpc_server.stop, _GRPC_STOP_GRACE_S)
-        http_port = await stack.enter_async_context(
-            serving_http(
-                HotPaths(public_app, public_routes),
-                public_listener,
-                stop_grace_s=http.drain_timeout_s,
-            )
+        admin_app = (
+            None
+            if admin_listener is None
+            else http_app(fleet_api.admin_routes(), serve_metrics=True)
         )
-        admin_port = admin_app = None
-        if admin_listener is not None:
-            admin_app = http_app(fleet_api.admin_routes(), serve_metrics=True)
-            admin_port = await stack.enter_async_context(
-                serving_http(admin_app, admin_listener, stop_grace_s=http.drain_timeout_s)
-            )
+        http_servers: list[tuple[ASGIApp, socket.socket]] = [
+            (HotPaths(public_app, public_routes), public_listener)
+        ]
+        if admin_app is not None and admin_listener is not None:
+            http_servers.append((admin_app, admin_listener))
+        http_port, *admin_ports = await stack.enter_async_context(
+            serving_http(*http_servers, stop_grace_s=http.drain_timeout_s)
+        )
+        admin_port = admin_ports[0] if admin_ports else None
 
         grpc_server.add_generic_rpc_handlers(
             [
@@ -469,9 +476,44 @@ def _bind_grpc(server: grpc.aio.Server, cp: ControlPlaneSettings) -> int:
 def _server_credentials(cp: ControlPlaneSettings) -> grpc.ServerCredentials | None:
     if cp.tls_cert_file is None or cp.tls_key_file is None:
         return None
-    client_ca = None if cp.tls_client_ca_file is None else cp.tls_client_ca_file.read_bytes()
-    return grpc.ssl_server_credentials(
-        [(cp.tls_key_file.read_bytes(), cp.tls_cert_file.read_bytes())],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
+    files = _CertificateFiles(cp.tls_cert_file, cp.tls_key_file, cp.tls_client_ca_file)
+    return grpc.dynamic_ssl_server_credentials(
+        files.configuration(),
+        files.changed_configuration,  # type: ignore[arg-type]  # None is allowed: gRPC's docs
+        require_client_authentication=cp.tls_client_ca_file is not None,
     )
+
+
+class _CertificateFiles:
+    """The router's certificate, key and client CA, read again when a file changes:
+    cert-manager renews certificates in place, and a router that kept the first would
+    serve an expired one. gRPC asks before each new connection's handshake."""
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
+        self._paths = [path for path in (cert, key, client_ca) if path is not None]
+        self._cert, self._key, self._client_ca = cert, key, client_ca
+        self._stamps = self._stat()
+
+    def _stat(self) -> list[tuple[int, int]]:
+        return [(stat.st_mtime_ns, stat.st_size) for stat in map(os.stat, self._paths)]
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(self._key.read_bytes(), self._cert.read_bytes())],
+            root_certificates=None if self._client_ca is None else self._client_ca.read_bytes(),
+        )
+
+    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when a file changed since the last read; else None (keep
+        the current one), also when the files cannot be read right now (mid-rotation)."""
+        try:
+            stamps = self._stat()
+            if stamps == self._stamps:
+                return None
+            configuration = self.configuration()
+        except OSError as error:
+            log.warning("the control plane's TLS files cannot be read (%s)", error.strerror)
+            return None
+        self._stamps = stamps
+        log.info("the control plane's TLS certificate files changed: reloaded")
+        return configuration

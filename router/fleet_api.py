@@ -20,7 +20,7 @@ query a tenant may make with its own key (`/fleet/tenant/locality`, its own scop
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import Path, Query, Security
@@ -34,7 +34,7 @@ from kvplane.core.types import Tier, WorkerInfo
 from kvplane.wire.codec import WORKER_ID_PATTERN
 from router.auth import ADMIN_ERRORS, UNAUTHORIZED, AdminToken, TenantKey
 from router.control_plane.workers import WorkerView
-from router.errors import ApiError, documented
+from router.errors import ApiError, documented, required_header
 from router.fleet_models import (
     CheckResult,
     Drained,
@@ -69,7 +69,7 @@ from router.proxy.bodies import (
     key_scope,
     read_body,
 )
-from router.proxy.tokens import PromptTokens
+from router.proxy.tokens import PromptTokens, PromptTooLong
 from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
@@ -83,6 +83,7 @@ from router.routing.wiring import (
     model_routing,
     with_probe,
 )
+from router.tenant_limits import TenantLimiter
 from router.tenants import ANONYMOUS_TENANT, Tenant, TenantDirectory
 
 log = logging.getLogger(__name__)
@@ -126,8 +127,13 @@ class FleetApi:
         sight: FleetSight,
         probe: WiringProbe,
         max_body_bytes: int,
+        prompt_limit: Callable[[str], int | None],
+        limiter: TenantLimiter,
         clock: Clock = time.monotonic,
     ) -> None:
+        """`prompt_limit(model)`: the most prompt tokens a query may have (the proxy's
+        cap); `limiter`: the tenants' request limits, which their own queries count
+        against."""
         self._clock = clock  # the router's: the ages shown are measured on it
         self.admin_token = AdminToken(admin_token)
         self.tenant_key = TenantKey(tenants)
@@ -141,6 +147,8 @@ class FleetApi:
         self.sight = sight
         self.probe = probe
         self.max_body_bytes = max_body_bytes
+        self.prompt_limit = prompt_limit
+        self.limiter = limiter
 
     def admin_routes(self) -> list[APIRoute]:
         """The operators' routes (the admin token): on the admin port when there is one."""
@@ -235,6 +243,14 @@ class FleetApi:
                     **BODY_ERRORS,
                     401: UNAUTHORIZED,
                     403: documented("a tenant's key queries its own scope only"),
+                    429: documented(
+                        "the tenant is over its request rate or its requests in progress",
+                        {
+                            "retry-after": required_header(
+                                {"type": "integer", "minimum": 1}, "seconds"
+                            )
+                        },
+                    ),
                 },
             ),
         ]
@@ -431,13 +447,24 @@ class FleetApi:
         """Its own scope only, and nothing of other tenants: eligible workers, their
         cached tokens and total scores, not the terms (the tenant term counts other
         tenants' requests) nor the workers of other tenants' pools."""
-        query = await self._query(request)
-        if query.get("tenant", tenant.name) != tenant.name:
+        refused = self.limiter.admit(tenant)
+        if refused is not None:
             raise ApiError(
-                403, "a tenant's key queries its own scope only", kind="PermissionDenied"
+                429,
+                refused.message,
+                kind="RateLimitError",
+                headers={"retry-after": str(refused.retry_after_s)},
             )
-        decision, model = await self._decide(query, tenant)
-        return _describe(decision, model, tenant, detailed=False)
+        try:
+            query = await self._query(request)
+            if query.get("tenant", tenant.name) != tenant.name:
+                raise ApiError(
+                    403, "a tenant's key queries its own scope only", kind="PermissionDenied"
+                )
+            decision, model = await self._decide(query, tenant)
+            return _describe(decision, model, tenant, detailed=False)
+        finally:
+            self.limiter.release(tenant)
 
     async def _query(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.max_body_bytes)
@@ -468,7 +495,10 @@ class FleetApi:
             raise BadRequest("give one of 'prompt', 'messages' or 'token_ids'")
         parsed = ParsedRequest(endpoint, model, False, body)
         scope = key_scope(tenant, parsed)
-        tokens = await self.prompt_tokens.of(parsed, scope)
+        try:
+            tokens = await self.prompt_tokens.of(parsed, scope, self.prompt_limit(model))
+        except PromptTooLong as too_long:
+            raise BadRequest(str(too_long)) from None
         if tokens is None:
             raise BadRequest("the prompt or messages could not be tokenised")
         decision = await self.planner.decide(

@@ -131,9 +131,7 @@ class WorkerAgent:
         delay = self.settings.agent.reconnect_min_s
         while True:
             try:
-                async with http.get("/v1/models") as response:
-                    response.raise_for_status()
-                    served = (await response.json(content_type=None))["data"]
+                served = await _served_models(http, required=self.settings.agent.model is None)
                 model = self.settings.agent.model or str(served[0]["id"])
                 async with http.get("/metrics") as response:
                     cache = self.adapter.parse_cache_config(await response.text())
@@ -289,6 +287,19 @@ class _EngineHttp:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._session.close()
+
+
+async def _served_models(http: _EngineHttp, *, required: bool) -> Any:
+    """The `data` of the engine's /v1/models; where the model is configured, an engine
+    without the route gives an empty list (its max_model_len is then unknown)."""
+    try:
+        async with http.get("/v1/models") as response:
+            response.raise_for_status()
+            return (await response.json(content_type=None))["data"]
+    except (aiohttp.ClientResponseError, ValueError, KeyError):
+        if required:
+            raise
+        return []
 
 
 def _max_model_len(served: Any, model: str) -> int:

@@ -184,9 +184,11 @@ class ProxySettings(_Section):
     predicted_ttl_s: float = Field(default=3.0, ge=0)  # routed prefixes, before events
     suspect_after_misses: int = Field(default=5, ge=1)  # predictions in a row the engine
     # did not confirm before a worker's index entries count as suspect
-    # A worker that turns suspect this many times loses its cache credit for
-    # credit_withdrawal_s, new incarnations included (router/routing/accuracy.py).
+    # A worker that turns suspect this many times within suspicion_window_s, with most
+    # of its recent predictions stale, loses its cache credit for credit_withdrawal_s,
+    # new incarnations included (router/routing/accuracy.py).
     withdraw_credit_after_suspicions: int = Field(default=3, ge=1)
+    suspicion_window_s: float = Field(default=3600.0, gt=0)
     credit_withdrawal_s: float = Field(default=900.0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     # A prompt's tokens are capped at its model's max_model_len, as the engines register

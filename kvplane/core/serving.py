@@ -74,35 +74,46 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 @contextlib.asynccontextmanager
 async def serving_http(
-    app: ASGIApp, listener: socket.socket, *, stop_grace_s: float = 2
-) -> AsyncIterator[int]:
-    """Serve `app` on a socket from bind_http() until the block exits; yields its port.
+    *servers: tuple[ASGIApp, socket.socket], stop_grace_s: float = 2
+) -> AsyncIterator[list[int]]:
+    """Serve each app on its socket from bind_http() until the block exits; yields
+    their ports.
 
-    On the way out the server stops accepting, closes idle connections and lets the
-    requests in progress (streams included) finish within `stop_grace_s`, then cuts
-    what is left."""
-    with contextlib.closing(listener) as bound:
-        server = _EmbeddedServer(
-            uvicorn.Config(
-                app,
-                lifespan="off",
-                log_config=None,
-                access_log=False,
-                # uvicorn's annotation says int; it waits with asyncio.wait_for.
-                timeout_graceful_shutdown=stop_grace_s,  # type: ignore[arg-type]
+    On the way out every server stops accepting at once, closes idle connections and
+    lets the requests in progress (streams included) finish within `stop_grace_s`,
+    then cuts what is left: the servers drain together, not one after the other."""
+    with contextlib.ExitStack() as sockets:
+        for _, listener in servers:
+            sockets.enter_context(contextlib.closing(listener))
+        running = [
+            _EmbeddedServer(
+                uvicorn.Config(
+                    app,
+                    lifespan="off",
+                    log_config=None,
+                    access_log=False,
+                    # uvicorn's annotation says int; it waits with asyncio.wait_for.
+                    timeout_graceful_shutdown=stop_grace_s,  # type: ignore[arg-type]
+                )
             )
-        )
-        task = asyncio.create_task(server.serve(sockets=[bound]))
+            for app, _ in servers
+        ]
+        tasks = [
+            asyncio.create_task(server.serve(sockets=[listener]))
+            for server, (_, listener) in zip(running, servers, strict=True)
+        ]
         try:
-            while not server.started:
-                if task.done():
-                    task.result()  # raises what stopped it
-                    raise RuntimeError("the HTTP server stopped while starting")
+            while not all(server.started for server in running):
+                for task in tasks:
+                    if task.done():
+                        task.result()  # raises what stopped it
+                        raise RuntimeError("an HTTP server stopped while starting")
                 await asyncio.sleep(0.01)
-            yield bound.getsockname()[1]
+            yield [listener.getsockname()[1] for _, listener in servers]
         finally:
-            server.should_exit = True
-            await task
+            for server in running:
+                server.should_exit = True
+            await asyncio.gather(*tasks)
 
 
 _EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -236,6 +236,9 @@ class ProxyService:
         # Worker incarnations seen sending prompt_tokens_details: from them, usage
         # without it means no cached tokens (vLLM leaves it out at zero).
         self._reporting_workers: set[tuple[str, int]] = set()
+        # Per model, the worker incarnations whose engines count prompts otherwise than
+        # this router: its token counts cannot be held against their max_model_len.
+        self._miscounting: dict[str, set[tuple[str, int]]] = {}
 
     def routes(self) -> list[APIRoute]:
         async def models() -> ModelList:
@@ -336,19 +339,18 @@ class ProxyService:
     async def _tokenize(self, parsed: ParsedRequest, scope: str) -> Sequence[int] | None:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.tokenize") as span:
-            tokens = await self.prompt_tokens.of(parsed, scope, self._prompt_limit(parsed.model))
+            tokens = await self.prompt_tokens.of(parsed, scope, self.prompt_limit(parsed.model))
             span.set_attribute("kvplane.prompt_tokens", -1 if tokens is None else len(tokens))
         self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return tokens
 
-    def _prompt_limit(self, model: str) -> int | None:
+    def prompt_limit(self, model: str) -> int | None:
         """The most prompt tokens a request for `model` may have: the engines' own limit
-        and the configured one, the lower; None when neither is known."""
-        known = [
-            limit
-            for limit in (self.fleet.roster.max_model_len(model), self.settings.max_prompt_tokens)
-            if limit is not None
-        ]
+        and the configured one, the lower; None when neither is known. The engines' is
+        left out while one of them counts prompts otherwise than this router (another
+        tokenizer): the router's count would refuse prompts the engines take."""
+        engines = None if self._miscounting.get(model) else self.fleet.roster.max_model_len(model)
+        known = [limit for limit in (engines, self.settings.max_prompt_tokens) if limit is not None]
         return min(known, default=None)
 
     def _no_worker(self, tenant: Tenant) -> Response:
@@ -566,6 +568,11 @@ class ProxyService:
         worker = exchange.worker_id
         incarnation = (worker, exchange.incarnation)
         matched = self.agreement.observe(incarnation, exchange.prompt_tokens, usage.prompt_tokens)
+        miscounting = self._miscounting.setdefault(exchange.model, set())
+        if self.agreement.of(incarnation).disagrees:
+            miscounting.add(incarnation)
+        else:
+            miscounting.discard(incarnation)
         self.metrics.prompt_token_checks.labels(
             worker=worker, model=exchange.model, result="match" if matched else "mismatch"
         ).inc()

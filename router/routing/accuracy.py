@@ -9,11 +9,13 @@ predictions keep failing (`suspect_after_misses` in a row, or half of its last
 JUDGED_WINDOW) has suspect index entries: scoring stops counting on them until its
 predictions hold again or the worker starts a new incarnation.
 
-A worker that turns suspect again and again (`withdraw_after_suspicions` times) loses
-its cache credit for `withdrawal_s`, whatever it does meanwhile, new incarnations
-included: an agent that announces blocks its engine does not hold (another tenant's,
-to draw its traffic) gains a few requests, and then nothing, and the metrics and the
-fleet API show it.
+A worker that turns suspect again and again (`withdraw_after_suspicions` times within
+`suspicion_window_s`) while most of its recent predictions, across its incarnations,
+failed, loses its cache credit for `withdrawal_s`, whatever it does meanwhile, new
+incarnations included: an agent that announces blocks its engine does not hold
+(another tenant's, to draw its traffic) gains a few requests, and then nothing, and the
+metrics and the fleet API show it. An honest worker under memory pressure turns
+suspect now and then; with most of its predictions holding, it keeps its credit.
 
 Only the part of a prediction that the worker's own events vouched for (its index
 entries) is judged: the rest came from this router's predicted entries, which are its
@@ -55,6 +57,9 @@ JUDGED_WINDOW = 32
 """A worker's last judged predictions (of something its entries vouched for): with at
 least half of it filled, a worker half of whose predictions in it were stale is suspect
 however it spaces its misses."""
+STANDING_WINDOW = 128
+"""A worker id's last judged predictions, across its incarnations, that decide whether
+its repeated suspicions withdraw its credit: most of them stale."""
 
 
 @dataclass(slots=True)
@@ -77,10 +82,15 @@ class _Record:
 
 @dataclass(slots=True)
 class _Standing:
-    """What a worker id has shown across its incarnations."""
+    """What a worker id has shown across its incarnations, kept while it turned suspect
+    within the suspicion window."""
 
-    suspicions: int = 0  # times it turned suspect since its credit was last withdrawn
-    withdrawn_until: float | None = None  # on the clock; None: its credit stands
+    suspected_at: deque[float] = field(default_factory=deque)  # on the clock, oldest first
+    # Per recent judged prediction, whatever the incarnation: whether it was stale.
+    judged_stale: deque[bool] = field(default_factory=lambda: deque(maxlen=STANDING_WINDOW))
+
+    def mostly_stale(self) -> bool:
+        return 2 * sum(self.judged_stale) >= len(self.judged_stale) > 0
 
 
 class PredictionAccuracy:
@@ -90,6 +100,7 @@ class PredictionAccuracy:
         tolerance_tokens: int,
         *,
         withdraw_after_suspicions: int = 3,
+        suspicion_window_s: float = 3600.0,
         withdrawal_s: float = 900.0,
         clock: Clock = time.monotonic,
         on_suspect: Callable[[str], None] = lambda worker_id: None,
@@ -98,22 +109,25 @@ class PredictionAccuracy:
         self.suspect_after_misses = suspect_after_misses
         self.tolerance_tokens = tolerance_tokens
         self.withdraw_after_suspicions = withdraw_after_suspicions
+        self.suspicion_window_s = suspicion_window_s
         self.withdrawal_s = withdrawal_s
         self._clock = clock
         self._on_suspect = on_suspect
         self._records: dict[str, _Record] = {}
         self._standings: dict[str, _Standing] = {}
+        self._withdrawn_until: dict[str, float] = {}  # on the clock
         self._changed: set[str] = set()
 
     def take_changed(self) -> set[str]:
         """The workers whose suspicion may have changed since the last call (one reader
         only): the router's Fleet keeps it as a column and re-reads only those.
         Withdrawals that have run out are ended here."""
-        now = self._clock()
-        for worker_id, standing in self._standings.items():
-            if standing.withdrawn_until is not None and standing.withdrawn_until <= now:
-                standing.withdrawn_until = None
-                self._changed.add(worker_id)
+        if self._withdrawn_until:  # almost always empty: this runs before every decision
+            now = self._clock()
+            for worker_id, until in list(self._withdrawn_until.items()):
+                if until <= now:
+                    del self._withdrawn_until[worker_id]
+                    self._changed.add(worker_id)
         changed, self._changed = self._changed, set()
         return changed
 
@@ -138,6 +152,9 @@ class PredictionAccuracy:
         suspected = record.suspect(self.suspect_after_misses)
         if predicted_tokens > 0:
             record.judged_stale.append(verdict is Verdict.STALE)
+            standing = self._standings.get(worker_id)
+            if standing is not None:
+                standing.judged_stale.append(verdict is Verdict.STALE)
         if verdict is Verdict.STALE:
             record.misses_in_a_row += 1
         elif predicted_tokens > 0 or verdict is Verdict.BETTER:
@@ -151,11 +168,19 @@ class PredictionAccuracy:
 
     def _turned_suspect(self, worker_id: str) -> None:
         self._on_suspect(worker_id)
-        standing = self._standings.setdefault(worker_id, _Standing())
-        standing.suspicions += 1
-        if standing.suspicions >= self.withdraw_after_suspicions:
-            standing.suspicions = 0
-            standing.withdrawn_until = self._clock() + self.withdrawal_s
+        now = self._clock()
+        standing = self._standings.get(worker_id)
+        if standing is None:  # its history starts with this incarnation's verdicts
+            standing = self._standings[worker_id] = _Standing()
+            standing.judged_stale.extend(self._records[worker_id].judged_stale)
+        standing.suspected_at.append(now)
+        while standing.suspected_at[0] < now - self.suspicion_window_s:
+            standing.suspected_at.popleft()
+        if len(standing.suspected_at) >= self.withdraw_after_suspicions and (
+            standing.mostly_stale()
+        ):
+            standing.suspected_at.clear()
+            self._withdrawn_until[worker_id] = now + self.withdrawal_s
 
     def is_suspect(self, worker_id: str, incarnation: int) -> bool:
         """Whether the worker's index entries count for nothing now: its predictions
@@ -172,10 +197,8 @@ class PredictionAccuracy:
     def withdrawn_until(self, worker_id: str) -> float | None:
         """When the worker's withdrawn cache credit comes back (on the clock); None
         while it stands."""
-        standing = self._standings.get(worker_id)
-        if standing is None or standing.withdrawn_until is None:
-            return None
-        return standing.withdrawn_until if standing.withdrawn_until > self._clock() else None
+        until = self._withdrawn_until.get(worker_id)
+        return until if until is not None and until > self._clock() else None
 
     def vouching(self, worker_id: str, incarnation: int) -> tuple[int, int]:
         """Of the worker's recent predicted hits: how many, and how many its index
@@ -187,9 +210,15 @@ class PredictionAccuracy:
 
     def forget(self, worker_id: str) -> None:
         """The worker's entries are gone (new incarnation, resync, death); its standing
-        (suspicions, a withdrawal) stays with its id."""
+        (recent suspicions, a withdrawal) stays with its id while it matters."""
         if self._records.pop(worker_id, None) is not None:
             self._changed.add(worker_id)
+        standing = self._standings.get(worker_id)
+        if standing is not None and (
+            not standing.suspected_at
+            or standing.suspected_at[-1] < self._clock() - self.suspicion_window_s
+        ):
+            del self._standings[worker_id]
 
     def suspects(self) -> set[str]:
         suspect = {
@@ -201,4 +230,4 @@ class PredictionAccuracy:
 
     def withdrawn(self) -> set[str]:
         """The workers whose cache credit is withdrawn now."""
-        return {worker_id for worker_id in self._standings if self.withdrawn_until(worker_id)}
+        return {worker_id for worker_id in self._withdrawn_until if self.withdrawn_until(worker_id)}

@@ -38,10 +38,11 @@ class Roster:
             model: np.array(rows, dtype=np.intp) for model, rows in by_model.items()
         }
         self._all_rows = np.arange(count, dtype=np.intp)
-        # A model's longest prompt plus output: the most any of its workers takes, known
-        # only when every one of them says.
+        # A model's longest prompt plus output: the least any of its workers takes (a
+        # longer prompt fails there; and no one agent can lift the cap for its model),
+        # known only when every one of them says.
         self._max_model_len = {
-            model: min(lengths) and max(lengths)
+            model: min(lengths)
             for model, lengths in (
                 (model, [infos[row].max_model_len for row in rows])
                 for model, rows in by_model.items()
@@ -84,8 +85,8 @@ class Roster:
         return self._rows_of_model.get(model, self._all_rows[:0])
 
     def max_model_len(self, model: str) -> int | None:
-        """The longest prompt plus output, in tokens, that a worker serving `model` takes;
-        None when one of them does not say, or none serves it under that name."""
+        """The longest prompt plus output, in tokens, that every worker serving `model`
+        takes; None when one of them does not say, or none serves it under that name."""
         return self._max_model_len.get(model) or None
 
     def info(self, worker_id: str) -> WorkerInfo:

@@ -68,8 +68,8 @@ async def running_engine_sim(config: EngineSimConfig) -> AsyncIterator[RunningEn
         engine = SimEngine(config, tokenizer.plain_token_ids(), metrics, publisher)
         stack.push_async_callback(cancel_task, asyncio.create_task(engine.run()))
         app = create_engine_app(engine, tokenizer, config)
-        http_port = await stack.enter_async_context(
-            serving_http(app, bind_http(config.host, config.port))
+        (http_port,) = await stack.enter_async_context(
+            serving_http((app, bind_http(config.host, config.port)))
         )
         yield RunningEngineSim(
             http_port=http_port,

@@ -298,3 +298,25 @@ async def test_a_forged_incarnation_far_ahead_cannot_fence_the_real_agent_out() 
         # An honest agent's clock, a little ahead of the router's, is welcome.
         honest = worker("w1", incarnation=int((now + 5) * 1e9))
         assert (await AgentStream(channel).request(register_message(honest))).ack.sequence == 0
+
+
+async def test_a_renewed_certificate_is_served_without_a_restart(pki: Pki, tmp_path: Path) -> None:
+    """cert-manager renews the router's certificate in place; new connections get the new
+    one (here signed by another CA, so that the two are told apart by who trusts them)."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(pki.server_cert.read_bytes())
+    key.write_bytes(pki.server_key.read_bytes())
+    settings = make_settings(tls_cert_file=cert, tls_key_file=key)
+    renewed_ca_key, renewed_key = _key(), _key()
+    renewed_ca = _certificate("renewed CA", renewed_ca_key, None, ca=True)
+    renewed = _certificate("router", renewed_key, (renewed_ca.subject, renewed_ca_key))
+    async with running_router(settings) as router:
+        first = await _register_over_tls(router.grpc_port, grpc.ssl_channel_credentials(pki.ca))
+        assert first.ack.sequence == 0
+        key.write_bytes(_pem_key(renewed_key))
+        cert.write_bytes(_pem(renewed))
+        trusting_new = grpc.ssl_channel_credentials(_pem(renewed_ca))
+        again = await _register_over_tls(router.grpc_port, trusting_new, "w2")
+        assert again.ack.sequence == 0
+        with pytest.raises(grpc.aio.AioRpcError):  # the old CA no longer vouches for it
+            await _register_over_tls(router.grpc_port, grpc.ssl_channel_credentials(pki.ca), "w3")

@@ -64,7 +64,7 @@ async def fleet_check() -> AsyncIterator[dict[str, dict[str, Any]]]:
         update={"http": settings.http.model_copy(update={"admin_token": SecretStr("check-admin")})}
     )
     async with (
-        serving_http(ENGINES, bind_http("127.0.0.1", 0)) as engine_port,
+        serving_http((ENGINES, bind_http("127.0.0.1", 0))) as (engine_port,),
         running_router(settings) as router,
         grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel,
     ):

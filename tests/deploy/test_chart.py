@@ -353,7 +353,13 @@ def test_network_policies_keep_each_port_to_its_own_peers(tmp_path: Path) -> Non
     by_port = {rule["ports"][0]["port"]: rule.get("from") for rule in router["spec"]["ingress"]}
     assert by_port[8080] is None  # clients, from anywhere
     # The admin port: only what networkPolicy.adminFrom names, by default labelled pods.
-    assert by_port[8081] == [{"podSelector": {"matchLabels": {"kvplane.io/admin-client": "true"}}}]
+    assert by_port[8081] == [
+        {"podSelector": {"matchLabels": {"kvplane.io/admin-client": "true"}}},
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        },
+    ]
     # gRPC: agents of this namespace only (no namespaceSelector).
     assert by_port[50051] == [{"podSelector": {"matchLabels": {"kvplane.io/agent": "true"}}}]
     # The bundled Redis: a password, and only routers reach it.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.routing.accuracy import JUDGED_WINDOW, PredictionAccuracy, Verdict, judge
@@ -114,11 +116,12 @@ def test_a_worker_that_keeps_turning_suspect_loses_its_credit_for_a_while() -> N
         on_suspect=turned.append,
     )
     for incarnation in (1, 2, 3):  # a new incarnation clears suspicion, not the record
+        accuracy.observe("w1", incarnation, 128, 128)  # one prediction holds
         for _ in range(2):
             accuracy.observe("w1", incarnation, 128, 0)
         assert accuracy.is_suspect("w1", incarnation)
         accuracy.forget("w1")
-        accuracy.observe("w1", incarnation + 1, 128, 128)
+        clock.advance(60)
     assert turned == ["w1", "w1", "w1"]
     assert accuracy.withdrawn() == {"w1"}
     accuracy.take_changed()
@@ -126,7 +129,7 @@ def test_a_worker_that_keeps_turning_suspect_loses_its_credit_for_a_while() -> N
     for _ in range(50):
         accuracy.observe("w1", 9, 128, 128)
     assert accuracy.is_suspect("w1", 9)
-    assert accuracy.withdrawn_until("w1") == clock.now + 600
+    assert accuracy.withdrawn_until("w1") == clock.now + 600 - 60
     assert "w1" in accuracy.suspects()
     assert not accuracy.is_suspect("w2", 1)  # other workers keep theirs
     clock.advance(600)
@@ -139,3 +142,37 @@ def test_a_worker_that_keeps_turning_suspect_loses_its_credit_for_a_while() -> N
     assert accuracy.is_suspect("w1", 9)
     accuracy.observe("w1", 9, 128, 128)
     assert not accuracy.is_suspect("w1", 9)
+
+
+def test_suspicions_older_than_the_window_do_not_add_up() -> None:
+    clock = ManualClock()
+    accuracy = PredictionAccuracy(
+        suspect_after_misses=2,
+        tolerance_tokens=TOLERANCE,
+        withdraw_after_suspicions=3,
+        suspicion_window_s=3600,
+        clock=clock,
+    )
+    for incarnation in range(1, 10):  # one suspicion every two hours, for eighteen hours
+        for _ in range(2):
+            accuracy.observe("w1", incarnation, 128, 0)
+        accuracy.forget("w1")
+        clock.advance(7200)
+    assert accuracy.withdrawn() == set()
+
+
+@pytest.mark.parametrize("stale_share", [0.1, 0.2, 0.3])
+def test_an_honest_worker_that_is_sometimes_wrong_keeps_its_credit(stale_share: float) -> None:
+    """An engine under memory pressure evicts blocks while requests queue: some of its
+    worker's predictions fail, now and then five in a row. It turns suspect at times,
+    and clears again; its credit is never withdrawn while most predictions hold."""
+    rng = random.Random(7)
+    clock = ManualClock()
+    turned: list[str] = []
+    accuracy = PredictionAccuracy(5, TOLERANCE, clock=clock, on_suspect=turned.append)
+    for _ in range(20_000):  # a prediction every half second: close to three hours
+        clock.advance(0.5)
+        accuracy.observe("w1", 1, 128, 0 if rng.random() < stale_share else 128)
+        assert accuracy.withdrawn() == set()
+    if stale_share >= 0.3:
+        assert len(turned) > 3  # it did turn suspect, more than the withdrawal's count

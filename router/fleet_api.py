@@ -449,12 +449,7 @@ class FleetApi:
         tenants' requests) nor the workers of other tenants' pools."""
         refused = self.limiter.admit(tenant)
         if refused is not None:
-            raise ApiError(
-                429,
-                refused.message,
-                kind="RateLimitError",
-                headers={"retry-after": str(refused.retry_after_s)},
-            )
+            raise refused.error()
         try:
             query = await self._query(request)
             if query.get("tenant", tenant.name) != tenant.name:

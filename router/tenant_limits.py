@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvplane.core.clock import Clock
 from kvplane.core.config import RequestLimits
+from router.errors import ApiError
 from router.tenants import Tenant
 
 
@@ -20,6 +21,15 @@ class LimitReached:
     reason: str  # a metric label: "rate_limited" or "concurrency_limited"
     retry_after_s: int  # whole seconds, at least 1, as Retry-After carries them
     message: str
+
+    def error(self) -> ApiError:
+        """The 429 the client gets."""
+        return ApiError(
+            429,
+            self.message,
+            kind="RateLimitError",
+            headers={"retry-after": str(self.retry_after_s)},
+        )
 
 
 @dataclass(slots=True)

@@ -284,12 +284,7 @@ class ProxyService:
         refused = self.limiter.admit(tenant)  # before the body is read: a refusal costs nothing
         if refused is not None:
             self._count(refused.reason)
-            return error_response(
-                429,
-                refused.message,
-                kind="RateLimitError",
-                headers={"retry-after": str(refused.retry_after_s)},
-            )
+            return refused.error().response()
         try:
             response = await self._admitted(request, endpoint, tenant)
         except BaseException:

@@ -54,6 +54,7 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
+from router.routing.funnel import CacheFunnel
 from router.routing.predicted import PredictedPrefixes
 from router.routing.sight import FleetSight, Sight
 from router.routing.token_agreement import TokenCountAgreement
@@ -149,6 +150,7 @@ async def running_router(
             clock=clock,
         )
         agreement = TokenCountAgreement()
+        funnel = CacheFunnel()
         sight = FleetSight(view, accuracy, agreement, cp.block_size)
         planner = RoutingPlanner(
             index=index,
@@ -196,6 +198,8 @@ async def running_router(
             metrics=metrics,
             tracer=tracer,
             limiter=TenantLimiter(clock, busy_retry_after_s=proxy_settings.retry_after_s),
+            funnel=funnel,
+            clock=clock,
         )
         await asyncio.to_thread(proxy.prompt_tokens.tokenizers.preload)
         admin_token = settings.http.admin_token
@@ -221,6 +225,7 @@ async def running_router(
             max_body_bytes=proxy_settings.max_body_bytes,
             prompt_limit=proxy.prompt_limit,
             limiter=proxy.limiter,
+            funnel=funnel,
             clock=clock,
         )
 

@@ -40,6 +40,8 @@ from router.fleet_models import (
     Drained,
     Engine,
     FleetCheck,
+    Funnel,
+    FunnelRow,
     IndexStatistics,
     Locality,
     LocalityQuery,
@@ -74,6 +76,7 @@ from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
+from router.routing.funnel import CacheFunnel, Stage
 from router.routing.sight import FleetSight
 from router.routing.wiring import (
     Check,
@@ -129,6 +132,7 @@ class FleetApi:
         max_body_bytes: int,
         prompt_limit: Callable[[str], int | None],
         limiter: TenantLimiter,
+        funnel: CacheFunnel,
         clock: Clock = time.monotonic,
     ) -> None:
         """`prompt_limit(model)`: the most prompt tokens a query may have (the proxy's
@@ -149,6 +153,7 @@ class FleetApi:
         self.max_body_bytes = max_body_bytes
         self.prompt_limit = prompt_limit
         self.limiter = limiter
+        self.funnel = funnel
 
     def admin_routes(self) -> list[APIRoute]:
         """The operators' routes (the admin token): on the admin port when there is one."""
@@ -181,6 +186,15 @@ class FleetApi:
                 summary="where a prompt's prefix is cached, each score term, and the pick",
                 description="Nothing is sent to an engine.",
                 responses={**BODY_ERRORS, **ADMIN_ERRORS, 404: _NO_TENANT},
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/funnel",
+                self.cache_funnel,
+                methods=["GET"],
+                summary="per model and tenant: prompt, attainable, predicted and achieved "
+                "cached tokens since start, and why each stage lost what it lost",
+                responses=ADMIN_ERRORS,
                 dependencies=admin,
             ),
             APIRoute(
@@ -380,6 +394,29 @@ class FleetApi:
     def _routable(self) -> set[str]:
         """The workers routing may pick now (as /readyz and /metrics judge them)."""
         return {candidate.worker_id for candidate in self.fleet.candidates()}
+
+    async def cache_funnel(self) -> Funnel:
+        rows = []
+        for (model, tenant), totals in sorted(self.funnel.totals().items()):
+            achieved = totals.stages[Stage.ACHIEVED]
+            rows.append(
+                FunnelRow(
+                    model=model,
+                    tenant=tenant,
+                    requests=totals.requests,
+                    prompt_tokens=totals.stages[Stage.PROMPT],
+                    attainable_tokens=totals.stages[Stage.ATTAINABLE],
+                    predicted_tokens=totals.stages[Stage.PREDICTED],
+                    achieved_tokens=achieved,
+                    reported_requests=totals.reported_requests,
+                    reported_prompt_tokens=totals.reported_prompt_tokens,
+                    hit_rate=round(achieved / totals.reported_prompt_tokens, 4)
+                    if totals.reported_prompt_tokens
+                    else None,
+                    lost_tokens={loss.value: tokens for loss, tokens in totals.losses.items()},
+                )
+            )
+        return Funnel(rows=rows)
 
     async def index_stats(self) -> IndexStatistics:
         try:

@@ -206,3 +206,34 @@ class Purged(BaseModel):
     tenant: str
     cache_scope: str
     generation: Annotated[int, Field(ge=1)]
+
+
+# -- the cache-loss funnel -----------------------------------------------------------
+
+
+class FunnelRow(BaseModel):
+    """One model and tenant's answered requests since the router started, through the
+    cache-loss funnel (router/routing/funnel.py), in tokens."""
+
+    model: str
+    tenant: str
+    requests: int
+    prompt_tokens: int
+    attainable_tokens: int = Field(description="the longest prefix any candidate held")
+    predicted_tokens: int = Field(description="the prefix held where the requests went")
+    achieved_tokens: int = Field(description="what the engines reported cached")
+    reported_requests: int = Field(description="requests whose engine reported cached tokens")
+    reported_prompt_tokens: int = Field(description="their prompt tokens")
+    hit_rate: float | None = Field(
+        description="achieved / reported_prompt_tokens: the share of prompt tokens the "
+        "engines did not prefill; null before any report"
+    )
+    lost_tokens: dict[str, int] = Field(
+        description="per reason: routed_for_load, holder_unavailable (attainable, not "
+        "predicted); tier_restore, evicted_before_arrival, prediction_wrong, unreported "
+        "(predicted, not achieved)"
+    )
+
+
+class Funnel(BaseModel):
+    rows: list[FunnelRow]

@@ -202,6 +202,28 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        # The cache-loss funnel (router/routing/funnel.py): per model and tenant, both
+        # bounded (registered models, configured tenants).
+        self.funnel_tokens = Counter(
+            "kvplane_funnel_tokens",
+            "Prompt tokens of answered requests by funnel stage: prompt, attainable (held "
+            "anywhere), predicted (held where it went), achieved (the engine reported cached)",
+            ["model", "tenant", "stage"],
+            registry=r,
+        )
+        self.funnel_lost_tokens = Counter(
+            "kvplane_funnel_lost_tokens",
+            "Tokens a funnel stage lost against the one before it, by reason",
+            ["model", "tenant", "reason"],
+            registry=r,
+        )
+        self.funnel_reported_prompt_tokens = Counter(
+            "kvplane_funnel_reported_prompt_tokens",
+            "Prompt tokens of the answered requests whose engine reported its cached tokens "
+            "(what the achieved stage is a share of)",
+            ["model", "tenant"],
+            registry=r,
+        )
         self.prefill_tokens_saved = Counter(
             "kvplane_prefill_tokens_saved",
             "Prompt tokens served from cache (reported by the engine, else predicted)",

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvplane.core.clock import Clock
 from kvplane.core.config import ProxySettings
 from router.auth import UNAUTHORIZED, TenantKey, unauthorized
 from router.errors import documented, error_response, required_header
@@ -63,6 +64,7 @@ from router.routes import HotRoute
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet, Ticket
+from router.routing.funnel import CacheFunnel, funnel_step
 from router.routing.token_agreement import TokenCountAgreement
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
@@ -126,6 +128,9 @@ class _Exchange:
     prompt_tokens: int  # the router's count (0: it could not tokenise the prompt)
     ticket: Ticket
     sent_at: float
+    tenant: str
+    decision: Decision  # for the funnel, read when the answer is settled
+    dispatched_at: float  # on the router's clock, as evictions are recorded
 
 
 @dataclass(slots=True)
@@ -220,9 +225,13 @@ class ProxyService:
         metrics: RouterMetrics,
         tracer: Tracer,
         limiter: TenantLimiter,
+        funnel: CacheFunnel,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.settings = settings
         self.limiter = limiter
+        self.funnel = funnel
+        self.clock = clock  # the router's, on which evictions are recorded
         self.tenants = tenants
         self.fleet = fleet
         self.planner = planner
@@ -390,6 +399,9 @@ class ProxyService:
                     streamed=parsed.stream,
                 ),
                 sent_at=time.perf_counter(),
+                tenant=tenant.name,
+                decision=decision,
+                dispatched_at=self.clock(),
             )
             self.planner.routed(decision, candidate.worker_id)
             url = candidate.base_url.rstrip("/") + path
@@ -530,6 +542,8 @@ class ProxyService:
         if status < 400 and usage is not None:
             self._compare_token_counts(exchange, usage)
         reported = self._reported_cached_tokens((worker, exchange.incarnation), usage)
+        if status < 400 and exchange.prompt_tokens:
+            self._through_funnel(exchange, reported)
         if reported is None:
             if status < 400:
                 self.metrics.prefill_tokens_saved.inc(exchange.predicted_tokens)
@@ -553,6 +567,34 @@ class ProxyService:
                 worker,
                 exchange.predicted_tokens,
                 reported,
+            )
+
+    def _through_funnel(self, exchange: _Exchange, reported: int | None) -> None:
+        decision, worker = exchange.decision, exchange.worker_id
+        attainable, holder_eligible = decision.attainable()
+        evicted_at = self.fleet.evictions.recorded(worker)[1]
+        step = funnel_step(
+            prompt_tokens=exchange.prompt_tokens,
+            attainable_tokens=attainable,
+            predicted_tokens=exchange.predicted_tokens,
+            predicted_off_device_tokens=decision.off_device_tokens(worker),
+            holder_eligible=holder_eligible,
+            achieved_tokens=reported,
+            evicted_meanwhile=evicted_at > exchange.dispatched_at,
+        )
+        model, tenant = exchange.model, exchange.tenant
+        self.funnel.add(model, tenant, step)
+        for stage, tokens in step.stages.items():
+            self.metrics.funnel_tokens.labels(model=model, tenant=tenant, stage=stage.value).inc(
+                tokens
+            )
+        for loss, tokens in step.losses.items():
+            self.metrics.funnel_lost_tokens.labels(
+                model=model, tenant=tenant, reason=loss.value
+            ).inc(tokens)
+        if reported is not None:
+            self.metrics.funnel_reported_prompt_tokens.labels(model=model, tenant=tenant).inc(
+                exchange.prompt_tokens
             )
 
     def _compare_token_counts(self, exchange: _Exchange, usage: Usage) -> None:

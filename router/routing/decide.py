@@ -34,6 +34,9 @@ INDEX_PROBE_INTERVAL_S = 0.5
 """While lookups fail, how often one request tries the index again."""
 
 
+_DEVICE_COLUMN = TIERS.index(Tier.DEVICE)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     ranked: RankedWorkers  # eligible workers, best first
@@ -74,6 +77,24 @@ class Decision:
     def info(self, worker_id: str) -> WorkerInfo:
         """A candidate's registration (its address, incarnation, model)."""
         return self.roster.info(worker_id)
+
+    def attainable(self) -> tuple[int, bool]:
+        """The longest prefix, in tokens, any candidate was believed to hold, and whether
+        a worker holding that much was eligible."""
+        held = self.believed.sum(axis=1)
+        best = int(held.max()) if len(held) else 0
+        if best == 0:
+            return 0, True
+        eligible = bool(np.any(self.ranked.scores.eligible[held == best]))
+        return best * self.block_size, eligible
+
+    def off_device_tokens(self, worker_id: str) -> int:
+        """The part of predicted_tokens() held on host, disk or remote tiers."""
+        row = self._row(worker_id)
+        if row < 0:
+            return 0
+        blocks = self.believed[row]
+        return int(blocks.sum() - blocks[_DEVICE_COLUMN]) * self.block_size
 
     def _row(self, worker_id: str) -> int:
         roster_row = self.roster.position.get(worker_id)

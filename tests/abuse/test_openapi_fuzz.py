@@ -67,6 +67,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
     ("GET", "/fleet/workers"),
+    ("GET", "/fleet/funnel"),
     ("POST", "/fleet/check"),
     ("POST", "/fleet/locality"),
     ("GET", "/fleet/index"),

@@ -1,0 +1,113 @@
+"""The cache-loss funnel: of a request's prompt tokens, how many the fleet held anywhere
+(attainable), how many on the worker it went to (predicted), how many that engine
+reported cached (achieved), and why each stage lost what it lost.
+
+A request's step through the funnel is a pure function of what the router decided and
+what the engine answered (`funnel_step`); `CacheFunnel` adds the steps up per model and
+tenant, for the metrics and the fleet API. Tokens, never text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class Stage(enum.Enum):
+    PROMPT = "prompt"  # the prompt's tokens, as the router counted them
+    ATTAINABLE = "attainable"  # the longest prefix any candidate worker held
+    PREDICTED = "predicted"  # the prefix the worker it went to held
+    ACHIEVED = "achieved"  # what that engine reported cached
+
+
+class Loss(enum.Enum):
+    """Why a stage holds fewer tokens than the one before it."""
+
+    # attainable, not predicted: a worker holding more was passed over ...
+    ROUTED_FOR_LOAD = "routed_for_load"  # ... for its load or other penalties
+    HOLDER_UNAVAILABLE = "holder_unavailable"  # ... being ineligible (draining, unreachable)
+    # predicted, not achieved:
+    TIER_RESTORE = "tier_restore"  # held on a slower tier, not restored as cached
+    EVICTED_BEFORE_ARRIVAL = "evicted_before_arrival"  # the engine evicted blocks meanwhile
+    PREDICTION_WRONG = "prediction_wrong"  # the engine did not hold what was believed
+    UNREPORTED = "unreported"  # the engine reports no cached tokens: not measured
+
+
+@dataclass(frozen=True, slots=True)
+class FunnelStep:
+    """One answered request's way through the funnel."""
+
+    stages: Mapping[Stage, int]  # ACHIEVED is absent when the engine did not report
+    losses: Mapping[Loss, int]
+
+
+def funnel_step(
+    *,
+    prompt_tokens: int,
+    attainable_tokens: int,
+    predicted_tokens: int,
+    predicted_off_device_tokens: int,
+    holder_eligible: bool,
+    achieved_tokens: int | None,
+    evicted_meanwhile: bool,
+) -> FunnelStep:
+    """`attainable_tokens`: the most any candidate held; `holder_eligible`: whether a
+    worker holding that much was eligible; `predicted_off_device_tokens`: the part of
+    the prediction on host, disk or remote tiers; `achieved_tokens`: the engine's
+    report (None: it sent none); `evicted_meanwhile`: the worker evicted blocks between
+    the request's dispatch and its answer."""
+    stages = {
+        Stage.PROMPT: prompt_tokens,
+        Stage.ATTAINABLE: attainable_tokens,
+        Stage.PREDICTED: predicted_tokens,
+    }
+    losses: dict[Loss, int] = {}
+    passed_over = attainable_tokens - predicted_tokens
+    if passed_over > 0:
+        losses[Loss.ROUTED_FOR_LOAD if holder_eligible else Loss.HOLDER_UNAVAILABLE] = passed_over
+    if achieved_tokens is None:
+        if predicted_tokens:
+            losses[Loss.UNREPORTED] = predicted_tokens
+        return FunnelStep(stages, losses)
+    stages[Stage.ACHIEVED] = achieved_tokens
+    missing = predicted_tokens - achieved_tokens
+    if missing > 0:
+        off_device = min(missing, predicted_off_device_tokens)
+        if off_device:
+            losses[Loss.TIER_RESTORE] = off_device
+        if missing > off_device:
+            reason = Loss.EVICTED_BEFORE_ARRIVAL if evicted_meanwhile else Loss.PREDICTION_WRONG
+            losses[reason] = missing - off_device
+    return FunnelStep(stages, losses)
+
+
+@dataclass(slots=True)
+class FunnelTotals:
+    requests: int = 0
+    stages: dict[Stage, int] = field(default_factory=lambda: dict.fromkeys(Stage, 0))
+    losses: dict[Loss, int] = field(default_factory=lambda: dict.fromkeys(Loss, 0))
+    reported_requests: int = 0  # whose engine reported its cached tokens
+    reported_prompt_tokens: int = 0  # their prompt tokens: what ACHIEVED is a share of
+
+
+class CacheFunnel:
+    """Totals since start per (model, tenant): models are the workers' registered ones
+    and tenants the configured ones, so the keys stay few."""
+
+    def __init__(self) -> None:
+        self._totals: dict[tuple[str, str], FunnelTotals] = {}
+
+    def add(self, model: str, tenant: str, step: FunnelStep) -> None:
+        totals = self._totals.setdefault((model, tenant), FunnelTotals())
+        totals.requests += 1
+        for stage, tokens in step.stages.items():
+            totals.stages[stage] += tokens
+        for loss, tokens in step.losses.items():
+            totals.losses[loss] += tokens
+        if Stage.ACHIEVED in step.stages:
+            totals.reported_requests += 1
+            totals.reported_prompt_tokens += step.stages[Stage.PROMPT]
+
+    def totals(self) -> dict[tuple[str, str], FunnelTotals]:
+        return dict(self._totals)

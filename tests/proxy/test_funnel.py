@@ -1,0 +1,75 @@
+"""The cache-loss funnel against the engines' own counters: a fleet serves a workload
+with known reuse (a shared system prompt, conversations that grow), and every figure the
+router reports, in its metrics and its fleet API, is checked against what the engine
+simulators counted themselves."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.abuse.conftest import cache_and_wait
+from tests.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet
+
+SYSTEM = "You are the support desk of a storage company; answer in two sentences. " * 6
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def engines_counted(fleet: RoutedFleet, name: str) -> float:
+    async with httpx.AsyncClient(timeout=5) as client:
+        texts = [(await client.get(w.base_url + "/metrics")).text for w in fleet.workers]
+    return sum(total(text, name) for text in texts)
+
+
+async def test_the_funnel_matches_the_engines_counters() -> None:
+    options = {"enable_prompt_tokens_details": True, "num_gpu_blocks_override": 1024}
+    async with routed_fleet(2, sim_options=options) as fleet:
+        for user in range(3):
+            history = SYSTEM
+            for turn in range(3):  # each turn extends the last: its prefix is cached
+                history += f"User {user} asks question {turn} about their volumes. " * 3
+                await cache_and_wait(fleet, history)
+        async with fleet.http() as http:
+            metrics = (await http.get("/metrics", headers=ADMIN)).text
+            (row,) = (await http.get("/fleet/funnel", headers=ADMIN)).json()["rows"]
+        prompt_tokens = await engines_counted(fleet, "vllm:prompt_tokens_total")
+        cached_tokens = await engines_counted(fleet, "vllm:prompt_tokens_cached_total")
+
+    assert (row["model"], row["tenant"], row["requests"]) == (MODEL, "acme", 9)
+    stages = {
+        stage: total(
+            metrics, "kvplane_funnel_tokens_total", model=MODEL, tenant="acme", stage=stage
+        )
+        for stage in ("prompt", "attainable", "predicted", "achieved")
+    }
+    assert stages == {
+        "prompt": row["prompt_tokens"],
+        "attainable": row["attainable_tokens"],
+        "predicted": row["predicted_tokens"],
+        "achieved": row["achieved_tokens"],
+    }
+    # The router's prompt tokens are the engines'; its achieved tokens are what the
+    # engines counted as served from their caches.
+    assert row["prompt_tokens"] == prompt_tokens
+    assert row["achieved_tokens"] == cached_tokens
+    assert cached_tokens > 0  # the workload's reuse was really there
+    assert row["prompt_tokens"] >= row["attainable_tokens"] >= row["predicted_tokens"]
+    assert row["predicted_tokens"] >= row["achieved_tokens"]
+    # Every block was indexed before the next turn: each prediction held, to the block.
+    lost = row["lost_tokens"]
+    assert lost["prediction_wrong"] == lost["evicted_before_arrival"] == 0
+    assert lost["tier_restore"] == 0
+    assert row["attainable_tokens"] - row["predicted_tokens"] == (
+        lost["routed_for_load"] + lost["holder_unavailable"]
+    )
+    assert row["hit_rate"] == round(row["achieved_tokens"] / row["reported_prompt_tokens"], 4)
+    reported = total(metrics, "kvplane_funnel_reported_prompt_tokens_total", tenant="acme")
+    assert reported == row["reported_prompt_tokens"]

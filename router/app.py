@@ -126,6 +126,7 @@ async def running_router(
             stack.callback(tracer_provider.shutdown)
         view = WorkerView()
         metrics = RouterMetrics()
+        metrics.index_max_entries.set(settings.index.max_entries)
         # Every user of the index below gets it instrumented: they record no index
         # metrics or spans of their own.
         index = InstrumentedIndex(backend, metrics, tracer)

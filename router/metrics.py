@@ -112,6 +112,11 @@ class RouterMetrics:
         self.index_bytes = Gauge(
             "kvplane_index_bytes", "The index backend's estimate of its memory", registry=r
         )
+        self.index_max_entries = Gauge(
+            "kvplane_index_max_entries",
+            "index.max_entries: past it the index evicts (dead workers' entries first)",
+            registry=r,
+        )
         self.index_up = Gauge(
             "kvplane_index_up", "1 when the last index stats read succeeded", registry=r
         )

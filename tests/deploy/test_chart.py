@@ -388,15 +388,62 @@ def test_the_router_pod_outlives_its_drain(tmp_path: Path) -> None:
     assert spec["terminationGracePeriodSeconds"] > delay + timeout
 
 
+def exported_metric_names() -> set[str]:
+    """The router's metric families (a counter's family is named without `_total`),
+    those with no labelled series yet included."""
+    return {family.name for family in RouterMetrics().registry.collect()}
+
+
+def metric_names(expression: str) -> set[str]:
+    """The kvplane metrics a PromQL expression reads, as families."""
+    return {
+        re.sub(r"_(total|bucket|sum|count|created)$", "", name)
+        for name in re.findall(r"\b(kvplane_[a-z_]+)", expression)
+    }
+
+
 def test_the_alerts_read_metrics_the_router_exports(tmp_path: Path) -> None:
-    rule = one(
-        rendered(tmp_path, "external-redis-autoscaling"), "PrometheusRule", "rel-kvplane-router"
-    )
+    objects = rendered(tmp_path, "external-redis-autoscaling")
+    rule = one(objects, "PrometheusRule", "rel-kvplane-router")
     alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]
-    assert {alert["alert"] for alert in alerts} >= {"KvplaneWorkerCreditWithdrawn"}
-    exported = set(re.findall(r"^# TYPE (\S+) ", RouterMetrics().render().decode(), re.MULTILINE))
+    assert {alert["alert"] for alert in alerts} == {
+        "KvplanePredictionDrift",
+        "KvplaneWorkerEventsStopped",
+        "KvplaneModelRoutedBlind",
+        "KvplaneIndexUnavailable",
+        "KvplaneHotspot",
+        "KvplaneIndexNearCapacity",
+        "KvplaneWorkerCreditWithdrawn",
+    }
+    exported = exported_metric_names()
+    runbooks = (CHART.parents[2] / "docs" / "alerts.md").read_text()
     for alert in alerts:
-        named = set(re.findall(r"\b(kvplane_[a-z_]+)", alert["expr"]))
-        assert named
-        assert named <= exported, alert["alert"]
+        named = metric_names(alert["expr"])
+        assert named, alert["alert"]
+        assert named <= exported, (alert["alert"], named - exported)
+        anchor = alert["annotations"]["runbook_url"].rsplit("#", 1)[1]
+        assert f"## {alert['alert']}" in runbooks
+        assert anchor == alert["alert"].lower()
     assert by_kind(rendered(tmp_path, "defaults"), "PrometheusRule") == []  # no CRD, no rule
+
+
+def test_the_dashboard_reads_metrics_the_router_exports(tmp_path: Path) -> None:
+    config = one(rendered(tmp_path, "defaults"), "ConfigMap", "rel-kvplane-dashboard")
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config["data"]["kvplane.json"])
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(dashboard["panels"]) >= 10
+    exported = exported_metric_names()
+    used = set()
+    for expression in expressions:
+        named = metric_names(expression)
+        assert named, expression
+        assert named <= exported, named - exported
+        used |= named
+    # The funnel, the hit rate's parts and the loss reasons are all on it.
+    assert {"kvplane_funnel_tokens", "kvplane_funnel_lost_tokens"} <= used
+    assert {"kvplane_funnel_reported_prompt_tokens"} <= used
+    off = render(tmp_path, {"grafana": {"dashboard": {"enabled": False}}})
+    assert [
+        o for o in by_kind(off, "ConfigMap") if o["metadata"]["name"].endswith("dashboard")
+    ] == []

@@ -55,6 +55,7 @@ from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet
 from router.routing.funnel import CacheFunnel
+from router.routing.hot_prefixes import HotPrefixes
 from router.routing.predicted import PredictedPrefixes
 from router.routing.sight import FleetSight, Sight
 from router.routing.token_agreement import TokenCountAgreement
@@ -152,6 +153,7 @@ async def running_router(
         )
         agreement = TokenCountAgreement()
         funnel = CacheFunnel()
+        hot_prefixes = HotPrefixes()
         sight = FleetSight(view, accuracy, agreement, cp.block_size)
         planner = RoutingPlanner(
             index=index,
@@ -200,6 +202,7 @@ async def running_router(
             tracer=tracer,
             limiter=TenantLimiter(clock, busy_retry_after_s=proxy_settings.retry_after_s),
             funnel=funnel,
+            hot_prefixes=hot_prefixes,
             clock=clock,
         )
         await asyncio.to_thread(proxy.prompt_tokens.tokenizers.preload)
@@ -227,6 +230,7 @@ async def running_router(
             prompt_limit=proxy.prompt_limit,
             limiter=proxy.limiter,
             funnel=funnel,
+            hot_prefixes=hot_prefixes,
             clock=clock,
         )
 

@@ -42,6 +42,7 @@ from router.fleet_models import (
     FleetCheck,
     Funnel,
     FunnelRow,
+    HotPrefixRow,
     IndexStatistics,
     Locality,
     LocalityQuery,
@@ -77,6 +78,7 @@ from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
 from router.routing.funnel import CacheFunnel, Stage
+from router.routing.hot_prefixes import HotPrefixes
 from router.routing.sight import FleetSight
 from router.routing.wiring import (
     Check,
@@ -133,6 +135,7 @@ class FleetApi:
         prompt_limit: Callable[[str], int | None],
         limiter: TenantLimiter,
         funnel: CacheFunnel,
+        hot_prefixes: HotPrefixes,
         clock: Clock = time.monotonic,
     ) -> None:
         """`prompt_limit(model)`: the most prompt tokens a query may have (the proxy's
@@ -154,6 +157,7 @@ class FleetApi:
         self.prompt_limit = prompt_limit
         self.limiter = limiter
         self.funnel = funnel
+        self.hot_prefixes = hot_prefixes
 
     def admin_routes(self) -> list[APIRoute]:
         """The operators' routes (the admin token): on the admin port when there is one."""
@@ -194,6 +198,15 @@ class FleetApi:
                 methods=["GET"],
                 summary="per model and tenant: prompt, attainable, predicted and achieved "
                 "cached tokens since start, and why each stage lost what it lost",
+                responses=ADMIN_ERRORS,
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/prefixes",
+                self.prefixes,
+                methods=["GET"],
+                summary="the cached prefixes requests reused most, as hashes and lengths "
+                "(never text), with their tenants and the prompt tokens they could skip",
                 responses=ADMIN_ERRORS,
                 dependencies=admin,
             ),
@@ -417,6 +430,18 @@ class FleetApi:
                 )
             )
         return Funnel(rows=rows)
+
+    async def prefixes(self, limit: Annotated[int, Query(ge=1, le=256)] = 20) -> list[HotPrefixRow]:
+        return [
+            HotPrefixRow(
+                tenant=prefix.tenant,
+                key=f"{prefix.key:016x}",
+                tokens=prefix.tokens,
+                requests=prefix.requests,
+                reused_tokens=prefix.reused_tokens,
+            )
+            for prefix in self.hot_prefixes.top(limit)
+        ]
 
     async def index_stats(self) -> IndexStatistics:
         try:

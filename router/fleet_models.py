@@ -237,3 +237,13 @@ class FunnelRow(BaseModel):
 
 class Funnel(BaseModel):
     rows: list[FunnelRow]
+
+
+class HotPrefixRow(BaseModel):
+    """A cached prefix requests reused (router/routing/hot_prefixes.py)."""
+
+    tenant: str
+    key: str = Field(description="the hash of the prefix's last block, 16 hex digits")
+    tokens: int = Field(description="the prefix's length")
+    requests: int = Field(description="requests whose prompt matched all of it")
+    reused_tokens: int = Field(description="requests x tokens: prompt tokens it could save")

@@ -65,6 +65,7 @@ from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet, Ticket
 from router.routing.funnel import CacheFunnel, funnel_step
+from router.routing.hot_prefixes import HotPrefixes
 from router.routing.token_agreement import TokenCountAgreement
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
@@ -226,11 +227,13 @@ class ProxyService:
         tracer: Tracer,
         limiter: TenantLimiter,
         funnel: CacheFunnel,
+        hot_prefixes: HotPrefixes,
         clock: Clock = time.monotonic,
     ) -> None:
         self.settings = settings
         self.limiter = limiter
         self.funnel = funnel
+        self.hot_prefixes = hot_prefixes
         self.clock = clock  # the router's, on which evictions are recorded
         self.tenants = tenants
         self.fleet = fleet
@@ -584,6 +587,9 @@ class ProxyService:
         )
         model, tenant = exchange.model, exchange.tenant
         self.funnel.add(model, tenant, step)
+        longest = decision.longest_match()
+        if longest is not None:
+            self.hot_prefixes.matched(tenant, *longest)
         for stage, tokens in step.stages.items():
             self.metrics.funnel_tokens.labels(model=model, tenant=tenant, stage=stage.value).inc(
                 tokens

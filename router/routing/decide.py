@@ -88,6 +88,13 @@ class Decision:
         eligible = bool(np.any(self.ranked.scores.eligible[held == best]))
         return best * self.block_size, eligible
 
+    def longest_match(self) -> tuple[BlockKey, int] | None:
+        """The key of the last block of the longest prefix any candidate held, and the
+        prefix's length in tokens; None when nothing matched."""
+        held = self.believed.sum(axis=1)
+        blocks = int(held.max()) if len(held) else 0
+        return None if blocks == 0 else (self.keys[blocks - 1], blocks * self.block_size)
+
     def off_device_tokens(self, worker_id: str) -> int:
         """The part of predicted_tokens() held on host, disk or remote tiers."""
         row = self._row(worker_id)

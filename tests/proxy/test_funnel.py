@@ -40,6 +40,7 @@ async def test_the_funnel_matches_the_engines_counters() -> None:
         async with fleet.http() as http:
             metrics = (await http.get("/metrics", headers=ADMIN)).text
             (row,) = (await http.get("/fleet/funnel", headers=ADMIN)).json()["rows"]
+            hot = await http.get("/fleet/prefixes", headers=ADMIN, params={"limit": 50})
         prompt_tokens = await engines_counted(fleet, "vllm:prompt_tokens_total")
         cached_tokens = await engines_counted(fleet, "vllm:prompt_tokens_cached_total")
 
@@ -73,3 +74,13 @@ async def test_the_funnel_matches_the_engines_counters() -> None:
     assert row["hit_rate"] == round(row["achieved_tokens"] / row["reported_prompt_tokens"], 4)
     reported = total(metrics, "kvplane_funnel_reported_prompt_tokens_total", tenant="acme")
     assert reported == row["reported_prompt_tokens"]
+
+    # The prefixes reused, heaviest first, as hashes and lengths: every request but the
+    # first matched one (a later turn its own history, a new user the system prompt).
+    prefixes = hot.json()
+    assert sum(prefix["requests"] for prefix in prefixes) == 8
+    assert all(prefix["tenant"] == "acme" for prefix in prefixes)
+    assert all(len(prefix["key"]) == 16 and prefix["tokens"] % 16 == 0 for prefix in prefixes)
+    weights = [prefix["reused_tokens"] for prefix in prefixes]
+    assert weights == sorted(weights, reverse=True)
+    assert "storage company" not in hot.text

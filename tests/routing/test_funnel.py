@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
-from router.routing.funnel import CacheFunnel, Loss, Stage, funnel_step
+from router.routing.funnel import CacheFunnel, FunnelStep, Loss, Stage, funnel_step
+
+
+def step(
+    *,
+    attainable: int = 800,
+    predicted: int = 800,
+    off_device: int = 0,
+    holder_eligible: bool = True,
+    achieved: int | None = 800,
+    evicted_meanwhile: bool = False,
+    prompt: int = 1000,
+) -> FunnelStep:
+    return funnel_step(
+        prompt_tokens=prompt,
+        attainable_tokens=attainable,
+        predicted_tokens=predicted,
+        predicted_off_device_tokens=off_device,
+        holder_eligible=holder_eligible,
+        achieved_tokens=achieved,
+        evicted_meanwhile=evicted_meanwhile,
+    )
 
 
 def test_a_prediction_borne_out_loses_nothing() -> None:
-    done = funnel_step(
-        prompt_tokens=1000,
-        attainable_tokens=800,
-        predicted_tokens=800,
-        predicted_off_device_tokens=0,
-        holder_eligible=True,
-        achieved_tokens=800,
-        evicted_meanwhile=False,
-    )
+    done = step()
     assert done.stages == {
         Stage.PROMPT: 1000,
         Stage.ATTAINABLE: 800,
@@ -25,61 +38,27 @@ def test_a_prediction_borne_out_loses_nothing() -> None:
 
 
 def test_each_gap_gets_its_reason() -> None:
-    for_load = funnel_step(
-        prompt_tokens=1000, attainable_tokens=800, predicted_tokens=300,
-        predicted_off_device_tokens=0, holder_eligible=True, achieved_tokens=300,
-        evicted_meanwhile=False,
-    )  # fmt: skip
-    assert for_load.losses == {Loss.ROUTED_FOR_LOAD: 500}
-    passed_over = funnel_step(
-        prompt_tokens=1000, attainable_tokens=800, predicted_tokens=300,
-        predicted_off_device_tokens=0, holder_eligible=False, achieved_tokens=300,
-        evicted_meanwhile=False,
-    )  # fmt: skip
+    assert step(predicted=300, achieved=300).losses == {Loss.ROUTED_FOR_LOAD: 500}
+    passed_over = step(predicted=300, achieved=300, holder_eligible=False)
     assert passed_over.losses == {Loss.HOLDER_UNAVAILABLE: 500}
     # 800 predicted, 200 of them on the host tier; the engine found 500.
-    short = funnel_step(
-        prompt_tokens=1000, attainable_tokens=800, predicted_tokens=800,
-        predicted_off_device_tokens=200, holder_eligible=True, achieved_tokens=500,
-        evicted_meanwhile=False,
-    )  # fmt: skip
+    short = step(off_device=200, achieved=500)
     assert short.losses == {Loss.TIER_RESTORE: 200, Loss.PREDICTION_WRONG: 100}
-    evicted = funnel_step(
-        prompt_tokens=1000, attainable_tokens=800, predicted_tokens=800,
-        predicted_off_device_tokens=0, holder_eligible=True, achieved_tokens=500,
-        evicted_meanwhile=True,
-    )  # fmt: skip
-    assert evicted.losses == {Loss.EVICTED_BEFORE_ARRIVAL: 300}
-    unreported = funnel_step(
-        prompt_tokens=1000, attainable_tokens=800, predicted_tokens=800,
-        predicted_off_device_tokens=0, holder_eligible=True, achieved_tokens=None,
-        evicted_meanwhile=False,
-    )  # fmt: skip
+    assert step(achieved=500, evicted_meanwhile=True).losses == {Loss.EVICTED_BEFORE_ARRIVAL: 300}
+    unreported = step(achieved=None)
     assert Stage.ACHIEVED not in unreported.stages
     assert unreported.losses == {Loss.UNREPORTED: 800}
-    better = funnel_step(  # events not arrived yet: the engine found more than believed
-        prompt_tokens=1000, attainable_tokens=0, predicted_tokens=0,
-        predicted_off_device_tokens=0, holder_eligible=True, achieved_tokens=640,
-        evicted_meanwhile=False,
-    )  # fmt: skip
+    # Events not arrived yet: the engine found more than was believed anywhere.
+    better = step(attainable=0, predicted=0, achieved=640)
     assert better.losses == {}
     assert better.stages[Stage.ACHIEVED] == 640
 
 
 def test_totals_add_up_per_model_and_tenant() -> None:
     funnel = CacheFunnel()
-    first = funnel_step(
-        prompt_tokens=1000, attainable_tokens=800, predicted_tokens=300,
-        predicted_off_device_tokens=0, holder_eligible=True, achieved_tokens=300,
-        evicted_meanwhile=False,
-    )  # fmt: skip
-    unreported = funnel_step(
-        prompt_tokens=500, attainable_tokens=0, predicted_tokens=0,
-        predicted_off_device_tokens=0, holder_eligible=True, achieved_tokens=None,
-        evicted_meanwhile=False,
-    )  # fmt: skip
+    first = step(predicted=300, achieved=300)
     funnel.add("m", "acme", first)
-    funnel.add("m", "acme", unreported)
+    funnel.add("m", "acme", step(prompt=500, attainable=0, predicted=0, achieved=None))
     funnel.add("m", "globex", first)
     totals = funnel.totals()
     acme = totals[("m", "acme")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -45,7 +46,7 @@ from router.http import create_http_app
 from router.index import open_index
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
 from router.index.instrumented import InstrumentedIndex
-from router.metrics import RouterMetrics, WorkerLoadSample, WorkerWiringSample
+from router.metrics import FunnelSample, RouterMetrics, WorkerLoadSample, WorkerWiringSample
 from router.probe import WiringProbe
 from router.proxy.service import ProxyService
 from router.proxy.upstream import Upstream
@@ -153,6 +154,7 @@ async def running_router(
         )
         agreement = TokenCountAgreement()
         funnel = CacheFunnel()
+        metrics.funnel.source = functools.partial(_funnel_samples, funnel)
         hot_prefixes = HotPrefixes()
         sight = FleetSight(view, accuracy, agreement, cp.block_size)
         planner = RoutingPlanner(
@@ -439,6 +441,19 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
     view.sweep(purged, clock(), lease_s)
     if purged:
         log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
+
+
+def _funnel_samples(funnel: CacheFunnel) -> list[FunnelSample]:
+    return [
+        FunnelSample(
+            model,
+            tenant,
+            {stage.value: tokens for stage, tokens in totals.stages.items()},
+            {loss.value: tokens for loss, tokens in totals.losses.items()},
+            totals.reported_prompt_tokens,
+        )
+        for (model, tenant), totals in sorted(funnel.totals().items())
+    ]
 
 
 def _removals_heard(

@@ -8,7 +8,7 @@ nothing between scrapes and are never older than the scrape itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from prometheus_client import (
@@ -19,6 +19,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, LoadReport
 from router.index.base import IndexStats, WorkerState
@@ -207,28 +209,9 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
-        # The cache-loss funnel (router/routing/funnel.py): per model and tenant, both
-        # bounded (registered models, configured tenants).
-        self.funnel_tokens = Counter(
-            "kvplane_funnel_tokens",
-            "Prompt tokens of answered requests by funnel stage: prompt, attainable (held "
-            "anywhere), predicted (held where it went), achieved (the engine reported cached)",
-            ["model", "tenant", "stage"],
-            registry=r,
-        )
-        self.funnel_lost_tokens = Counter(
-            "kvplane_funnel_lost_tokens",
-            "Tokens a funnel stage lost against the one before it, by reason",
-            ["model", "tenant", "reason"],
-            registry=r,
-        )
-        self.funnel_reported_prompt_tokens = Counter(
-            "kvplane_funnel_reported_prompt_tokens",
-            "Prompt tokens of the answered requests whose engine reported its cached tokens "
-            "(what the achieved stage is a share of)",
-            ["model", "tenant"],
-            registry=r,
-        )
+        # The cache-loss funnel: read from its totals at scrape time.
+        self.funnel = FunnelCollector()
+        r.register(self.funnel)
         self.prefill_tokens_saved = Counter(
             "kvplane_prefill_tokens_saved",
             "Prompt tokens served from cache (reported by the engine, else predicted)",
@@ -436,3 +419,49 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class FunnelSample(NamedTuple):
+    """One model and tenant's funnel totals, by the names the metrics label them with."""
+
+    model: str
+    tenant: str
+    stages: Mapping[str, int]
+    losses: Mapping[str, int]
+    reported_prompt_tokens: int
+
+
+class FunnelCollector(Collector):
+    """The cache-loss funnel's totals (router/routing/funnel.py) as counters, per model
+    and tenant, both bounded (registered models, configured tenants): read from
+    `source` at scrape time, so that a request adds to the totals once."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[FunnelSample]] = list
+
+    def collect(self) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            "kvplane_funnel_tokens",
+            "Prompt tokens of answered requests by funnel stage: prompt, attainable (held "
+            "anywhere), predicted (held where it went), achieved (the engine reported cached)",
+            labels=["model", "tenant", "stage"],
+        )
+        lost = CounterMetricFamily(
+            "kvplane_funnel_lost_tokens",
+            "Tokens a funnel stage lost against the one before it, by reason",
+            labels=["model", "tenant", "reason"],
+        )
+        reported = CounterMetricFamily(
+            "kvplane_funnel_reported_prompt_tokens",
+            "Prompt tokens of the answered requests whose engine reported its cached tokens "
+            "(what the achieved stage is a share of)",
+            labels=["model", "tenant"],
+        )
+        for sample in self.source():
+            labels = [sample.model, sample.tenant]
+            for stage, count in sample.stages.items():
+                tokens.add_metric([*labels, stage], count)
+            for reason, count in sample.losses.items():
+                lost.add_metric([*labels, reason], count)
+            reported.add_metric(labels, sample.reported_prompt_tokens)
+        yield from (tokens, lost, reported)

@@ -573,35 +573,23 @@ class ProxyService:
             )
 
     def _through_funnel(self, exchange: _Exchange, reported: int | None) -> None:
+        """Add the request to the funnel's totals (the metrics read them at scrape time)
+        and its longest match to the hot prefixes."""
         decision, worker = exchange.decision, exchange.worker_id
-        attainable, holder_eligible = decision.attainable()
+        longest = decision.longest_match()
+        if longest is not None:
+            self.hot_prefixes.matched(exchange.tenant, longest.key, longest.tokens)
         evicted_at = self.fleet.evictions.recorded(worker)[1]
         step = funnel_step(
             prompt_tokens=exchange.prompt_tokens,
-            attainable_tokens=attainable,
+            attainable_tokens=0 if longest is None else longest.tokens,
             predicted_tokens=exchange.predicted_tokens,
             predicted_off_device_tokens=decision.off_device_tokens(worker),
-            holder_eligible=holder_eligible,
+            holder_eligible=longest is None or longest.holder_eligible,
             achieved_tokens=reported,
             evicted_meanwhile=evicted_at > exchange.dispatched_at,
         )
-        model, tenant = exchange.model, exchange.tenant
-        self.funnel.add(model, tenant, step)
-        longest = decision.longest_match()
-        if longest is not None:
-            self.hot_prefixes.matched(tenant, *longest)
-        for stage, tokens in step.stages.items():
-            self.metrics.funnel_tokens.labels(model=model, tenant=tenant, stage=stage.value).inc(
-                tokens
-            )
-        for loss, tokens in step.losses.items():
-            self.metrics.funnel_lost_tokens.labels(
-                model=model, tenant=tenant, reason=loss.value
-            ).inc(tokens)
-        if reported is not None:
-            self.metrics.funnel_reported_prompt_tokens.labels(model=model, tenant=tenant).inc(
-                exchange.prompt_tokens
-            )
+        self.funnel.add(exchange.model, exchange.tenant, step)
 
     def _compare_token_counts(self, exchange: _Exchange, usage: Usage) -> None:
         """The router's prompt token count against the engine's (see

@@ -38,6 +38,13 @@ _DEVICE_COLUMN = TIERS.index(Tier.DEVICE)
 
 
 @dataclass(frozen=True, slots=True)
+class LongestMatch:
+    key: BlockKey  # of the prefix's last block
+    tokens: int
+    holder_eligible: bool  # whether a worker holding all of it was eligible
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     ranked: RankedWorkers  # eligible workers, best first
     candidates: Sequence[str]  # every worker considered, by id
@@ -78,22 +85,18 @@ class Decision:
         """A candidate's registration (its address, incarnation, model)."""
         return self.roster.info(worker_id)
 
-    def attainable(self) -> tuple[int, bool]:
-        """The longest prefix, in tokens, any candidate was believed to hold, and whether
-        a worker holding that much was eligible."""
-        held = self.believed.sum(axis=1)
-        best = int(held.max()) if len(held) else 0
-        if best == 0:
-            return 0, True
-        eligible = bool(np.any(self.ranked.scores.eligible[held == best]))
-        return best * self.block_size, eligible
-
-    def longest_match(self) -> tuple[BlockKey, int] | None:
-        """The key of the last block of the longest prefix any candidate held, and the
-        prefix's length in tokens; None when nothing matched."""
+    def longest_match(self) -> LongestMatch | None:
+        """The longest prefix any candidate was believed to hold; None when nothing
+        matched."""
         held = self.believed.sum(axis=1)
         blocks = int(held.max()) if len(held) else 0
-        return None if blocks == 0 else (self.keys[blocks - 1], blocks * self.block_size)
+        if blocks == 0:
+            return None
+        return LongestMatch(
+            key=self.keys[blocks - 1],
+            tokens=blocks * self.block_size,
+            holder_eligible=bool(np.any(self.ranked.scores.eligible[held == blocks])),
+        )
 
     def off_device_tokens(self, worker_id: str) -> int:
         """The part of predicted_tokens() held on host, disk or remote tiers."""

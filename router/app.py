@@ -42,6 +42,7 @@ from router.auth import AdminToken
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi
+from router.fleet_page import fleet_page_routes
 from router.http import create_http_app
 from router.index import open_index
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
@@ -177,10 +178,7 @@ async def running_router(
                 view,
                 cp.lease_s,
                 clock,
-                # Token counts of workers that are gone, or restarted, tell nothing now.
-                after_sweep=lambda: agreement.retain(
-                    (s.info.worker_id, s.info.incarnation) for s in fleet.statuses()
-                ),
+                after_sweep=functools.partial(_forget_the_gone, fleet, agreement, funnel),
             )
         )
         stack.push_async_callback(cancel_task, reaper)
@@ -291,10 +289,11 @@ async def running_router(
         # operators' routes and /metrics are there only; without one they share the
         # client port, where /metrics then needs the admin token when one is set.
         separate_admin = admin_listener is not None
+        operator_routes = [*fleet_api.admin_routes(), *fleet_page_routes()]
         public_routes = [
             *proxy.routes(),
             *fleet_api.tenant_routes(),
-            *([] if separate_admin else fleet_api.admin_routes()),
+            *([] if separate_admin else operator_routes),
         ]
         public_app = http_app(
             public_routes,
@@ -305,9 +304,7 @@ async def running_router(
         # requests in progress drain.
         stack.push_async_callback(grpc_server.stop, _GRPC_STOP_GRACE_S)
         admin_app = (
-            None
-            if admin_listener is None
-            else http_app(fleet_api.admin_routes(), serve_metrics=True)
+            None if admin_listener is None else http_app(operator_routes, serve_metrics=True)
         )
         http_servers: list[tuple[ASGIApp, socket.socket]] = [
             (HotPaths(public_app, public_routes), public_listener)
@@ -441,6 +438,13 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
     view.sweep(purged, clock(), lease_s)
     if purged:
         log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
+
+
+def _forget_the_gone(fleet: Fleet, agreement: TokenCountAgreement, funnel: CacheFunnel) -> None:
+    statuses = fleet.statuses()
+    # Token counts of workers that are gone, or restarted, tell nothing now.
+    agreement.retain((s.info.worker_id, s.info.incarnation) for s in statuses)
+    funnel.retain_workers(s.info.worker_id for s in statuses)
 
 
 def _funnel_samples(funnel: CacheFunnel) -> list[FunnelSample]:

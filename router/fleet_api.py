@@ -50,6 +50,7 @@ from router.fleet_models import (
     ModelRouting,
     Purged,
     Wiring,
+    WorkerCache,
     WorkerCheck,
     WorkerLoad,
     WorkerRow,
@@ -77,7 +78,7 @@ from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.fleet import Fleet
-from router.routing.funnel import CacheFunnel, Stage
+from router.routing.funnel import CacheFunnel, FunnelTotals, Stage
 from router.routing.hot_prefixes import HotPrefixes
 from router.routing.sight import FleetSight
 from router.routing.wiring import (
@@ -330,6 +331,7 @@ class FleetApi:
                         now, self.accuracy.withdrawn_until(info.worker_id)
                     ),
                     max_model_len=info.max_model_len or None,
+                    cache=_worker_cache(self.funnel.worker_totals(info.worker_id)),
                     wiring=_wiring(seen.checks[info.worker_id]),
                 )
             )
@@ -423,9 +425,7 @@ class FleetApi:
                     achieved_tokens=achieved,
                     reported_requests=totals.reported_requests,
                     reported_prompt_tokens=totals.reported_prompt_tokens,
-                    hit_rate=round(achieved / totals.reported_prompt_tokens, 4)
-                    if totals.reported_prompt_tokens
-                    else None,
+                    hit_rate=_ratio(achieved, totals.reported_prompt_tokens),
                     lost_tokens={loss.value: tokens for loss, tokens in totals.losses.items()},
                 )
             )
@@ -593,6 +593,24 @@ def _age(now: float, then: float | None) -> float | None:
 
 def _until(now: float, then: float | None) -> float | None:
     return None if then is None else round(then - now, 3)
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def _worker_cache(totals: FunnelTotals | None) -> WorkerCache:
+    totals = totals or FunnelTotals()
+    achieved = totals.stages[Stage.ACHIEVED]
+    return WorkerCache(
+        requests=totals.requests,
+        reported_requests=totals.reported_requests,
+        reported_prompt_tokens=totals.reported_prompt_tokens,
+        predicted_tokens=totals.reported_predicted_tokens,
+        achieved_tokens=achieved,
+        hit_rate=_ratio(achieved, totals.reported_prompt_tokens),
+        agreement=_ratio(achieved, totals.reported_predicted_tokens),
+    )
 
 
 def _tiers(blocks: Mapping[Tier, int], block_size: int) -> dict[str, int]:

@@ -136,6 +136,24 @@ class ModelRouting(BaseModel):
     )
 
 
+class WorkerCache(BaseModel):
+    """The requests this router sent the worker while it has been in the fleet (its
+    restarts included), and what its engine reported cached of them."""
+
+    requests: int
+    reported_requests: int = Field(description="those whose engine reported cached tokens")
+    reported_prompt_tokens: int = Field(description="their prompt tokens")
+    predicted_tokens: int = Field(description="the cached tokens predicted for them")
+    achieved_tokens: int = Field(description="the cached tokens the engine reported")
+    hit_rate: float | None = Field(
+        description="achieved / reported_prompt_tokens; null before any report"
+    )
+    agreement: float | None = Field(
+        description="achieved / predicted: below 1, the engine held less than the router "
+        "believed (see prediction_verdicts in the metrics); null while nothing was predicted"
+    )
+
+
 class WorkerRow(BaseModel):
     worker_id: str
     state: WorkerState
@@ -161,6 +179,7 @@ class WorkerRow(BaseModel):
         "and again comes back; null while it stands"
     )
     max_model_len: int | None = Field(description="the engine's, as its agent registered it")
+    cache: WorkerCache
     wiring: Wiring
 
 

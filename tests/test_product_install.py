@@ -49,6 +49,10 @@ async def test_product_only_router_and_agent_route_a_fleets_traffic(product_flee
 
         # The engine's KV events went through the product-only agent into the index.
         await wait_until("the prompt's blocks reach the index", blocks_indexed, 20)
+        # The fleet page's files are in the product's install.
+        page = await client.get("/fleet/page.js")
+        assert page.status_code == 200
+        assert "fleet API" in page.text
 
 
 def test_a_tool_without_its_extra_says_which_extra_to_install() -> None:

@@ -589,7 +589,7 @@ class ProxyService:
             achieved_tokens=reported,
             evicted_meanwhile=evicted_at > exchange.dispatched_at,
         )
-        self.funnel.add(exchange.model, exchange.tenant, step)
+        self.funnel.add(exchange.model, exchange.tenant, worker, step)
 
     def _compare_token_counts(self, exchange: _Exchange, usage: Usage) -> None:
         """The router's prompt token count against the engine's (see

@@ -4,13 +4,13 @@ reported cached (achieved), and why each stage lost what it lost.
 
 A request's step through the funnel is a pure function of what the router decided and
 what the engine answered (`funnel_step`); `CacheFunnel` adds the steps up per model and
-tenant, for the metrics and the fleet API. Tokens, never text.
+tenant, and per worker, for the metrics, the fleet API and its page. Tokens, never text.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -89,25 +89,41 @@ class FunnelTotals:
     losses: dict[Loss, int] = field(default_factory=lambda: dict.fromkeys(Loss, 0))
     reported_requests: int = 0  # whose engine reported its cached tokens
     reported_prompt_tokens: int = 0  # their prompt tokens: what ACHIEVED is a share of
+    reported_predicted_tokens: int = 0  # their PREDICTED: what ACHIEVED is checked against
+
+    def add(self, step: FunnelStep) -> None:
+        self.requests += 1
+        for stage, tokens in step.stages.items():
+            self.stages[stage] += tokens
+        for loss, tokens in step.losses.items():
+            self.losses[loss] += tokens
+        if Stage.ACHIEVED in step.stages:
+            self.reported_requests += 1
+            self.reported_prompt_tokens += step.stages[Stage.PROMPT]
+            self.reported_predicted_tokens += step.stages[Stage.PREDICTED]
 
 
 class CacheFunnel:
-    """Totals since start per (model, tenant): models are the workers' registered ones
-    and tenants the configured ones, so the keys stay few."""
+    """Totals since start per (model, tenant), and per worker while it is in the fleet:
+    models are the workers' registered ones and tenants the configured ones, so the keys
+    stay few."""
 
     def __init__(self) -> None:
         self._totals: dict[tuple[str, str], FunnelTotals] = {}
+        self._by_worker: dict[str, FunnelTotals] = {}
 
-    def add(self, model: str, tenant: str, step: FunnelStep) -> None:
-        totals = self._totals.setdefault((model, tenant), FunnelTotals())
-        totals.requests += 1
-        for stage, tokens in step.stages.items():
-            totals.stages[stage] += tokens
-        for loss, tokens in step.losses.items():
-            totals.losses[loss] += tokens
-        if Stage.ACHIEVED in step.stages:
-            totals.reported_requests += 1
-            totals.reported_prompt_tokens += step.stages[Stage.PROMPT]
+    def add(self, model: str, tenant: str, worker_id: str, step: FunnelStep) -> None:
+        self._totals.setdefault((model, tenant), FunnelTotals()).add(step)
+        self._by_worker.setdefault(worker_id, FunnelTotals()).add(step)
 
     def totals(self) -> dict[tuple[str, str], FunnelTotals]:
         return dict(self._totals)
+
+    def worker_totals(self, worker_id: str) -> FunnelTotals | None:
+        return self._by_worker.get(worker_id)
+
+    def retain_workers(self, worker_ids: Iterable[str]) -> None:
+        """Forget the workers that left the fleet (their restarts keep their totals)."""
+        keep = set(worker_ids)
+        for gone in self._by_worker.keys() - keep:
+            del self._by_worker[gone]

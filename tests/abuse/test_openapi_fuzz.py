@@ -76,6 +76,9 @@ OPERATIONS = [
     ("POST", "/fleet/workers/{worker_id}/undrain"),
     ("POST", "/fleet/tenants/{name}/purge"),
     ("POST", "/fleet/tenant/locality"),
+    ("GET", "/fleet/page"),
+    ("GET", "/fleet/page.js"),
+    ("GET", "/fleet/page.css"),
 ]
 
 

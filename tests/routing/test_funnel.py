@@ -54,17 +54,37 @@ def test_each_gap_gets_its_reason() -> None:
     assert better.stages[Stage.ACHIEVED] == 640
 
 
-def test_totals_add_up_per_model_and_tenant() -> None:
+def test_totals_add_up_per_model_and_tenant_and_worker() -> None:
     funnel = CacheFunnel()
-    first = step(predicted=300, achieved=300)
-    funnel.add("m", "acme", first)
-    funnel.add("m", "acme", step(prompt=500, attainable=0, predicted=0, achieved=None))
-    funnel.add("m", "globex", first)
+    first = step(predicted=300, achieved=200)
+    funnel.add("m", "acme", "w1", first)
+    funnel.add("m", "acme", "w2", step(prompt=500, attainable=0, predicted=0, achieved=None))
+    funnel.add("m", "globex", "w1", first)
     totals = funnel.totals()
     acme = totals[("m", "acme")]
     assert acme.requests == 2
     assert acme.stages[Stage.PROMPT] == 1500
-    assert acme.stages[Stage.ACHIEVED] == 300
+    assert acme.stages[Stage.ACHIEVED] == 200
     assert (acme.reported_requests, acme.reported_prompt_tokens) == (1, 1000)
+    assert acme.reported_predicted_tokens == 300
     assert acme.losses[Loss.ROUTED_FOR_LOAD] == 500
     assert totals[("m", "globex")].requests == 1
+    w1 = funnel.worker_totals("w1")
+    assert w1 is not None
+    assert (w1.requests, w1.reported_prompt_tokens, w1.stages[Stage.ACHIEVED]) == (2, 2000, 400)
+    assert w1.reported_predicted_tokens == 600
+    w2 = funnel.worker_totals("w2")
+    assert w2 is not None
+    # Not reported: its prediction is not one the engine's figure can check.
+    assert (w2.requests, w2.reported_requests, w2.reported_predicted_tokens) == (1, 0, 0)
+
+
+def test_workers_that_left_the_fleet_are_forgotten() -> None:
+    funnel = CacheFunnel()
+    for worker_id in ("w1", "w2"):
+        funnel.add("m", "acme", worker_id, step())
+    funnel.retain_workers(["w2", "w3"])
+    assert funnel.worker_totals("w1") is None
+    assert funnel.worker_totals("w2") is not None
+    assert funnel.worker_totals("w3") is None
+    assert funnel.totals()[("m", "acme")].requests == 2  # the model's and tenant's stay

@@ -1,0 +1,281 @@
+// The fleet page's script: it asks the fleet API (the admin token) and renders the
+// answers as text. Worker ids, labels and tenants come from agents and configuration:
+// they only ever become text nodes, never HTML.
+"use strict";
+
+const TOKEN_KEY = "kvplane.adminToken";
+const REFRESH_MS = 5000;
+const DASH = "\u2013";
+
+// The token: from the address's fragment (which no server sees), then out of the
+// address bar and into this tab's session storage.
+function takeToken() {
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  if (fragment.has("token")) {
+    sessionStorage.setItem(TOKEN_KEY, fragment.get("token"));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+class Unauthorized extends Error {}
+
+async function api(path, body) {
+  const headers = { accept: "application/json" };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.authorization = "Bearer " + token;
+  const init = { headers, cache: "no-store" };
+  if (body !== undefined) {
+    init.method = "POST";
+    headers["content-type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, init);
+  if (response.status === 401 || response.status === 403) throw new Unauthorized();
+  const answer = await response.json().catch(() => null);
+  if (!response.ok) {
+    const message = answer && answer.error ? answer.error.message : response.statusText;
+    throw new Error(`${path}: ${response.status} ${message}`);
+  }
+  return answer;
+}
+
+// Formats: the page test formats the API's figures the same way.
+const count = (n) => (n === null || n === undefined ? DASH : n.toLocaleString("en-US"));
+const share = (x) => (x === null || x === undefined ? DASH : (x * 100).toFixed(1) + "%");
+const seconds = (x) => (x === null || x === undefined ? DASH : x.toFixed(1) + " s");
+const decimal = (x) => (x === null || x === undefined ? DASH : x.toFixed(2));
+
+function cell(field, text, className) {
+  const td = document.createElement("td");
+  td.dataset.field = field;
+  if (className) td.className = className;
+  if (text instanceof Node) td.append(text);
+  else td.textContent = text;
+  return td;
+}
+
+function row(key, cells) {
+  const tr = document.createElement("tr");
+  tr.dataset.key = key;
+  tr.append(...cells);
+  return tr;
+}
+
+function fill(tableId, rows, emptyText) {
+  const table = document.getElementById(tableId);
+  const body = table.tBodies[0];
+  if (rows.length === 0) {
+    const td = document.createElement("td");
+    td.colSpan = table.tHead.rows[0].cells.length;
+    td.className = "empty";
+    td.textContent = emptyText;
+    body.replaceChildren(row("", [td]));
+  } else {
+    body.replaceChildren(...rows);
+  }
+}
+
+function note(text, className) {
+  const span = document.createElement("span");
+  span.textContent = text;
+  if (className) span.className = className;
+  return span;
+}
+
+function workerNotes(worker) {
+  const notes = document.createElement("div");
+  notes.className = "notes";
+  if (worker.wiring.blind) notes.append(note("blind: wiring fails", "bad"));
+  if (worker.suspect) notes.append(note("suspect", "warn"));
+  if (worker.credit_withdrawn_for_s !== null) {
+    notes.append(note(`credit withdrawn for ${seconds(worker.credit_withdrawn_for_s)}`, "bad"));
+  }
+  if (worker.drained_by_operator) notes.append(note("drained by an operator", "warn"));
+  if (worker.load && worker.load.engine_down) notes.append(note("engine down", "bad"));
+  for (const [name, value] of Object.entries(worker.labels)) {
+    notes.append(note(`${name}=${value}`));
+  }
+  return notes;
+}
+
+function renderWorkers(answer) {
+  const rows = answer.workers.map((w) => {
+    const load = w.load || {};
+    return row(w.worker_id, [
+      cell("worker_id", w.worker_id, "key"),
+      cell("state", w.state),
+      cell("model", w.model),
+      cell("engine", `${w.engine.kind} ${w.engine.version}`),
+      cell("running", count(load.running), "number"),
+      cell("waiting", count(load.waiting), "number"),
+      cell("kv_usage", share(load.kv_usage), "number"),
+      cell("router_in_flight", count(w.router_in_flight), "number"),
+      cell("index_entries", count(w.index_entries), "number"),
+      cell("last_event", seconds(w.last_event_age_s), "number"),
+      cell("hit_rate", share(w.cache.hit_rate), "number"),
+      cell("agreement", share(w.cache.agreement), "number"),
+      cell("notes", workerNotes(w)),
+    ]);
+  });
+  fill("workers", rows, "No worker has registered.");
+  const models = answer.routing.map((m) => `${m.model}: ${m.routing.replace("_", "-")}`);
+  const index = answer.index_reachable ? "index reachable" : "INDEX UNREACHABLE: routing on load only";
+  const live = answer.workers.filter((w) => w.state === "live").length;
+  document.getElementById("summary").textContent =
+    `${live} of ${answer.workers.length} workers live; ${index}; ${models.join(", ") || "no model"}`;
+  setModels([...new Set(answer.workers.map((w) => w.model))].sort());
+}
+
+function setModels(models) {
+  const select = document.getElementById("locality-model");
+  const current = [...select.options].map((o) => o.value);
+  if (current.join("\n") === models.join("\n")) return;
+  const chosen = select.value;
+  select.replaceChildren(...models.map((model) => new Option(model, model)));
+  if (models.includes(chosen)) select.value = chosen;
+}
+
+// The funnel's stages as bars, each a share of the prompt tokens.
+function bars(f) {
+  const box = document.createElement("div");
+  box.className = "bars";
+  for (const stage of ["attainable", "predicted", "achieved"]) {
+    const bar = document.createElement("div");
+    const part = f.prompt_tokens ? f[`${stage}_tokens`] / f.prompt_tokens : 0;
+    bar.className = `bar ${stage}`;
+    bar.title = `${stage}: ${share(part)} of the prompt tokens`;
+    bar.style.width = `${Math.min(100, 100 * part)}%`;
+    box.append(bar);
+  }
+  return box;
+}
+
+function renderFunnel(answer) {
+  const rows = answer.rows.map((f) => {
+    const lost = Object.entries(f.lost_tokens)
+      .filter(([, tokens]) => tokens > 0)
+      .map(([reason, tokens]) => `${reason.replaceAll("_", " ")} ${count(tokens)}`);
+    return row(`${f.model}/${f.tenant}`, [
+      cell("model", f.model),
+      cell("tenant", f.tenant),
+      cell("requests", count(f.requests), "number"),
+      cell("prompt_tokens", count(f.prompt_tokens), "number"),
+      cell("attainable_tokens", count(f.attainable_tokens), "number"),
+      cell("predicted_tokens", count(f.predicted_tokens), "number"),
+      cell("achieved_tokens", count(f.achieved_tokens), "number"),
+      cell("hit_rate", share(f.hit_rate), "number"),
+      cell("bars", bars(f)),
+      cell("lost_tokens", lost.join("; ") || "none"),
+    ]);
+  });
+  fill("funnel", rows, "No request has been answered yet.");
+}
+
+function renderPrefixes(prefixes) {
+  const rows = prefixes.map((p) =>
+    row(`${p.tenant}/${p.key}`, [
+      cell("tenant", p.tenant),
+      cell("key", p.key, "key"),
+      cell("tokens", count(p.tokens), "number"),
+      cell("requests", count(p.requests), "number"),
+      cell("reused_tokens", count(p.reused_tokens), "number"),
+    ]),
+  );
+  fill("prefixes", rows, "No request has reused a cached prefix yet.");
+}
+
+function showProblem(text) {
+  const problem = document.getElementById("problem");
+  problem.textContent = text;
+  problem.hidden = text === "";
+}
+
+function askForToken() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  document.getElementById("token-form").hidden = false;
+  showProblem("The fleet API wants the router's admin token.");
+}
+
+async function refresh() {
+  try {
+    const [workers, funnel, prefixes] = await Promise.all([
+      api("workers"),
+      api("funnel"),
+      api("prefixes?limit=20"),
+    ]);
+    renderWorkers(workers);
+    renderFunnel(funnel);
+    renderPrefixes(prefixes);
+    showProblem("");
+    document.getElementById("updated").textContent =
+      `updated ${new Date().toLocaleTimeString("en-GB")}`;
+    document.body.dataset.loaded = String(Number(document.body.dataset.loaded) + 1);
+  } catch (error) {
+    if (error instanceof Unauthorized) askForToken();
+    else showProblem(`The router did not answer: ${error.message}`);
+  }
+}
+
+async function locate(event) {
+  event.preventDefault();
+  const result = document.getElementById("locality");
+  const summary = document.getElementById("locality-summary");
+  const table = document.getElementById("locality-workers");
+  const query = {
+    model: document.getElementById("locality-model").value,
+    prompt: document.getElementById("locality-prompt").value,
+  };
+  const tenant = document.getElementById("locality-tenant").value.trim();
+  if (tenant) query.tenant = tenant;
+  result.dataset.state = "asking";
+  try {
+    const answer = await api("locality", query);
+    summary.textContent =
+      `${count(answer.prompt_tokens)} prompt tokens in ${count(answer.blocks)} blocks ` +
+      `(tenant ${answer.tenant}, scope ${answer.cache_scope}); ` +
+      `the router would pick ${answer.chosen ?? "no worker"} (${answer.factor})` +
+      (answer.index_answered ? "" : "; the index did not answer");
+    const rows = answer.workers.map((w) => {
+      const tiers = Object.entries(w.matched_tokens).map(([tier, tokens]) => `${tier} ${count(tokens)}`);
+      const tr = row(w.worker_id, [
+        cell("worker_id", w.worker_id, "key"),
+        cell("eligible", w.eligible ? "yes" : "no"),
+        cell("cached_tokens", count(w.cached_tokens), "number"),
+        cell("matched_tokens", tiers.join(", ") || "none"),
+        cell("saved_tokens", decimal(w.saved_tokens), "number"),
+        cell("queue_penalty", decimal(w.queue_penalty), "number"),
+        cell("memory_penalty", decimal(w.memory_penalty), "number"),
+        cell("tenant_penalty", decimal(w.tenant_penalty), "number"),
+        cell("score", decimal(w.score), "number"),
+      ]);
+      if (w.worker_id === answer.chosen) tr.className = "chosen";
+      return tr;
+    });
+    fill("locality-workers", rows, "No worker serves this model.");
+    table.hidden = false;
+    result.dataset.state = "answered";
+  } catch (error) {
+    table.hidden = true;
+    if (error instanceof Unauthorized) askForToken();
+    summary.textContent = error instanceof Unauthorized ? "" : error.message;
+    result.dataset.state = "failed";
+  }
+}
+
+function start() {
+  takeToken();
+  document.getElementById("token-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, document.getElementById("token").value);
+    document.getElementById("token-form").hidden = true;
+    refresh();
+  });
+  document.getElementById("locality-form").addEventListener("submit", locate);
+  refresh();
+  setInterval(() => {
+    if (!document.hidden) refresh();
+  }, REFRESH_MS);
+}
+
+start();

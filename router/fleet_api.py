@@ -457,6 +457,7 @@ class FleetApi:
             workers=stats.workers,
             bytes=stats.bytes,
             predicted_entries=len(self.planner.predicted),
+            server_memory_used=stats.server_memory_used,
         )
 
     async def drain(self, worker_id: WorkerId) -> Drained:

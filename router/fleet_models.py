@@ -214,6 +214,10 @@ class IndexStatistics(BaseModel):
     workers: Annotated[int, Field(ge=0)]
     bytes: Annotated[int, Field(ge=0)]
     predicted_entries: Annotated[int, Field(ge=0)]
+    server_memory_used: float | None = Field(
+        description="the fullest Redis server's used_memory over its maxmemory; null: no "
+        "limit set, or the index is in the router's memory"
+    )
 
 
 class Drained(BaseModel):

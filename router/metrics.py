@@ -8,6 +8,7 @@ nothing between scrapes and are never older than the scrape itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -119,6 +120,13 @@ class RouterMetrics:
             "index.max_entries: past it the index evicts (dead workers' entries first)",
             registry=r,
         )
+        self.index_server_memory_used = Gauge(
+            "kvplane_index_server_memory_used_ratio",
+            "The fullest Redis server's used_memory over its maxmemory (NaN: no limit set, "
+            "or the index is in the router's memory)",
+            registry=r,
+        )
+        self.index_server_memory_used.set(math.nan)
         self.index_up = Gauge(
             "kvplane_index_up", "1 when the last index stats read succeeded", registry=r
         )
@@ -352,6 +360,8 @@ class RouterMetrics:
             self.index_keys.set(stats.keys)
             self.index_workers.set(stats.workers)
             self.index_bytes.set(stats.bytes)
+            used = stats.server_memory_used
+            self.index_server_memory_used.set(math.nan if used is None else used)
 
     def set_routing_view(
         self,

@@ -79,6 +79,9 @@ class IndexStats:
     entries: int  # (key, worker, tier) locations
     workers: int  # registered workers, dead ones not yet purged included
     bytes: int  # the backend's own estimate of the memory it uses
+    # The fullest server's used memory over its limit (Redis: used_memory / maxmemory of
+    # each primary); None where no server has a limit, or the index is in this process.
+    server_memory_used: float | None = None
 
 
 class LocationIndexError(Exception):

@@ -20,7 +20,7 @@ import sys
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any, NamedTuple, NoReturn, assert_never
 from urllib.parse import urlsplit
@@ -459,7 +459,12 @@ class RedisLocationIndex:
         commands: list[Command] = [("MEMORY USAGE", self._registry)]
         for _, key in workers:
             commands += [_STATUS.call((key.name,)), ("MEMORY USAGE", key.name)]
-        replies = await self._run(commands)
+        by_key = len(commands)
+        servers = await self._servers()
+        commands += [("INFO", "memory")] * len(servers)
+        replies = await self._run(commands, [None] * by_key + servers)
+        memory = replies[by_key:]
+        del replies[by_key:]
         used_bytes = replies[0] or 0
         entries = 0
         holding: list[tuple[bytes, int]] = []  # (worker's key, blocks it holds)
@@ -477,7 +482,22 @@ class RedisLocationIndex:
             distinct = await self._count_distinct_keys([name for name, _ in holding])
         else:
             distinct = await self._estimate_distinct_keys(holding)
-        return IndexStats(keys=distinct, entries=entries, workers=recorded, bytes=used_bytes)
+        return IndexStats(
+            keys=distinct,
+            entries=entries,
+            workers=recorded,
+            bytes=used_bytes,
+            server_memory_used=_fullest(memory),
+        )
+
+    async def _servers(self) -> list[ClusterNode | None]:
+        """Every server holding keys: a cluster's primaries, or the one server (None)."""
+        if not isinstance(self._client, RedisCluster):
+            return [None]
+        with self._mapped_errors():
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                await self._client.initialize()  # a no-op once the slot map is known
+        return list(self._client.get_primaries())
 
     async def _count_distinct_keys(self, worker_keys: list[bytes]) -> int:
         contents = await self._run([("HGETALL", name) for name in worker_keys])
@@ -751,3 +771,13 @@ def _redacted(url: str) -> str:
     """The URL without credentials, for error messages."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.hostname or 'localhost'}:{parts.port or 6379}{parts.path}"
+
+
+def _fullest(memory_infos: Sequence[Mapping[str, Any]]) -> float | None:
+    """The highest used_memory / maxmemory among servers with a limit (INFO memory)."""
+    shares = [
+        int(info["used_memory"]) / int(info["maxmemory"])
+        for info in memory_infos
+        if int(info.get("maxmemory", 0)) > 0
+    ]
+    return round(max(shares), 4) if shares else None

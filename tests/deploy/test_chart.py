@@ -413,6 +413,7 @@ def test_the_alerts_read_metrics_the_router_exports(tmp_path: Path) -> None:
         "KvplaneIndexUnavailable",
         "KvplaneHotspot",
         "KvplaneIndexNearCapacity",
+        "KvplaneRedisMemoryNearLimit",
         "KvplaneWorkerCreditWithdrawn",
     }
     exported = exported_metric_names()
@@ -447,3 +448,12 @@ def test_the_dashboard_reads_metrics_the_router_exports(tmp_path: Path) -> None:
     assert [
         o for o in by_kind(off, "ConfigMap") if o["metadata"]["name"].endswith("dashboard")
     ] == []
+
+
+def test_the_bundled_redis_refuses_writes_before_its_container_is_killed(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "vllm-bundled-redis")
+    redis = container(one(objects, "Deployment", "rel-kvplane-redis"), "redis")
+    arguments = redis["args"]
+    maxmemory = arguments[arguments.index("--maxmemory") + 1]
+    assert maxmemory == "768mb"
+    assert redis["resources"]["limits"]["memory"] == "1Gi"  # 768 MiB is three quarters

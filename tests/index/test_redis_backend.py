@@ -678,3 +678,40 @@ async def test_a_batch_and_a_lookup_are_one_script_call_each(redis_url: str) -> 
         await index.close()
         await delete_prefix(redis_url, False, prefix)
         await admin.aclose()
+
+
+async def test_stats_say_how_full_the_fullest_server_is(redises: Redises) -> None:
+    """used_memory over maxmemory of the fullest server (every primary of a cluster); None
+    while no server has a limit. The limits are set for the test and put back after."""
+    admin = redises.admin
+    nodes: list[Any] = [None]
+    if isinstance(admin, RedisCluster):
+        await admin.initialize()
+        nodes = list(admin.get_primaries())
+
+    async def on(node: Any, *command: str) -> Any:
+        if node is None:
+            return await admin.execute_command(*command)
+        return await admin.execute_command(*command, target_nodes=node)
+
+    async def memory(field: str) -> list[int]:
+        return [int((await on(node, "INFO", "memory"))[field]) for node in nodes]
+
+    async def set_limits(limits: list[int]) -> None:
+        for node, limit in zip(nodes, limits, strict=True):
+            await on(node, "CONFIG", "SET", "maxmemory", str(limit))
+
+    index = redises.index()
+    await index.register(info("w1"), LEASE)
+    before = await memory("maxmemory")
+    try:
+        await set_limits([0] * len(nodes))
+        assert (await index.stats()).server_memory_used is None
+        used = max(await memory("used_memory"))
+        # Well above what any server uses; the first server's limit the tightest.
+        await set_limits([4 * used] + [40 * used] * (len(nodes) - 1))
+        share = (await index.stats()).server_memory_used
+        assert share is not None
+        assert 0.8 * min(await memory("used_memory")) / (4 * used) < share < 1.2 / 4
+    finally:
+        await set_limits(before)

@@ -178,7 +178,7 @@ async def running_router(
                 view,
                 cp.lease_s,
                 clock,
-                after_sweep=functools.partial(_forget_the_gone, fleet, agreement, funnel),
+                after_sweep=functools.partial(_forget_the_gone, fleet, agreement, funnel, metrics),
             )
         )
         stack.push_async_callback(cancel_task, reaper)
@@ -440,11 +440,15 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
         log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
 
 
-def _forget_the_gone(fleet: Fleet, agreement: TokenCountAgreement, funnel: CacheFunnel) -> None:
+def _forget_the_gone(
+    fleet: Fleet, agreement: TokenCountAgreement, funnel: CacheFunnel, metrics: RouterMetrics
+) -> None:
     statuses = fleet.statuses()
     # Token counts of workers that are gone, or restarted, tell nothing now.
     agreement.retain((s.info.worker_id, s.info.incarnation) for s in statuses)
-    funnel.retain_workers(s.info.worker_id for s in statuses)
+    workers = {s.info.worker_id for s in statuses}
+    funnel.retain_workers(workers)
+    metrics.retain_workers(workers)
 
 
 def _funnel_samples(funnel: CacheFunnel) -> list[FunnelSample]:

@@ -75,6 +75,9 @@ def _event_kind(event: KvEvent) -> str:
     return "cleared"
 
 
+NO_WORKER = "none"  # the worker label of a request no worker answered
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -330,6 +333,17 @@ class RouterMetrics:
         )
         for state in WorkerState:
             self.workers.labels(state=state.value)
+        # The counters labelled by worker (the gauges are set afresh at each scrape).
+        self._by_worker: list[Counter] = [
+            self.requests,
+            self.predicted_cached_tokens,
+            self.self_predicted_cached_tokens,
+            self.prompt_token_checks,
+            self.reported_cached_tokens,
+            self.prediction_verdicts,
+            self.failovers,
+            self.worker_suspicions,
+        ]
 
     def batch_applied(self, events: Sequence[KvEvent], seconds: float) -> None:
         self.batches_applied.inc()
@@ -362,6 +376,17 @@ class RouterMetrics:
             self.index_bytes.set(stats.bytes)
             used = stats.server_memory_used
             self.index_server_memory_used.set(math.nan if used is None else used)
+
+    def retain_workers(self, worker_ids: Iterable[str]) -> None:
+        """Drop the series of workers that left the fleet (the reaper purged them), so
+        that the worker label's values stay the fleet's, however many pods come and go."""
+        keep = {*worker_ids, NO_WORKER}
+        for metric in self._by_worker:
+            labelled = {
+                sample.labels["worker"] for family in metric.collect() for sample in family.samples
+            }
+            for worker in labelled - keep:
+                metric.remove_by_labels({"worker": worker})
 
     def set_routing_view(
         self,

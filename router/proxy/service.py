@@ -30,7 +30,7 @@ from kvplane.core.clock import Clock
 from kvplane.core.config import ProxySettings
 from router.auth import UNAUTHORIZED, TenantKey, unauthorized
 from router.errors import documented, error_response, required_header
-from router.metrics import RouterMetrics
+from router.metrics import NO_WORKER, RouterMetrics
 from router.proxy.bodies import (
     BODY_ERRORS,
     BadRequest,
@@ -633,7 +633,7 @@ class ProxyService:
             return usage.cached_tokens
         return 0 if incarnation in self._reporting_workers else None
 
-    def _count(self, outcome: str, worker: str = "none") -> None:
+    def _count(self, outcome: str, worker: str = NO_WORKER) -> None:
         self.metrics.requests.labels(outcome=outcome, worker=worker).inc()
 
 

@@ -9,7 +9,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.abuse.conftest import cache_and_wait
-from tests.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet
+from tests.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet, router_settings
+from tests.waiting import wait_until
 
 SYSTEM = "You are the support desk of a storage company; answer in two sentences. " * 6
 
@@ -84,3 +85,32 @@ async def test_the_funnel_matches_the_engines_counters() -> None:
     weights = [prefix["reused_tokens"] for prefix in prefixes]
     assert weights == sorted(weights, reverse=True)
     assert "storage company" not in hot.text
+
+
+async def test_a_worker_that_left_leaves_no_series_behind() -> None:
+    """Per-worker series and figures last while the worker is in the fleet, so that the
+    worker label's values stay bounded however many pods come and go."""
+    async with routed_fleet(2, router_settings(lease_s=1.0)) as fleet:
+        answered = set()
+        async with fleet.openai() as client:
+            for number in range(8):
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=f"Question {number}: " + SYSTEM, max_tokens=1
+                )
+                answered.add(raw.headers["x-kvplane-worker"])
+        leaving = sorted(answered)[0]
+        async with fleet.http() as http:
+            metrics = (await http.get("/metrics", headers=ADMIN)).text
+            assert f'worker="{leaving}"' in metrics
+            await fleet.worker(leaving).stop_agent()
+
+            async def forgotten() -> bool:
+                metrics = (await http.get("/metrics", headers=ADMIN)).text
+                return f'worker="{leaving}"' not in metrics
+
+            await wait_until(f"{leaving}'s series are gone", forgotten, timeout_s=15)
+            metrics = (await http.get("/metrics", headers=ADMIN)).text
+            workers = (await http.get("/fleet/workers", headers=ADMIN)).json()["workers"]
+        assert [w["worker_id"] for w in workers] == sorted({"worker-1", "worker-2"} - {leaving})
+        # What names no worker stays: the model's and tenant's funnel.
+        assert total(metrics, "kvplane_funnel_tokens_total", stage="prompt") > 0

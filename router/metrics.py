@@ -367,9 +367,12 @@ class RouterMetrics:
             self.workers.labels(state=state.value).set(count)
 
     def set_index_stats(self, stats: IndexStats | None) -> None:
-        """None: the index did not answer; the last figures stay, index_up drops to 0."""
+        """None: the index did not answer; the last figures stay (Redis' memory share
+        but for), index_up drops to 0."""
         self.index_up.set(0 if stats is None else 1)
-        if stats is not None:
+        if stats is None:
+            self.index_server_memory_used.set(math.nan)  # unknown, not the last figure
+        else:
             self.index_entries.set(stats.entries)
             self.index_keys.set(stats.keys)
             self.index_workers.set(stats.workers)

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import random
 import struct
 import sys
@@ -61,12 +62,15 @@ from router.index.base import (
     IndexStats,
     IndexTimeout,
     IndexUnavailable,
+    LocationIndexError,
     PrefixMatch,
     StaleIncarnation,
     UnknownWorker,
     WorkerState,
     WorkerStatus,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 60.0
 """How long a worker's keys outlive its lease: a dead worker stays visible (and fenced)
@@ -459,12 +463,7 @@ class RedisLocationIndex:
         commands: list[Command] = [("MEMORY USAGE", self._registry)]
         for _, key in workers:
             commands += [_STATUS.call((key.name,)), ("MEMORY USAGE", key.name)]
-        by_key = len(commands)
-        servers = await self._servers()
-        commands += [("INFO", "memory")] * len(servers)
-        replies = await self._run(commands, [None] * by_key + servers)
-        memory = replies[by_key:]
-        del replies[by_key:]
+        replies = await self._run(commands)
         used_bytes = replies[0] or 0
         entries = 0
         holding: list[tuple[bytes, int]] = []  # (worker's key, blocks it holds)
@@ -487,17 +486,26 @@ class RedisLocationIndex:
             entries=entries,
             workers=recorded,
             bytes=used_bytes,
-            server_memory_used=_fullest(memory),
+            server_memory_used=await self._server_memory_used(),
         )
 
-    async def _servers(self) -> list[ClusterNode | None]:
-        """Every server holding keys: a cluster's primaries, or the one server (None)."""
-        if not isinstance(self._client, RedisCluster):
-            return [None]
-        with self._mapped_errors():
-            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
-                await self._client.initialize()  # a no-op once the slot map is known
-        return list(self._client.get_primaries())
+    async def _server_memory_used(self) -> float | None:
+        """The fullest server's used_memory over its maxmemory (INFO memory on every
+        primary). Optional where the rest of the stats are not: None when a server
+        refuses INFO (an ACL without @dangerous) or does not answer."""
+        servers: list[ClusterNode | None] = [None]
+        try:
+            if isinstance(self._client, RedisCluster):
+                with self._mapped_errors():
+                    async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                        await self._client.initialize()  # a no-op once the slot map is known
+                servers = list(self._client.get_primaries())
+            replies = await self._replies([("INFO", "memory")] * len(servers), servers)
+        except LocationIndexError as error:
+            log.debug("no memory figure from Redis (%s)", type(error).__name__)
+            return None
+        answered = [reply for reply in replies if isinstance(reply, Mapping)]
+        return _fullest(answered) if len(answered) == len(servers) else None
 
     async def _count_distinct_keys(self, worker_keys: list[bytes]) -> int:
         contents = await self._run([("HGETALL", name) for name in worker_keys])

@@ -8,17 +8,22 @@ const REFRESH_MS = 5000;
 const DASH = "\u2013";
 
 // The token: from the address's fragment (which no server sees), then out of the
-// address bar and into this tab's session storage.
+// address bar and into this tab's session storage. Read raw, so that a base64 token's
+// "+" stays a "+".
 function takeToken() {
-  const fragment = new URLSearchParams(location.hash.slice(1));
-  if (fragment.has("token")) {
-    sessionStorage.setItem(TOKEN_KEY, fragment.get("token"));
+  const match = /(?:^|&)token=([^&]*)/.exec(location.hash.slice(1));
+  if (match) {
+    sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
     history.replaceState(null, "", location.pathname + location.search);
   }
-  return sessionStorage.getItem(TOKEN_KEY);
 }
 
-class Unauthorized extends Error {}
+class Unauthorized extends Error {
+  constructor(token) {
+    super("the admin token was refused");
+    this.token = token; // the token refused: a newer one may have been entered since
+  }
+}
 
 async function api(path, body) {
   const headers = { accept: "application/json" };
@@ -31,9 +36,10 @@ async function api(path, body) {
     init.body = JSON.stringify(body);
   }
   const response = await fetch(path, init);
-  if (response.status === 401 || response.status === 403) throw new Unauthorized();
+  if (response.status === 401) throw new Unauthorized(token);
   const answer = await response.json().catch(() => null);
   if (!response.ok) {
+    // 403 included: the fleet API is off (no admin token configured), which no token mends.
     const message = answer && answer.error ? answer.error.message : response.statusText;
     throw new Error(`${path}: ${response.status} ${message}`);
   }
@@ -191,13 +197,23 @@ function showProblem(text) {
   problem.hidden = text === "";
 }
 
-function askForToken() {
-  sessionStorage.removeItem(TOKEN_KEY);
+function askForToken(refused) {
+  if (sessionStorage.getItem(TOKEN_KEY) === refused) sessionStorage.removeItem(TOKEN_KEY);
+  if (sessionStorage.getItem(TOKEN_KEY) !== null) return; // a newer token is on its way
   document.getElementById("token-form").hidden = false;
   showProblem("The fleet API wants the router's admin token.");
 }
 
+// One refresh at a time: the next is scheduled when this one settles, so that a slow
+// answer never lands over a newer one. None while the page waits for a token; none
+// while its tab is hidden, until it is shown again.
+let nextRefresh = null;
+let pausedWhileHidden = false;
+
 async function refresh() {
+  clearTimeout(nextRefresh);
+  nextRefresh = null;
+  pausedWhileHidden = false;
   try {
     const [workers, funnel, prefixes] = await Promise.all([
       api("workers"),
@@ -212,10 +228,17 @@ async function refresh() {
       `updated ${new Date().toLocaleTimeString("en-GB")}`;
     document.body.dataset.loaded = String(Number(document.body.dataset.loaded) + 1);
   } catch (error) {
-    if (error instanceof Unauthorized) askForToken();
-    else showProblem(`The router did not answer: ${error.message}`);
+    if (error instanceof Unauthorized) {
+      askForToken(error.token);
+      return;
+    }
+    showProblem(`The router did not answer: ${error.message}`);
   }
+  if (document.hidden) pausedWhileHidden = true;
+  else nextRefresh = setTimeout(refresh, REFRESH_MS);
 }
+
+let asked = 0; // the latest locality query: an earlier one's late answer is dropped
 
 async function locate(event) {
   event.preventDefault();
@@ -228,9 +251,11 @@ async function locate(event) {
   };
   const tenant = document.getElementById("locality-tenant").value.trim();
   if (tenant) query.tenant = tenant;
+  const number = ++asked;
   result.dataset.state = "asking";
   try {
     const answer = await api("locality", query);
+    if (number !== asked) return;
     summary.textContent =
       `${count(answer.prompt_tokens)} prompt tokens in ${count(answer.blocks)} blocks ` +
       `(tenant ${answer.tenant}, scope ${answer.cache_scope}); ` +
@@ -256,8 +281,9 @@ async function locate(event) {
     table.hidden = false;
     result.dataset.state = "answered";
   } catch (error) {
+    if (number !== asked) return;
     table.hidden = true;
-    if (error instanceof Unauthorized) askForToken();
+    if (error instanceof Unauthorized) askForToken(error.token);
     summary.textContent = error instanceof Unauthorized ? "" : error.message;
     result.dataset.state = "failed";
   }
@@ -272,10 +298,10 @@ function start() {
     refresh();
   });
   document.getElementById("locality-form").addEventListener("submit", locate);
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden && pausedWhileHidden) refresh();
+  });
   refresh();
-  setInterval(() => {
-    if (!document.hidden) refresh();
-  }, REFRESH_MS);
 }
 
 start();

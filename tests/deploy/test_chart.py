@@ -455,5 +455,5 @@ def test_the_bundled_redis_refuses_writes_before_its_container_is_killed(tmp_pat
     redis = container(one(objects, "Deployment", "rel-kvplane-redis"), "redis")
     arguments = redis["args"]
     maxmemory = arguments[arguments.index("--maxmemory") + 1]
-    assert maxmemory == "768mb"
-    assert redis["resources"]["limits"]["memory"] == "1Gi"  # 768 MiB is three quarters
+    assert maxmemory == "600mb"
+    assert redis["resources"]["limits"]["memory"] == "1Gi"  # 600 MB is 56% of it

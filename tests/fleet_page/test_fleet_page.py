@@ -1,7 +1,8 @@
 """The fleet page in headless Chromium (Debian's chromium and chromedriver, `make
-chromium`) against a running fleet: every figure it shows is checked against the fleet
-API's own answer, the locality box against the locality query, an agent's label cannot
-inject markup, and the screenshot the docs show is saved.
+chromium`) against a running fleet: the figures of its tables (all but the ages of the
+last events and the funnel's bars) are checked against the fleet API's own answers, the
+locality box against the locality query, an agent's label cannot inject markup, and the
+screenshot the docs show is saved.
 
 KVPLANE_SCREENSHOTS=DIR saves the screenshot there (`make screenshots` sets it to
 docs/images); otherwise it goes to the test's temporary folder."""
@@ -13,6 +14,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,6 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from kvplane.core.config import HttpSettings
 from tests.abuse.conftest import cache_and_wait
 from tests.proxy.conftest import (
-    ADMIN,
-    ADMIN_TOKEN,
     MODEL,
     RoutedFleet,
     routed_fleet,
@@ -41,6 +41,9 @@ DASH = "\u2013"
 MARKUP = '<img src="x" onerror="document.body.dataset.injected = 1">'
 SYSTEM = "You are the archive's assistant: cite the shelf and box of every record. " * 6
 PAGE_WAIT_S = 20.0
+# A base64 token: its "+" and "/" must reach the API as they are from the page's address.
+ADMIN_TOKEN = "kv+page/admin=="
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 TOKEN_FORM_SHOWN = "document.getElementById('token-form').checkVisibility()"
 
 # What the page's script reads back of a table: each row's key and its cells' texts.
@@ -53,17 +56,22 @@ return [...document.querySelectorAll(`#${arguments[0]} tbody tr`)].map((tr) => (
 """
 
 
-# The page's formats (router/static/page.js).
+# The page's formats (router/static/page.js). JavaScript's toFixed rounds the float's
+# exact value, a tie away from zero: Decimal(float) is that exact value.
+def fixed(x: float, places: int) -> str:
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP))
+
+
 def count(n: int | None) -> str:
     return DASH if n is None else f"{n:,}"
 
 
 def share(x: float | None) -> str:
-    return DASH if x is None else f"{x * 100:.1f}%"
+    return DASH if x is None else fixed(x * 100, 1) + "%"
 
 
 def decimal(x: float | None) -> str:
-    return DASH if x is None else f"{x:.2f}"
+    return DASH if x is None else fixed(x, 2)
 
 
 def worker_cells(worker: dict[str, Any]) -> dict[str, str]:
@@ -72,6 +80,7 @@ def worker_cells(worker: dict[str, Any]) -> dict[str, str]:
         "worker_id": worker["worker_id"],
         "state": worker["state"],
         "model": worker["model"],
+        "engine": f"{worker['engine']['kind']} {worker['engine']['version']}",
         "running": count(load.get("running")),
         "waiting": count(load.get("waiting")),
         "kv_usage": share(load.get("kv_usage")),
@@ -92,6 +101,12 @@ def funnel_cells(row: dict[str, Any]) -> dict[str, str]:
         "predicted_tokens": count(row["predicted_tokens"]),
         "achieved_tokens": count(row["achieved_tokens"]),
         "hit_rate": share(row["hit_rate"]),
+        "lost_tokens": "; ".join(
+            f"{reason.replace('_', ' ')} {count(tokens)}"
+            for reason, tokens in row["lost_tokens"].items()
+            if tokens > 0
+        )
+        or "none",
     }
 
 
@@ -110,6 +125,10 @@ def locality_cells(worker: dict[str, Any]) -> dict[str, str]:
         "worker_id": worker["worker_id"],
         "eligible": "yes" if worker["eligible"] else "no",
         "cached_tokens": count(worker["cached_tokens"]),
+        "matched_tokens": ", ".join(
+            f"{tier} {count(tokens)}" for tier, tokens in worker["matched_tokens"].items()
+        )
+        or "none",
         "saved_tokens": decimal(worker.get("saved_tokens")),
         "queue_penalty": decimal(worker.get("queue_penalty")),
         "memory_penalty": decimal(worker.get("memory_penalty")),
@@ -154,10 +173,10 @@ def browser() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-def page_fleet() -> Any:
+def page_fleet(admin_token: str | None = ADMIN_TOKEN) -> Any:
     settings = router_settings()
     settings = settings.model_copy(
-        update={"http": HttpSettings(port=0, admin_port=0, admin_token=ADMIN_TOKEN)}
+        update={"http": HttpSettings(port=0, admin_port=0, admin_token=admin_token)}
     )
     return routed_fleet(
         2,
@@ -197,6 +216,7 @@ async def until_shown(
     while True:
         answer = (await api.get(path)).json()
         want = [expected(row) for row in rows(answer)]
+        assert want, f"{path} answered no rows"
         page = cells_of(await asyncio.to_thread(read_table, driver, table), list(want[0]))
         if page == want:
             return answer
@@ -221,7 +241,7 @@ async def test_the_page_shows_what_the_fleet_api_says(
         async with httpx.AsyncClient(base_url=admin, headers=ADMIN, timeout=10) as api:
             await asyncio.to_thread(browser.get, f"{admin}/fleet/page#token={ADMIN_TOKEN}")
             await asyncio.to_thread(wait_for, browser, "Number(document.body.dataset.loaded) > 0")
-            # The token left the address bar (and so the history) for the tab's storage.
+            # The token left the address bar for the tab's storage.
             assert ADMIN_TOKEN not in browser.current_url
             assert not browser.find_element(By.ID, "token-form").is_displayed()
 
@@ -275,21 +295,24 @@ async def test_the_page_shows_what_the_fleet_api_says(
 
             # The locality box asks what POST /fleet/locality answers, and shows all of it.
             prompt = conversations[0]
-            await asyncio.to_thread(ask_locality, browser, "acme", prompt)
-            answer = (
-                await api.post(
-                    "/fleet/locality", json={"model": MODEL, "tenant": "acme", "prompt": prompt}
-                )
-            ).json()
-            shown = read_table(browser, "locality-workers")
-            want = [locality_cells(w) for w in answer["workers"]]
+            query = {"model": MODEL, "tenant": "acme", "prompt": prompt}
+            deadline = time.monotonic() + PAGE_WAIT_S
+            while True:  # asked twice, page and test: the same answer unless the fleet moved
+                await asyncio.to_thread(ask_locality, browser, "acme", prompt)
+                answer = (await api.post("/fleet/locality", json=query)).json()
+                shown = read_table(browser, "locality-workers")
+                want = [locality_cells(w) for w in answer["workers"]]
+                if cells_of(shown, list(want[0])) == want or time.monotonic() > deadline:
+                    break
             assert cells_of(shown, list(want[0])) == want
             assert [r["key"] for r in shown if r["chosen"]] == [answer["chosen"]]
             chosen = next(w for w in answer["workers"] if w["worker_id"] == answer["chosen"])
             assert chosen["cached_tokens"] > 0  # the conversation is cached where it was sent
-            assert (
-                f"would pick {answer['chosen']}"
-                in browser.find_element(By.ID, "locality-summary").text
+            summary = browser.find_element(By.ID, "locality-summary").text
+            assert summary == (
+                f"{count(answer['prompt_tokens'])} prompt tokens in {answer['blocks']} blocks "
+                f"(tenant acme, scope {answer['cache_scope']}); "
+                f"the router would pick {answer['chosen']} ({answer['factor']})"
             )
 
             folder = Path(os.environ.get("KVPLANE_SCREENSHOTS") or tmp_path)
@@ -302,8 +325,11 @@ async def test_the_page_shows_what_the_fleet_api_says(
 
 def ask_locality(driver: webdriver.Chrome, tenant: str, prompt: str) -> None:
     Select(driver.find_element(By.ID, "locality-model")).select_by_value(MODEL)
-    driver.find_element(By.ID, "locality-tenant").send_keys(tenant)
-    driver.find_element(By.ID, "locality-prompt").send_keys(prompt)
+    for field, text in (("locality-tenant", tenant), ("locality-prompt", prompt)):
+        element = driver.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(text)
+    driver.execute_script("document.getElementById('locality').dataset.state = 'idle'")
     driver.find_element(By.CSS_SELECTOR, "#locality-form button").click()
     wait_for(driver, "document.getElementById('locality').dataset.state === 'answered'")
 
@@ -331,6 +357,20 @@ async def test_without_its_token_the_page_asks_for_it(browser: webdriver.Chrome)
         assert browser.find_element(By.ID, "problem").is_displayed() is False
 
 
+async def test_with_the_fleet_api_off_the_page_says_so(browser: webdriver.Chrome) -> None:
+    """No admin token configured: the API answers 403, which no token mends, so the
+    page shows the router's words rather than asking for one."""
+    async with page_fleet(admin_token=None) as fleet:
+        admin = f"http://127.0.0.1:{fleet.router.admin_port}"
+        await asyncio.to_thread(browser.get, f"{admin}/fleet/page")
+        await asyncio.to_thread(
+            wait_for, browser, "document.getElementById('problem').checkVisibility()"
+        )
+        problem = browser.find_element(By.ID, "problem").text
+        assert problem.startswith("The router did not answer: workers: 403")
+        assert not browser.find_element(By.ID, "token-form").is_displayed()
+
+
 async def test_the_page_is_served_bare_and_locked_down() -> None:
     """The page's files carry no data, so they need no token; the API still does, and
     the policy lets the page run its own script and reach its own origin only."""
@@ -347,10 +387,20 @@ async def test_the_page_is_served_bare_and_locked_down() -> None:
     assert page.headers["content-type"] == "text/html; charset=utf-8"
     assert script.headers["content-type"] == "text/javascript; charset=utf-8"
     assert style.headers["content-type"] == "text/css; charset=utf-8"
-    policy = page.headers["content-security-policy"]
-    assert "default-src 'none'" in policy
-    assert "script-src 'self'" in policy
-    assert "frame-ancestors 'none'" in policy
+    policy = dict(
+        directive.strip().split(" ", 1)
+        for directive in page.headers["content-security-policy"].split(";")
+    )
+    assert policy == {
+        "default-src": "'none'",
+        "script-src": "'self'",  # nothing inline, nothing evaluated
+        "style-src": "'self'",
+        "connect-src": "'self'",
+        "img-src": "'self'",
+        "base-uri": "'none'",
+        "form-action": "'none'",
+        "frame-ancestors": "'none'",
+    }
     assert page.headers["referrer-policy"] == "no-referrer"
     assert "worker-1" not in page.text
     assert unauthenticated.status_code == 401

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.abuse.conftest import cache_and_wait
+from tests.abuse.conftest import auth, cache_and_wait
 from tests.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet, router_settings
 from tests.waiting import wait_until
 
@@ -88,29 +88,38 @@ async def test_the_funnel_matches_the_engines_counters() -> None:
 
 
 async def test_a_worker_that_left_leaves_no_series_behind() -> None:
-    """Per-worker series and figures last while the worker is in the fleet, so that the
-    worker label's values stay bounded however many pods come and go."""
-    async with routed_fleet(2, router_settings(lease_s=1.0)) as fleet:
-        answered = set()
-        async with fleet.openai() as client:
-            for number in range(8):
-                raw = await client.completions.with_raw_response.create(
-                    model=MODEL, prompt=f"Question {number}: " + SYSTEM, max_tokens=1
-                )
-                answered.add(raw.headers["x-kvplane-worker"])
-        leaving = sorted(answered)[0]
-        async with fleet.http() as http:
-            metrics = (await http.get("/metrics", headers=ADMIN)).text
-            assert f'worker="{leaving}"' in metrics
-            await fleet.worker(leaving).stop_agent()
+    """Per-worker series last while the worker is in the fleet, so that the worker
+    label's values stay bounded however many pods come and go; the others' stay."""
+    async with routed_fleet(2, router_settings(lease_s=1.0)) as fleet, fleet.http() as http:
 
-            async def forgotten() -> bool:
-                metrics = (await http.get("/metrics", headers=ADMIN)).text
-                return f'worker="{leaving}"' not in metrics
+        async def served_by(worker: str, other: str) -> None:
+            """Four requests, the other worker drained meanwhile."""
+            await http.post(f"/fleet/workers/{other}/drain", headers=ADMIN)
+            async with fleet.openai() as client:
+                for number in range(4):
+                    raw = await client.completions.with_raw_response.create(
+                        model=MODEL, prompt=f"Question {number}: " + SYSTEM, max_tokens=1
+                    )
+                    assert raw.headers["x-kvplane-worker"] == worker
+            await http.post(f"/fleet/workers/{other}/undrain", headers=ADMIN)
 
-            await wait_until(f"{leaving}'s series are gone", forgotten, timeout_s=15)
+        await served_by("worker-1", "worker-2")
+        await served_by("worker-2", "worker-1")
+        not_json = await http.post("/v1/completions", content=b"{", headers=auth("acme"))
+        assert not_json.status_code == 400  # counted with no worker
+        metrics = (await http.get("/metrics", headers=ADMIN)).text
+        assert 'worker="worker-1"' in metrics
+        await fleet.worker("worker-1").stop_agent()
+
+        async def forgotten() -> bool:
             metrics = (await http.get("/metrics", headers=ADMIN)).text
-            workers = (await http.get("/fleet/workers", headers=ADMIN)).json()["workers"]
-        assert [w["worker_id"] for w in workers] == sorted({"worker-1", "worker-2"} - {leaving})
-        # What names no worker stays: the model's and tenant's funnel.
-        assert total(metrics, "kvplane_funnel_tokens_total", stage="prompt") > 0
+            return 'worker="worker-1"' not in metrics
+
+        await wait_until("worker-1's series are gone", forgotten, timeout_s=15)
+        metrics = (await http.get("/metrics", headers=ADMIN)).text
+        workers = (await http.get("/fleet/workers", headers=ADMIN)).json()["workers"]
+    assert [w["worker_id"] for w in workers] == ["worker-2"]
+    assert total(metrics, "kvplane_requests_total", worker="worker-2", outcome="ok") == 4
+    assert total(metrics, "kvplane_requests_total", worker="none", outcome="bad_request") == 1
+    # What names no worker stays: the model's and tenant's funnel.
+    assert total(metrics, "kvplane_funnel_tokens_total", stage="prompt") > 0

@@ -640,6 +640,7 @@ def _describe(decision: Decision, model: str, tenant: Tenant, *, detailed: bool)
             row["queue_penalty"] = breakdown.queue_penalty
             row["memory_penalty"] = breakdown.memory_penalty
             row["tenant_penalty"] = breakdown.tenant_penalty
+            row["spilled"] = breakdown.spilled
         rows.append(row)
     return Locality(
         model=model,

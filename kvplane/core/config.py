@@ -135,6 +135,15 @@ class ScoringSettings(_Section):
     # Memory pressure: past this KV usage, a request's new blocks evict cached ones.
     memory_pressure_start: float = Field(default=0.9, ge=0, lt=1)
     memory_pressure_weight: float = Field(default=1.0, ge=0)  # per new token, at full pressure
+    # Spill: past a gate (its requests waiting and running over the eligible workers'
+    # mean by spill_margin_requests and by spill_load_ratio times), each of a worker's
+    # requests over that mean costs spill_request_tokens more (margin 0: off). The queue
+    # terms alone never outweigh a shared system prompt, so without it every new chat
+    # piles onto the engines that hold it (docs/benchmarks.md); the gate is relative, so
+    # a fleet busy everywhere keeps its prefixes where they are cached.
+    spill_margin_requests: float = Field(default=4.0, ge=0)
+    spill_load_ratio: float = Field(default=1.5, ge=1.0)
+    spill_request_tokens: float = Field(default=256.0, ge=0)
     # Engines count only running requests' blocks as used, so a cache full of prefixes
     # reads as empty: a worker that evicted its whole cache within about this many
     # seconds is under full pressure too (0: off).

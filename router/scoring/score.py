@@ -82,6 +82,7 @@ class ScoreBreakdown(NamedTuple):
     queue_penalty: float
     memory_penalty: float
     tenant_penalty: float
+    spilled: bool = False  # far busier than the fleet: its queue penalty has the spill
 
     @property
     def score(self) -> float:
@@ -98,6 +99,7 @@ class Scores(NamedTuple):
     memory_penalty: Column
     tenant_penalty: Column
     eligible: Flags
+    spilled: Flags
 
     @property
     def total(self) -> Column:
@@ -111,6 +113,7 @@ class Scores(NamedTuple):
             float(self.queue_penalty[row]),
             float(self.memory_penalty[row]),
             float(self.tenant_penalty[row]),
+            bool(self.spilled[row]),
         )
 
 
@@ -143,18 +146,33 @@ def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
     return np.asarray(facts.pools == request.pool, dtype=np.bool_)
 
 
+def spill_excess(load: Column, eligible: Flags, weights: ScoringSettings) -> Column:
+    """For each eligible worker whose load (requests waiting and running) is over the
+    eligible workers' mean by both `spill_margin_requests` and `spill_load_ratio` times,
+    its requests over that mean; 0 for the others."""
+    if weights.spill_margin_requests <= 0 or not eligible.any():
+        return np.zeros(len(load))
+    mean = float(load[eligible].mean())
+    threshold = max(mean + weights.spill_margin_requests, mean * weights.spill_load_ratio)
+    return np.where(eligible & (load > threshold), load - mean, 0.0)
+
+
 def score_candidates(
     request: RequestFacts, facts: CandidateFacts, weights: ScoringSettings
 ) -> Scores:
     prompt = float(request.prompt_tokens)
     values = np.array([hit_value(tier, weights) for tier in TIERS])
     cached = np.minimum(facts.matched_tokens.sum(axis=1), prompt)
+    allowed = eligible(request, facts)
     saved = np.where(facts.suspect, 0.0, np.minimum(facts.matched_tokens @ values, prompt))
+    excess = spill_excess(facts.waiting_requests + facts.running_requests, allowed, weights)
     queue = (
         facts.waiting_requests * weights.waiting_request_tokens
         + facts.running_requests * weights.running_request_tokens
         + facts.queued_prefill_tokens * weights.queued_prefill_weight
+        + excess * weights.spill_request_tokens
     )
+    spilled = excess > 0
     start = weights.memory_pressure_start
     usage_pressure = (facts.kv_usage - start) / max(1.0 - start, 1e-9)
     # A cache that is turning over evicts prefixes still in use, whatever its usage.
@@ -169,7 +187,7 @@ def score_candidates(
                 for labels in facts.labels
             ]
             tenant += np.array(missing, dtype=np.float64) * weights.missing_label_tokens
-    return Scores(facts.worker_ids, cached, saved, queue, memory, tenant, eligible(request, facts))
+    return Scores(facts.worker_ids, cached, saved, queue, memory, tenant, allowed, spilled)
 
 
 class RankedWorkers(Sequence[ScoreBreakdown]):

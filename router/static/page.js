@@ -265,7 +265,7 @@ async function locate(event) {
       const tiers = Object.entries(w.matched_tokens).map(([tier, tokens]) => `${tier} ${count(tokens)}`);
       const tr = row(w.worker_id, [
         cell("worker_id", w.worker_id, "key"),
-        cell("eligible", w.eligible ? "yes" : "no"),
+        cell("eligible", w.eligible ? (w.spilled ? "yes, spilled" : "yes") : "no"),
         cell("cached_tokens", count(w.cached_tokens), "number"),
         cell("matched_tokens", tiers.join(", ") || "none"),
         cell("saved_tokens", decimal(w.saved_tokens), "number"),

@@ -123,7 +123,9 @@ def prefix_cells(prefix: dict[str, Any]) -> dict[str, str]:
 def locality_cells(worker: dict[str, Any]) -> dict[str, str]:
     return {
         "worker_id": worker["worker_id"],
-        "eligible": "yes" if worker["eligible"] else "no",
+        "eligible": ("yes, spilled" if worker.get("spilled") else "yes")
+        if worker["eligible"]
+        else "no",
         "cached_tokens": count(worker["cached_tokens"]),
         "matched_tokens": ", ".join(
             f"{tier} {count(tokens)}" for tier, tokens in worker["matched_tokens"].items()

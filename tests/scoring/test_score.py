@@ -78,6 +78,45 @@ def test_a_long_queue_sends_a_hot_prefix_elsewhere() -> None:
     assert best(request, queued, idle) == "idle"
 
 
+def test_past_the_spill_gate_each_request_over_the_mean_costs_more() -> None:
+    # Every chat starts with the same system prompt, cached on one worker so far.
+    request = RequestFacts(prompt_tokens=1152)
+    cold = [worker(f"cold-{n}", running_requests=1) for n in range(3)]
+    hot = worker("hot", 1024, running_requests=9)  # the mean is 3: 9 > 3 + 4 and > 1.5 x 3
+    ranked = rank_workers(request, [hot, *cold])
+    assert ranked[0].worker_id != "hot"
+    (spilled,) = [b for b in ranked if b.worker_id == "hot"]
+    assert spilled.spilled
+    assert (spilled.cached_tokens, spilled.saved_tokens) == (1024, 1024.0)
+    assert spilled.queue_penalty == 9 * WEIGHTS.running_request_tokens + 6 * 256
+    assert not any(b.spilled for b in ranked if b.worker_id != "hot")
+    # A longer prefix is worth more queueing: 2,048 cached tokens outweigh the same queue.
+    longer = RequestFacts(prompt_tokens=2176)
+    assert best(longer, worker("hot", 2048, running_requests=9), *cold) == "hot"
+    # Within the margin the cache keeps it (the mean is 2.25: 6 < 6.25).
+    assert best(request, worker("hot", 1024, running_requests=6), *cold) == "hot"
+    # When the whole fleet is busy the ratio keeps it too (the mean is 24: 30 < 36).
+    busy = [worker(f"busy-{n}", running_requests=22) for n in range(3)]
+    assert best(request, worker("hot", 1024, running_requests=30), *busy) == "hot"
+    off = WEIGHTS.model_copy(update={"spill_margin_requests": 0.0})
+    scores = score_candidates(request, facts_of([hot, *cold]), off)
+    assert not scores.spilled.any()
+    assert int(np.argmax(scores.total)) == 0
+
+
+def test_only_the_eligible_workers_make_the_mean_a_spill_is_judged_by() -> None:
+    request = RequestFacts(prompt_tokens=1152, isolation="dedicated", pool="gold")
+    # The other pool is idle: judged against it, the pool's own hot worker would spill.
+    idle_elsewhere = [worker(f"other-{n}") for n in range(6)]
+    gold = [
+        worker("hot", 1024, running_requests=9, pool="gold"),
+        worker("gold-2", running_requests=3, pool="gold"),
+    ]
+    ranked = rank_workers(request, [*idle_elsewhere, *gold])
+    assert [b.worker_id for b in ranked][0] == "hot"
+    assert not any(b.spilled for b in ranked)
+
+
 def test_memory_pressure_counts_only_near_full_and_only_new_tokens() -> None:
     request = RequestFacts(prompt_tokens=1000)
     calm = score_worker(request, worker("a", 0, kv_usage=0.85), WEIGHTS)
@@ -241,9 +280,11 @@ requests = st.builds(
 def test_a_fleet_scored_at_once_scores_each_worker_as_alone(
     request: RequestFacts, workers: list[WorkerFacts]
 ) -> None:
-    together = score_candidates(request, facts_of(workers), WEIGHTS)
+    # The spill compares each worker with the others: off here.
+    weights = WEIGHTS.model_copy(update={"spill_margin_requests": 0.0})
+    together = score_candidates(request, facts_of(workers), weights)
     for row, one in enumerate(workers):
-        alone = score_worker(request, one, WEIGHTS)
+        alone = score_worker(request, one, weights)
         assert together.breakdown(row) == pytest.approx(alone)
     ranked = rank_workers(request, workers)
     # Best first, and exactly the eligible workers.

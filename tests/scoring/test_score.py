@@ -113,7 +113,7 @@ def test_only_the_eligible_workers_make_the_mean_a_spill_is_judged_by() -> None:
         worker("gold-2", running_requests=3, pool="gold"),
     ]
     ranked = rank_workers(request, [*idle_elsewhere, *gold])
-    assert [b.worker_id for b in ranked][0] == "hot"
+    assert ranked[0].worker_id == "hot"
     assert not any(b.spilled for b in ranked)
 
 

@@ -81,7 +81,7 @@ class LocalityRow(TypedDict):
     queue_penalty: NotRequired[float]
     memory_penalty: NotRequired[float]
     tenant_penalty: NotRequired[float]
-    spilled: NotRequired[bool]  # far busier than the fleet: its cache earned nothing
+    spilled: NotRequired[bool]  # far busier than its peers: its queue penalty has the spill
 
 
 class Locality(BaseModel):

@@ -238,6 +238,7 @@ class Fleet:
             matched_tokens=np.zeros((len(rows), len(TIERS))),
             waiting_requests=waiting,
             running_requests=running,
+            load_reported=roster.reported[rows],
             queued_prefill_tokens=roster.prefill_tokens[rows],
             kv_usage=roster.kv_usage[rows],
             evicted_share=evicted,

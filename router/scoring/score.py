@@ -58,6 +58,9 @@ class CandidateFacts(NamedTuple):
     matched_tokens: npt.NDArray[np.float64]  # (rows, len(TIERS)): cached prefix per tier
     waiting_requests: Column
     running_requests: Column
+    # Waiting and running come from the worker's own load report (True), or only from
+    # this router's requests (False: its agent streams to another router replica).
+    load_reported: Flags
     queued_prefill_tokens: Column  # prompt tokens still to prefill ahead of this request
     kv_usage: Column  # the engine's: blocks its running requests hold
     evicted_share: Column  # of its cache, evicted lately (router/routing/evictions.py)
@@ -146,15 +149,26 @@ def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
     return np.asarray(facts.pools == request.pool, dtype=np.bool_)
 
 
-def spill_excess(load: Column, eligible: Flags, weights: ScoringSettings) -> Column:
+def spill_excess(
+    load: Column, eligible: Flags, reported: Flags, weights: ScoringSettings
+) -> Column:
     """For each eligible worker whose load (requests waiting and running) is over the
-    eligible workers' mean by both `spill_margin_requests` and `spill_load_ratio` times,
-    its requests over that mean; 0 for the others."""
-    if weights.spill_margin_requests <= 0 or not eligible.any():
-        return np.zeros(len(load))
-    mean = float(load[eligible].mean())
-    threshold = max(mean + weights.spill_margin_requests, mean * weights.spill_load_ratio)
-    return np.where(eligible & (load > threshold), load - mean, 0.0)
+    mean of its peers by both `spill_margin_requests` and `spill_load_ratio` times, its
+    requests over that mean; 0 for the others. A worker's peers are the eligible workers
+    whose load is known the same way (`reported`): a router replica sees of the others
+    only its own requests, which would make every reported worker look crowded."""
+    excess = np.zeros(len(load))
+    if weights.spill_margin_requests <= 0 or weights.spill_request_tokens <= 0:
+        return excess
+    for peers in (eligible & reported, eligible & ~reported):
+        if not peers.any():
+            continue
+        mean = float(load[peers].mean())
+        if not np.isfinite(mean):
+            continue
+        threshold = max(mean + weights.spill_margin_requests, mean * weights.spill_load_ratio)
+        excess = np.where(peers & (load > threshold), load - mean, excess)
+    return excess
 
 
 def score_candidates(
@@ -165,7 +179,8 @@ def score_candidates(
     cached = np.minimum(facts.matched_tokens.sum(axis=1), prompt)
     allowed = eligible(request, facts)
     saved = np.where(facts.suspect, 0.0, np.minimum(facts.matched_tokens @ values, prompt))
-    excess = spill_excess(facts.waiting_requests + facts.running_requests, allowed, weights)
+    load = facts.waiting_requests + facts.running_requests
+    excess = spill_excess(load, allowed, facts.load_reported, weights)
     queue = (
         facts.waiting_requests * weights.waiting_request_tokens
         + facts.running_requests * weights.running_request_tokens
@@ -235,8 +250,9 @@ def rank_by_score(scores: Scores, rng: np.random.Generator) -> RankedWorkers:
 
 
 def deciding_factor(ranked: Sequence[ScoreBreakdown]) -> str:
-    """The term that set the winner furthest apart from the runner-up: `cache`, `load`,
-    `memory` or `tenant`; `only_choice` with one worker, `tie` when nothing did."""
+    """The term that set the winner furthest apart from the runner-up: `cache`, `load`
+    (`spill` when the runner-up was past the spill gate), `memory` or `tenant`;
+    `only_choice` with one worker, `tie` when nothing did."""
     if not ranked:
         return "none"
     if len(ranked) == 1:
@@ -249,4 +265,8 @@ def deciding_factor(ranked: Sequence[ScoreBreakdown]) -> str:
         "tenant": second.tenant_penalty - best.tenant_penalty,
     }
     factor, margin = max(margins.items(), key=lambda item: item[1])
-    return factor if margin > 0 else "tie"
+    if margin <= 0:
+        return "tie"
+    if factor == "load" and second.spilled and not best.spilled:
+        return "spill"  # the runner-up was past the spill gate
+    return factor

@@ -165,8 +165,9 @@ class RouterPolicy:
             else sum(1 for sent, _ in t.prefilling.values() if sent > report.taken_at)
             for t, report in zip(view.traffic, reports, strict=True)
         ]
+        reported = np.array([report is not None for report in reports], dtype=np.bool_)
         waiting, running = queue_estimate(
-            np.array([report is not None for report in reports], dtype=np.bool_),
+            reported,
             (
                 column([0 if r is None else r.load.waiting for r in reports]),
                 column([0 if r is None else r.load.running for r in reports]),
@@ -184,6 +185,7 @@ class RouterPolicy:
             matched_tokens=matched_tokens,
             waiting_requests=waiting,
             running_requests=running,
+            load_reported=reported,
             queued_prefill_tokens=column([traffic.prefill_tokens for traffic in view.traffic]),
             kv_usage=column([0.0 if r is None else r.load.kv_usage for r in reports]),
             evicted_share=self.evictions.shares(

@@ -307,6 +307,7 @@ async def test_the_page_shows_what_the_fleet_api_says(
                 if cells_of(shown, list(want[0])) == want or time.monotonic() > deadline:
                     break
             assert cells_of(shown, list(want[0])) == want
+            assert all(w["spilled"] is False for w in answer["workers"] if w["eligible"])
             assert [r["key"] for r in shown if r["chosen"]] == [answer["chosen"]]
             chosen = next(w for w in answer["workers"] if w["worker_id"] == answer["chosen"])
             assert chosen["cached_tokens"] > 0  # the conversation is cached where it was sent

@@ -28,6 +28,7 @@ class WorkerFacts(NamedTuple):
     labels: Mapping[str, str] = _NO_LABELS
     pool: str | None = None  # a dedicated tenant's pool this worker belongs to
     suspect: bool = False  # its index entries keep failing: its matches count for nothing
+    load_reported: bool = True  # False: only this router's requests are known
 
 
 def facts_of(workers: Sequence[WorkerFacts]) -> CandidateFacts:
@@ -47,6 +48,9 @@ def facts_of(workers: Sequence[WorkerFacts]) -> CandidateFacts:
         matched_tokens=matched,
         waiting_requests=column([w.waiting_requests for w in workers]),
         running_requests=column([w.running_requests for w in workers]),
+        load_reported=np.array([w.load_reported for w in workers], dtype=np.bool_).reshape(
+            len(workers)
+        ),
         queued_prefill_tokens=column([w.queued_prefill_tokens for w in workers]),
         kv_usage=column([w.kv_usage for w in workers]),
         evicted_share=column([w.evicted_share for w in workers]),

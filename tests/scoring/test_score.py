@@ -104,6 +104,42 @@ def test_past_the_spill_gate_each_request_over_the_mean_costs_more() -> None:
     assert int(np.argmax(scores.total)) == 0
 
 
+def test_the_spill_gate_counts_waiting_requests_and_opens_on_the_ratio_at_a_high_mean() -> None:
+    request = RequestFacts(prompt_tokens=1152)
+    cold = [worker(f"cold-{n}", running_requests=1) for n in range(3)]
+    waiting = rank_workers(request, [worker("hot", 1024, waiting_requests=9), *cold])
+    assert [b.spilled for b in waiting if b.worker_id == "hot"] == [True]
+    # The mean is 15: the ratio sets the gate at 22.5, over the margin's 19.
+    busy = [worker(f"busy-{n}", running_requests=10) for n in range(3)]
+    at_gate = rank_workers(request, [worker("hot", 1024, running_requests=30), *busy])
+    (hot,) = [b for b in at_gate if b.worker_id == "hot"]
+    assert hot.spilled
+    assert hot.queue_penalty == 30 * WEIGHTS.running_request_tokens + 15 * 256
+    # Exactly at the gate (the mean 2, the margin's 6): not over it, not spilled.
+    level = [worker(f"level-{n}", running_requests=1) for n in range(4)]
+    on_gate = rank_workers(request, [worker("hot", 1024, running_requests=6), *level])
+    assert not any(b.spilled for b in on_gate)
+    over = rank_workers(request, [worker("hot", 1024, running_requests=7), *level])
+    assert [b.worker_id for b in over if b.spilled] == ["hot"]
+    free = WEIGHTS.model_copy(update={"spill_request_tokens": 0.0})
+    scores = score_candidates(request, facts_of([worker("hot", running_requests=9), *cold]), free)
+    assert not scores.spilled.any()
+
+
+def test_a_worker_is_judged_against_peers_whose_load_is_known_the_same_way() -> None:
+    """A router replica has the load reports of the workers whose agents stream to it,
+    and of the others only its own requests: about a third of their load with three
+    replicas. Judged together, the reported workers would all look crowded."""
+    request = RequestFacts(prompt_tokens=1152)
+    reported = [worker(f"mine-{n}", 1024, running_requests=12) for n in range(2)]
+    elsewhere = [worker(f"theirs-{n}", running_requests=4, load_reported=False) for n in range(4)]
+    assert not any(b.spilled for b in rank_workers(request, [*reported, *elsewhere]))
+    # Among the unreported ones, a worker this router alone crowds still spills.
+    crowded = worker("theirs-hot", 1024, running_requests=12, load_reported=False)
+    ranked = rank_workers(request, [*reported, *elsewhere, crowded])
+    assert [b.worker_id for b in ranked if b.spilled] == ["theirs-hot"]
+
+
 def test_only_the_eligible_workers_make_the_mean_a_spill_is_judged_by() -> None:
     request = RequestFacts(prompt_tokens=1152, isolation="dedicated", pool="gold")
     # The other pool is idle: judged against it, the pool's own hot worker would spill.
@@ -195,6 +231,8 @@ def breakdown(worker_id: str, saved: float = 0.0, **penalties: float) -> ScoreBr
 def test_the_deciding_factor_is_the_term_that_set_the_winner_apart() -> None:
     assert deciding_factor([breakdown("a", 1000), breakdown("b", 200)]) == "cache"
     assert deciding_factor([breakdown("a"), breakdown("b", queue=1024)]) == "load"
+    crowded = breakdown("b", 1000, queue=2048)._replace(spilled=True)
+    assert deciding_factor([breakdown("a"), crowded]) == "spill"
     assert deciding_factor([breakdown("a"), breakdown("b", memory=300)]) == "memory"
     assert deciding_factor([breakdown("a"), breakdown("b", tenant=2048)]) == "tenant"
     # The cache lead outweighs the load handicap that went against it.

@@ -356,9 +356,19 @@ class ProxyService:
         and the configured one, the lower; None when neither is known. The engines' is
         left out while one of them counts prompts otherwise than this router (another
         tokenizer): the router's count would refuse prompts the engines take."""
-        engines = None if self._miscounting.get(model) else self.fleet.roster.max_model_len(model)
+        engines = None if self._counts_otherwise(model) else self.fleet.roster.max_model_len(model)
         known = [limit for limit in (engines, self.settings.max_prompt_tokens) if limit is not None]
         return min(known, default=None)
+
+    def _counts_otherwise(self, model: str) -> bool:
+        """Whether an engine of `model` counts prompts otherwise than this router now.
+        Its agreement window says so: the reaper drops the windows of workers that left
+        or restarted, and with them their say here."""
+        incarnations = self._miscounting.get(model)
+        if not incarnations:
+            return False
+        incarnations -= {i for i in incarnations if not self.agreement.of(i).disagrees}
+        return bool(incarnations)
 
     def _no_worker(self, tenant: Tenant) -> Response:
         self._count("no_worker")

@@ -227,7 +227,7 @@ async def running_router(
                 clock=clock,
             ),
             max_body_bytes=proxy_settings.max_body_bytes,
-            prompt_limit=proxy.prompt_limit,
+            prompt_length=proxy.prompt_length,
             limiter=proxy.limiter,
             funnel=funnel,
             hot_prefixes=hot_prefixes,

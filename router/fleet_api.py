@@ -73,7 +73,7 @@ from router.proxy.bodies import (
     key_scope,
     read_body,
 )
-from router.proxy.tokens import PromptTokens, PromptTooLong
+from router.proxy.tokens import PromptLength, PromptTokens, PromptTooLong
 from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
@@ -133,14 +133,14 @@ class FleetApi:
         sight: FleetSight,
         probe: WiringProbe,
         max_body_bytes: int,
-        prompt_limit: Callable[[str], int | None],
+        prompt_length: Callable[[str], PromptLength],
         limiter: TenantLimiter,
         funnel: CacheFunnel,
         hot_prefixes: HotPrefixes,
         clock: Clock = time.monotonic,
     ) -> None:
-        """`prompt_limit(model)`: the most prompt tokens a query may have (the proxy's
-        cap); `limiter`: the tenants' request limits, which their own queries count
+        """`prompt_length(model)`: how long a query's prompt may be (as the proxy's);
+        `limiter`: the tenants' request limits, which their own queries count
         against."""
         self._clock = clock  # the router's: the ages shown are measured on it
         self.admin_token = AdminToken(admin_token)
@@ -155,7 +155,7 @@ class FleetApi:
         self.sight = sight
         self.probe = probe
         self.max_body_bytes = max_body_bytes
-        self.prompt_limit = prompt_limit
+        self.prompt_length = prompt_length
         self.limiter = limiter
         self.funnel = funnel
         self.hot_prefixes = hot_prefixes
@@ -553,14 +553,19 @@ class FleetApi:
             raise BadRequest("give one of 'prompt', 'messages' or 'token_ids'")
         parsed = ParsedRequest(endpoint, model, False, body)
         scope = key_scope(tenant, parsed)
+        length = self.prompt_length(model)
         try:
-            tokens = await self.prompt_tokens.of(parsed, scope, self.prompt_limit(model))
+            tokens = await self.prompt_tokens.of(parsed, scope, length.limit)
         except PromptTooLong as too_long:
             raise BadRequest(str(too_long)) from None
         if tokens is None:
             raise BadRequest("the prompt or messages could not be tokenised")
         decision = await self.planner.decide(
-            model=model, tenant=tenant, cache_scope=scope, tokens=tokens
+            model=model,
+            tenant=tenant,
+            cache_scope=scope,
+            tokens=tokens,
+            counted_as_engines=length.per_worker,
         )
         return decision, model
 

@@ -89,10 +89,12 @@ async def local_workers(
     agent_token: SecretStr | None = None,
     worker_credential_secret: str | None = None,
     sim_options: Mapping[str, Any] | None = None,
+    worker_sim_options: Mapping[str, Mapping[str, Any]] | None = None,
     labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> AsyncIterator[list[LocalWorker]]:
-    """`count` workers named worker-1.. reporting to the router on `grpc_port`; with
-    `worker_credential_secret` each agent presents its own worker's token."""
+    """`count` workers named worker-1.. reporting to the router on `grpc_port`, their
+    engines run with `sim_options` and, by worker id, `worker_sim_options` over them;
+    with `worker_credential_secret` each agent presents its own worker's token."""
     async with contextlib.AsyncExitStack() as stack:
         workers = []
         for number in range(1, count + 1):
@@ -110,7 +112,10 @@ async def local_workers(
                             block_size=block_size, agent_token=token
                         ),
                         control_plane_address=f"127.0.0.1:{grpc_port}",
-                        sim_options=sim_options,
+                        sim_options={
+                            **(sim_options or {}),
+                            **(worker_sim_options or {}).get(worker_id, {}),
+                        },
                         labels=(labels or {}).get(worker_id),
                     )
                 )

@@ -52,7 +52,7 @@ from router.proxy.schema import (
     ModelList,
     StreamEvent,
 )
-from router.proxy.tokens import PromptTokens, PromptTooLong
+from router.proxy.tokens import PromptLength, PromptTokens, PromptTooLong
 from router.proxy.upstream import (
     AttemptFailed,
     NoFreeConnection,
@@ -328,13 +328,18 @@ class ProxyService:
             },
         ):
             scope = key_scope(tenant, parsed)
+            length = self.prompt_length(parsed.model)
             try:
-                tokens = await self._tokenize(parsed, scope)
+                tokens = await self._tokenize(parsed, scope, length.limit)
             except PromptTooLong as too_long:
                 self._count("prompt_too_long")
                 return error_response(400, str(too_long), kind="BadRequestError")
             decision = await self.planner.decide(
-                model=parsed.model, tenant=tenant, cache_scope=scope, tokens=tokens or []
+                model=parsed.model,
+                tenant=tenant,
+                cache_scope=scope,
+                tokens=tokens or [],
+                counted_as_engines=length.per_worker,
             )
             self.metrics.decision_seconds.observe(decision.seconds)
             self.metrics.decisions.labels(factor=decision.factor).inc()
@@ -343,22 +348,25 @@ class ProxyService:
             body = body_for_engine(raw, parsed, tenant.cache_salt)
             return await self._forward(request, parsed, tenant, decision, body)
 
-    async def _tokenize(self, parsed: ParsedRequest, scope: str) -> Sequence[int] | None:
+    async def _tokenize(
+        self, parsed: ParsedRequest, scope: str, limit: int | None
+    ) -> Sequence[int] | None:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.tokenize") as span:
-            tokens = await self.prompt_tokens.of(parsed, scope, self.prompt_limit(parsed.model))
+            tokens = await self.prompt_tokens.of(parsed, scope, limit)
             span.set_attribute("kvplane.prompt_tokens", -1 if tokens is None else len(tokens))
         self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return tokens
 
-    def prompt_limit(self, model: str) -> int | None:
-        """The most prompt tokens a request for `model` may have: the engines' own limit
-        and the configured one, the lower; None when neither is known. The engines' is
-        left out while one of them counts prompts otherwise than this router (another
-        tokenizer): the router's count would refuse prompts the engines take."""
-        engines = None if self._counts_otherwise(model) else self.fleet.roster.max_model_len(model)
+    def prompt_length(self, model: str) -> PromptLength:
+        """How long `model`'s prompts may be. The limit: the longest any of its engines
+        takes and the configured cap, the lower; None when neither is known. The engines'
+        lengths are left out while one of them counts prompts otherwise than this router
+        (another tokenizer): the router's count would refuse prompts the engines take."""
+        miscounted = self._counts_otherwise(model)
+        engines = None if miscounted else self.fleet.roster.longest_model_len(model)
         known = [limit for limit in (engines, self.settings.max_prompt_tokens) if limit is not None]
-        return min(known, default=None)
+        return PromptLength(limit=min(known, default=None), per_worker=not miscounted)
 
     def _counts_otherwise(self, model: str) -> bool:
         """Whether an engine of `model` counts prompts otherwise than this router now.

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 import xxhash
@@ -131,6 +131,15 @@ class TokenCache:
                 _, evicted = self._entries.popitem(last=False)
                 self.tokens -= len(evicted)
         return entry
+
+
+class PromptLength(NamedTuple):
+    """How long a model's prompts may be: over `limit` tokens (None: no cap known) a
+    prompt is refused; within it, it goes only to workers whose max_model_len takes it,
+    if `per_worker` (the router counts prompts as the model's engines do)."""
+
+    limit: int | None
+    per_worker: bool
 
 
 class PromptTooLong(Exception):

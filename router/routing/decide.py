@@ -148,11 +148,18 @@ class RoutingPlanner:
         return block_keys(tokens, namespace)
 
     async def decide(
-        self, *, model: str, tenant: Tenant, cache_scope: str, tokens: Sequence[int]
+        self,
+        *,
+        model: str,
+        tenant: Tenant,
+        cache_scope: str,
+        tokens: Sequence[int],
+        counted_as_engines: bool = True,
     ) -> Decision:
         """Rank the candidates serving `model` for a prompt of `tokens`, keyed in
         `cache_scope` (the tenant's salt, or a salt the client sent in the shared
-        scope; empty for none)."""
+        scope; empty for none). `counted_as_engines`: the engines count the prompt as
+        `tokens` does, so a worker whose max_model_len it exceeds is no candidate."""
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.key") as span:
             keys = self.keys(model, cache_scope, tokens)
@@ -183,6 +190,7 @@ class RoutingPlanner:
                 isolation=tenant.isolation,
                 required_labels=tenant.required_labels,
                 pool=tenant.pool,
+                counted_as_engines=counted_as_engines,
             )
             ranked, factor = self.policy.rank(request, facts, self.rng)
             span.set_attribute("kvplane.candidates", len(rows))

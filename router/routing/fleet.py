@@ -246,6 +246,7 @@ class Fleet:
             suspect=roster.suspect[rows],
             labels=roster.labels[rows].tolist(),
             pools=roster.pools[rows],
+            max_model_len=roster.max_model_len[rows],
         )
 
     def drain(self, worker_id: str, *, drained: bool) -> None:

@@ -38,15 +38,16 @@ class Roster:
             model: np.array(rows, dtype=np.intp) for model, rows in by_model.items()
         }
         self._all_rows = np.arange(count, dtype=np.intp)
-        # A model's longest prompt plus output: the least any of its workers takes (a
-        # longer prompt fails there; and no one agent can lift the cap for its model),
-        # known only when every one of them says.
-        self._max_model_len = {
-            model: min(lengths)
-            for model, lengths in (
-                (model, [infos[row].max_model_len for row in rows])
-                for model, rows in by_model.items()
-            )
+        # Each worker's longest prompt plus output; unknown (its engine does not say)
+        # takes anything. A prompt over a worker's length is not routed there
+        # (router/scoring/score.py eligible), so an agent that registers a short one
+        # keeps long prompts from its own engine only.
+        self.max_model_len = np.array(
+            [info.max_model_len or np.inf for info in infos], dtype=np.float64
+        ).reshape(count)
+        self._longest_model_len = {
+            model: float(self.max_model_len[rows].max())
+            for model, rows in self._rows_of_model.items()
         }
 
         def zeros() -> npt.NDArray[np.float64]:
@@ -84,10 +85,11 @@ class Roster:
             return self._all_rows
         return self._rows_of_model.get(model, self._all_rows[:0])
 
-    def max_model_len(self, model: str) -> int | None:
-        """The longest prompt plus output, in tokens, that every worker serving `model`
+    def longest_model_len(self, model: str) -> int | None:
+        """The longest prompt plus output, in tokens, that some worker serving `model`
         takes; None when one of them does not say, or none serves it under that name."""
-        return self._max_model_len.get(model) or None
+        longest = self._longest_model_len.get(model, np.inf)
+        return None if np.isinf(longest) else int(longest)
 
     def info(self, worker_id: str) -> WorkerInfo:
         return self.infos[self.position[worker_id]]

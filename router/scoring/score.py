@@ -68,6 +68,7 @@ class CandidateFacts(NamedTuple):
     suspect: Flags  # its index entries keep failing: its matches count for nothing
     labels: Sequence[Mapping[str, str]]
     pools: npt.NDArray[np.object_]  # a dedicated tenant's pool each belongs to, or None
+    max_model_len: Column  # the longest prompt plus output its engine takes; inf: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,9 @@ class RequestFacts:
     isolation: str = "shared"  # shared | private | dedicated
     required_labels: Mapping[str, str] = field(default_factory=dict)
     pool: str | None = None  # for `dedicated`: the only pool it may use
+    # Whether prompt_tokens counts the prompt as the engines do: only then is it held
+    # against each worker's max_model_len (not while an engine tokenises otherwise).
+    counted_as_engines: bool = True
 
 
 class ScoreBreakdown(NamedTuple):
@@ -140,13 +144,18 @@ def queue_estimate(
 
 
 def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
-    """`dedicated` is a hard filter: only the tenant's own pool."""
+    """The workers that can take the request: `dedicated` is a hard filter (only the
+    tenant's own pool), and no worker takes a prompt over its max_model_len."""
     rows = len(facts.worker_ids)
     if request.isolation != "dedicated":
-        return np.ones(rows, dtype=np.bool_)
-    if request.pool is None:
+        allowed = np.ones(rows, dtype=np.bool_)
+    elif request.pool is None:
         return np.zeros(rows, dtype=np.bool_)
-    return np.asarray(facts.pools == request.pool, dtype=np.bool_)
+    else:
+        allowed = np.asarray(facts.pools == request.pool, dtype=np.bool_)
+    if request.counted_as_engines:
+        allowed &= facts.max_model_len >= request.prompt_tokens
+    return allowed
 
 
 def spill_excess(

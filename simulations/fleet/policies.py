@@ -198,6 +198,7 @@ class RouterPolicy:
             suspect=np.zeros(workers, dtype=np.bool_),
             labels=[{}] * workers,
             pools=np.full(workers, None, dtype=object),
+            max_model_len=np.full(workers, np.inf),
         )
 
 

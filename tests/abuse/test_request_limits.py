@@ -75,7 +75,7 @@ def complete(prompt: str, **extra: object) -> dict[str, object]:
 
 
 async def test_the_agents_register_their_engines_max_model_len(fleet: RoutedFleet) -> None:
-    assert fleet.router.fleet.roster.max_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
+    assert fleet.router.fleet.roster.longest_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
 
 
 async def test_a_prompt_over_the_models_length_is_refused_before_any_engine(
@@ -102,6 +102,31 @@ async def test_a_prompt_over_the_models_length_is_refused_before_any_engine(
     assert await requests_total(fleet, "prompt_too_long") == refused_before + 3
     short = len(load_tokenizer().completion_tokens("short"))
     assert await engine_prompt_tokens(fleet) == prompt_tokens_before + short  # it alone
+
+
+async def test_an_engine_that_takes_short_prompts_gets_only_those() -> None:
+    # One agent registers a short max_model_len (a small engine, or a lying agent): the
+    # model's cap stays the longest engine's, and longer prompts avoid that one only.
+    short = {"worker-3": {"max_model_len": 64}}
+    async with routed_fleet(3, sim_options=SIM_OPTIONS, worker_sim_options=short) as fleet:
+        assert fleet.router.fleet.roster.longest_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
+        tenant = fleet.router.tenants.authenticate(auth("acme")["authorization"])
+        assert tenant is not None
+        for length, takers in ((64, {"worker-1", "worker-2", "worker-3"}), (65, None)):
+            decision = await fleet.router.planner.decide(
+                model=MODEL, tenant=tenant, cache_scope="", tokens=list(range(5, 5 + length))
+            )
+            ranked = {breakdown.worker_id for breakdown in decision.ranked}
+            assert ranked == (takers or {"worker-1", "worker-2"})
+        async with fleet.http() as http:
+            for turn in range(6):
+                prompt = f"turn {turn}: " + "a prompt past the small engine's length " * 12
+                answer = await http.post(
+                    "/v1/completions", json=complete(prompt), headers=auth("acme")
+                )
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["usage"]["prompt_tokens"] > 64
+                assert answer.headers["x-kvplane-worker"] != "worker-3"
 
 
 async def test_a_tenant_over_its_rate_gets_429_with_retry_after(fleet: RoutedFleet) -> None:

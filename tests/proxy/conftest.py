@@ -82,6 +82,7 @@ async def routed_fleet(
     settings: Settings | None = None,
     *,
     sim_options: Mapping[str, Any] | None = None,
+    worker_sim_options: Mapping[str, Mapping[str, Any]] | None = None,
     labels: Mapping[str, Mapping[str, str]] | None = None,
     span_exporter: SpanExporter | None = None,
 ) -> AsyncIterator[RoutedFleet]:
@@ -94,6 +95,7 @@ async def routed_fleet(
             count,
             grpc_port=router.grpc_port,
             sim_options=options,
+            worker_sim_options=worker_sim_options,
             labels=labels,
             worker_credential_secret=None if secret is None else secret.get_secret_value(),
         ) as workers,

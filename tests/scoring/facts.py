@@ -29,6 +29,7 @@ class WorkerFacts(NamedTuple):
     pool: str | None = None  # a dedicated tenant's pool this worker belongs to
     suspect: bool = False  # its index entries keep failing: its matches count for nothing
     load_reported: bool = True  # False: only this router's requests are known
+    max_model_len: float = np.inf  # the longest prompt plus output its engine takes
 
 
 def facts_of(workers: Sequence[WorkerFacts]) -> CandidateFacts:
@@ -58,4 +59,5 @@ def facts_of(workers: Sequence[WorkerFacts]) -> CandidateFacts:
         suspect=np.array([w.suspect for w in workers], dtype=np.bool_).reshape(len(workers)),
         labels=[worker.labels for worker in workers],
         pools=pools,
+        max_model_len=column([w.max_model_len for w in workers]),
     )

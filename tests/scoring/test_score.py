@@ -195,6 +195,18 @@ def test_dedicated_tenants_only_see_their_pool() -> None:
     assert rank_workers(no_pool, [worker("mine", pool="gold")]) == []
 
 
+def test_no_worker_takes_a_prompt_over_its_max_model_len() -> None:
+    short = worker("short", 1000, max_model_len=512)
+    long = worker("long", max_model_len=2048)
+    unknown = worker("unknown")
+    for prompt, takers in ((512, ["short", "long", "unknown"]), (513, ["long", "unknown"])):
+        ranked = rank_workers(RequestFacts(prompt_tokens=prompt), [short, long, unknown])
+        assert sorted(r.worker_id for r in ranked) == sorted(takers)
+    # Counted by another tokenizer than the engines', the prompt is held against none.
+    otherwise = RequestFacts(prompt_tokens=4096, counted_as_engines=False)
+    assert len(rank_workers(otherwise, [short, long, unknown])) == 3
+
+
 def test_ties_are_broken_at_random_not_by_list_order() -> None:
     request = RequestFacts(prompt_tokens=512)
     picks = Counter(
@@ -304,6 +316,7 @@ worker_facts = st.builds(
     labels=st.dictionaries(st.sampled_from(["zone", "gpu"]), st.sampled_from(["a", "b"])),
     pool=st.sampled_from([None, "gold", "silver"]),
     suspect=st.booleans(),
+    max_model_len=st.sampled_from([np.inf, 1024.0, 8192.0]),
 )
 requests = st.builds(
     RequestFacts,
@@ -330,6 +343,7 @@ def test_a_fleet_scored_at_once_scores_each_worker_as_alone(
     eligible = [
         w
         for w in workers
-        if request.isolation != "dedicated" or (request.pool and w.pool == request.pool)
+        if (request.isolation != "dedicated" or (request.pool and w.pool == request.pool))
+        and request.prompt_tokens <= w.max_model_len
     ]
     assert len(ranked) == len(eligible)

@@ -313,8 +313,9 @@ class TokenizeFigures:
     fresh_us: float  # a completions prompt not seen before
     repeated_us: float  # the same prompt again: the cache of identical prompts
     shared_prefix_us: float  # a chat whose messages but the last (1/16) were seen before
-    # That chat routed: body parsed, tokenised, keyed, looked up, scored, its body for
-    # the engine made (the router's work from a body received to a request sent).
+    # That chat routed: body parsed, tokenised, keyed, looked up, scored, its prefix
+    # predicted where it goes, its body for the engine made (the router's work from a
+    # body received to a request sent).
     shared_route_us: float
 
 
@@ -362,6 +363,7 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         decision = await planner.decide(
             model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=tokens or []
         )
+        planner.routed(decision, decision.ranked[0].worker_id)  # before the send, as the proxy
         body_for_engine(raw, parsed, None)
         route_us.append((time.perf_counter_ns() - started) / 1000)
         if not decision.index_answered or decision.matched(WORKER).get(Tier.DEVICE, 0) < (

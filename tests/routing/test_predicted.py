@@ -94,3 +94,14 @@ def test_an_empty_prefix_records_nothing() -> None:
     predicted = PredictedPrefixes(ttl_s=3.0)
     predicted.record("w1", [], now=0.0)
     assert len(predicted) == 0
+
+
+def test_a_forgotten_worker_matches_only_what_it_records_afterwards() -> None:
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    predicted.record("w1", KEYS, now=0.0)
+    predicted.forget_worker("w1")  # a new incarnation: nothing of the old one holds
+    predicted.record("w1", [55, 66], now=1.0)
+    assert predicted.match(KEYS, now=1.5) == {}
+    assert predicted.match([55, 66, 77], now=1.5) == {"w1": 2}
+    predicted.removed("w1", [55])  # its first block gone: no prefix is left there
+    assert predicted.match([55, 66], now=1.5) == {}

@@ -318,8 +318,11 @@ def believed_blocks(
     index's match, extended on the device tier by a longer prediction, cut to the
     `limit` the engine can serve, the slowest tiers giving way first."""
     tiers = index_tiers.copy()
-    tiers[:, 0] += np.maximum(predicted - tiers.sum(axis=1), 0)
-    excess = np.maximum(tiers.sum(axis=1) - limit, 0)
+    held = tiers.sum(axis=1)
+    tiers[:, 0] += np.maximum(predicted - held, 0)
+    excess = np.maximum(np.maximum(held, predicted) - limit, 0)
+    if not excess.any():  # the usual case: nothing past what the engine can serve
+        return tiers
     for column in reversed(range(len(TIERS))):
         cut = np.minimum(excess, tiers[:, column])
         tiers[:, column] -= cut

@@ -25,6 +25,7 @@ from router.scoring.score import (
     RankedWorkers,
     RequestFacts,
     deciding_factor,
+    hit_values,
     rank_by_score,
     score_candidates,
 )
@@ -53,11 +54,13 @@ class KvplaneScoring:
 
     def __init__(self, weights: ScoringSettings) -> None:
         self.weights = weights
+        self._hit_values = hit_values(weights)
 
     def rank(
         self, request: RequestFacts, workers: CandidateFacts, rng: np.random.Generator
     ) -> Ranking:
-        ranked = rank_by_score(score_candidates(request, workers, self.weights), rng)
+        scores = score_candidates(request, workers, self.weights, self._hit_values)
+        ranked = rank_by_score(scores, rng)
         return Ranking(ranked, deciding_factor(ranked))
 
 

@@ -180,11 +180,20 @@ def spill_excess(
     return excess
 
 
+def hit_values(weights: ScoringSettings) -> Column:
+    """hit_value of every tier, in TIERS' order: constant for a policy's weights."""
+    return np.array([hit_value(tier, weights) for tier in TIERS])
+
+
 def score_candidates(
-    request: RequestFacts, facts: CandidateFacts, weights: ScoringSettings
+    request: RequestFacts,
+    facts: CandidateFacts,
+    weights: ScoringSettings,
+    values: Column | None = None,
 ) -> Scores:
+    """Every candidate's score; `values`: hit_values(weights), if the caller keeps them."""
     prompt = float(request.prompt_tokens)
-    values = np.array([hit_value(tier, weights) for tier in TIERS])
+    values = hit_values(weights) if values is None else values
     cached = np.minimum(facts.matched_tokens.sum(axis=1), prompt)
     allowed = eligible(request, facts)
     saved = np.where(facts.suspect, 0.0, np.minimum(facts.matched_tokens @ values, prompt))

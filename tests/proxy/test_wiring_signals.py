@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import httpx
 import pytest
 
 from router.routing.accuracy import UNVOUCHED_AFTER_HITS
 from router.routing.token_agreement import MIN_SAMPLES
 from tests.proxy.conftest import ADMIN_TOKEN, routed_fleet
 from tests.test_tokenizer import write_word_tokenizer
+from tests.waiting import wait_until
 
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -65,3 +67,34 @@ async def test_hits_only_the_routers_own_predictions_foresaw_flag_the_worker() -
 def _value(metrics: str, name: str) -> float:
     line = next(line for line in metrics.splitlines() if line.startswith(name + "{"))
     return float(line.split()[-1])
+
+
+async def test_the_engines_cap_returns_when_the_miscounting_engine_leaves(tmp_path: Path) -> None:
+    write_word_tokenizer(tmp_path, chat_template=None)
+    long_query = {"model": "kvplane-tiny", "token_ids": list(range(5, 605))}  # 600 tokens
+
+    async def capped(http: httpx.AsyncClient) -> bool:
+        answer = await http.post("/fleet/locality", json=long_query, headers=ADMIN)
+        assert answer.status_code in (200, 400), answer.text
+        return answer.status_code == 400 and "context length is 512" in answer.text
+
+    async with (
+        routed_fleet(
+            2,
+            sim_options={"max_model_len": 512},
+            worker_sim_options={"worker-2": {"tokenizer": tmp_path}},
+        ) as fleet,
+        fleet.http() as http,
+    ):
+        assert await capped(http)
+        await http.post("/fleet/workers/worker-1/drain", headers=ADMIN)
+        async with fleet.openai() as client:
+            for turn in range(MIN_SAMPLES):
+                await client.completions.create(
+                    model="kvplane-tiny", prompt=f"hello world {turn} " * 12, max_tokens=1
+                )
+        await http.post("/fleet/workers/worker-1/undrain", headers=ADMIN)
+        # worker-2 counts otherwise: the router's counts are held against no engine's.
+        assert not await capped(http)
+        await fleet.worker("worker-2").stop_agent()
+        await wait_until("the engines' cap is back", lambda: capped(http), timeout_s=15)

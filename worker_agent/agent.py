@@ -1,8 +1,9 @@
 """`kvplane agent`: wires the engine adapter, event source, translator and publisher.
 
 Three tasks share one event loop: events (source -> translator -> publisher), the
-engine watch (health probe and load scrape every `load_interval_s`) and the control
-plane stream. Anything that breaks the agent's picture of the engine (lost state, an
+engine watch (health probe and load scrape every `load_interval_s`, every
+`idle_probe_interval_s` while the engine is idle; a load report each load interval)
+and the control plane stream. Anything that breaks the agent's picture of the engine (lost state, an
 engine restart or outage, an overgrown map) clears the translator and starts a new
 incarnation, so the control plane never keeps what the engine no longer holds.
 """
@@ -52,6 +53,7 @@ class WorkerAgent:
         self.publisher: ControlPlanePublisher | None = None
         self.wiring: WiringWatch | None = None
         self.engine_is_down = False
+        self.probes = 0  # of the engine so far: an idle one's are spaced out
 
     async def run(self) -> None:
         agent = self.settings.agent
@@ -170,16 +172,19 @@ class WorkerAgent:
         translator: BlockTranslator,
         publisher: ControlPlanePublisher,
     ) -> None:
-        """Probe the engine every load interval: down and up, a restart in place (its
-        process start time changed), and its load for the heartbeats."""
+        """Probe the engine every load interval (less often while it is idle): down and
+        up, a restart in place (its process start time changed), and its load for the
+        heartbeats, which go every load interval."""
         agent = self.settings.agent
         failures = 0
         started_at: float | None = None
         unread_metrics: str | None = None  # why the last probe could not read them
         load = EngineLoad(0, 0, 0.0)
+        batch_seen_at: float | None = None  # the source's last batch, at the last probe
         reported = dataclasses.replace(translator.counters)
         skipped = source.skipped_events.copy()
         next_report = time.monotonic() + _COUNTERS_LOG_INTERVAL_S
+        probe_due = 0.0  # while the engine is idle: when it is probed next
         while True:
             if time.monotonic() >= next_report:
                 next_report += _COUNTERS_LOG_INTERVAL_S
@@ -194,7 +199,13 @@ class WorkerAgent:
                             f"{e.event_type} ({e.reason.value}): {n}" for e, n in skipped.items()
                         ),
                     )
+            if time.monotonic() < probe_due and source.last_batch_at == batch_seen_at:
+                # Idle, and no event since: the last load stands, sent as the heartbeat.
+                publisher.report_load(load)
+                await asyncio.sleep(agent.load_interval_s)
+                continue
             healthy, metrics, metrics_error = await _probe(http)
+            self.probes += 1
             failures = 0 if healthy else failures + 1
             # Logged as it changes (an engine that is down says nothing of its metrics).
             if healthy and (metrics_error is None) != (unread_metrics is None):
@@ -240,6 +251,13 @@ class WorkerAgent:
                 publisher.report_engine_down()
             elif healthy:
                 publisher.report_load(load)  # a heartbeat whether or not the metrics parsed
+            idle = (
+                healthy
+                and metrics is not None
+                and is_idle(load, source.last_batch_at, batch_seen_at)
+            )
+            batch_seen_at = source.last_batch_at
+            probe_due = time.monotonic() + agent.idle_probe_interval_s if idle else 0.0
             await asyncio.sleep(agent.load_interval_s)
 
     def _judge_wiring(self, source: KvEventSource, metrics: str) -> WiringReport:
@@ -349,6 +367,14 @@ async def _probe(http: _EngineHttp) -> _Probe:
             return _Probe(True, await metrics.text(errors="replace"))
     except (aiohttp.ClientError, TimeoutError) as error:
         return _Probe(True, None, type(error).__name__)
+
+
+def is_idle(load: EngineLoad, last_batch_at: float | None, seen_at: float | None) -> bool:
+    """Whether the engine is idle: nothing running or waiting in its last `load`, and no
+    KV event batch since the one seen at the probe before (`seen_at`). An idle engine is
+    probed less often (nothing there changes until a request comes, whose events end
+    the wait), and its last load goes out as the heartbeat meanwhile."""
+    return load.running == 0 and load.waiting == 0 and last_batch_at == seen_at
 
 
 def _start_over(reason: str, translator: BlockTranslator, publisher: ControlPlanePublisher) -> None:

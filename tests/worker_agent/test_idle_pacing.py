@@ -1,0 +1,87 @@
+"""An agent whose engine is idle probes it less often (it costs next to nothing at
+rest); its heartbeats still go every load interval, and an event ends the wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvplane.core.config import ControlPlaneSettings
+from router.app import RunningRouter, running_router
+from simulations.local_fleet import local_worker
+from tests.proxy.conftest import ADMIN_TOKEN, router_settings
+from tests.waiting import wait_until
+from worker_agent.agent import is_idle
+from worker_agent.events import EngineLoad
+
+IDLE = EngineLoad(running=0, waiting=0, kv_usage=0.1)
+
+
+def test_an_engine_is_idle_with_nothing_to_do_and_no_new_events() -> None:
+    assert is_idle(IDLE, last_batch_at=5.0, seen_at=5.0)
+    assert is_idle(IDLE, last_batch_at=None, seen_at=None)
+    assert not is_idle(IDLE, last_batch_at=6.0, seen_at=5.0)  # events since the last probe
+    assert not is_idle(EngineLoad(1, 0, 0.1), last_batch_at=5.0, seen_at=5.0)
+    assert not is_idle(EngineLoad(0, 2, 0.1), last_batch_at=5.0, seen_at=5.0)
+
+
+async def test_an_idle_engine_is_probed_less_often_and_its_heartbeats_go_on() -> None:
+    settings = router_settings(lease_s=5.0)
+    async with (
+        running_router(settings) as router,
+        local_worker(
+            "worker-1",
+            control_plane=ControlPlaneSettings(block_size=16),
+            control_plane_address=f"127.0.0.1:{router.grpc_port}",
+            sim_options={"time_scale": 0.0},
+            load_interval_s=0.1,
+            idle_probe_interval_s=1.0,
+        ) as worker,
+        httpx.AsyncClient(timeout=5) as client,
+    ):
+        await wait_until("the worker is routable", lambda: len(router.fleet.candidates()) == 1)
+
+        async def over(seconds: float) -> tuple[int, float]:
+            """The probes and the load reports received meanwhile."""
+            probes, reports = worker.agent.probes, await _reports(router)
+            await asyncio.sleep(seconds)
+            return worker.agent.probes - probes, await _reports(router) - reports
+
+        idle_probes, idle_reports = await over(2.0)
+        assert 1 <= idle_probes <= 2.0 / 1.0 + 1  # at the load interval: about 20
+        assert idle_reports > 2 * idle_probes  # the heartbeats did not wait
+
+        async def busy() -> None:  # new prompts: each one's blocks are new events
+            deadline = time.monotonic() + 2.0
+            turn = 0
+            while time.monotonic() < deadline:
+                prompt = f"request {turn} of a busy engine, block after block " * 4
+                await client.post(
+                    worker.base_url + "/v1/completions",
+                    json={"model": "kvplane-tiny", "prompt": prompt, "max_tokens": 1},
+                )
+                turn += 1
+                await asyncio.sleep(0.05)
+
+        traffic = asyncio.create_task(busy())
+        busy_probes, _ = await over(2.0)
+        await traffic
+        assert busy_probes > 2 * idle_probes  # events end the wait: the load interval
+        assert len(router.fleet.candidates()) == 1
+
+
+async def _reports(router: RunningRouter) -> float:
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (
+            await client.get(
+                f"http://127.0.0.1:{router.http_port}/metrics",
+                headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+            )
+        ).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvplane_load_lag_seconds":
+            return sum(s.value for s in family.samples if s.name.endswith("_count"))
+    return 0.0

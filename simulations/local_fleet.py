@@ -53,11 +53,11 @@ async def local_worker(
     sim_options: Mapping[str, Any] | None = None,
     labels: Mapping[str, str] | None = None,
     load_interval_s: float = 0.1,
-    idle_probe_interval_s: float | None = None,
+    idle_metrics_interval_s: float | None = None,
 ) -> AsyncIterator[LocalWorker]:
-    """One simulator and its agent; both stop when the block exits. The agent probes an
-    idle engine as often as a busy one unless `idle_probe_interval_s` is given: tests
-    watch engines go down and come back at the load interval."""
+    """One simulator and its agent; both stop when the block exits. The agent reads an
+    idle engine's metrics as often as a busy one's unless `idle_metrics_interval_s` is
+    given: tests watch restarts and loads at the load interval."""
     options: dict[str, Any] = {"port": 0, "kv_events_config": _EVENTS}
     options.update(sim_options or {})
     async with running_engine_sim(EngineSimConfig(**options)) as sim:
@@ -71,7 +71,7 @@ async def local_worker(
                 kv_events_replay_endpoint=sim.replay_endpoint,
                 control_plane_address=control_plane_address,
                 load_interval_s=load_interval_s,
-                idle_probe_interval_s=idle_probe_interval_s or load_interval_s,
+                idle_metrics_interval_s=idle_metrics_interval_s or load_interval_s,
                 reconnect_max_s=0.5,
                 labels=dict(labels or {}),
             ),

@@ -2,7 +2,8 @@
 
 Three tasks share one event loop: events (source -> translator -> publisher), the
 engine watch (health probe and load scrape every `load_interval_s`, every
-`idle_probe_interval_s` while the engine is idle; a load report each load interval)
+its metrics only every `idle_metrics_interval_s` while it is idle; a load report each
+load interval)
 and the control plane stream. Anything that breaks the agent's picture of the engine (lost state, an
 engine restart or outage, an overgrown map) clears the translator and starts a new
 incarnation, so the control plane never keeps what the engine no longer holds.
@@ -53,7 +54,7 @@ class WorkerAgent:
         self.publisher: ControlPlanePublisher | None = None
         self.wiring: WiringWatch | None = None
         self.engine_is_down = False
-        self.probes = 0  # of the engine so far: an idle one's are spaced out
+        self.metrics_reads = 0  # of the engine's /metrics so far: an idle one's are fewer
 
     async def run(self) -> None:
         agent = self.settings.agent
@@ -172,19 +173,19 @@ class WorkerAgent:
         translator: BlockTranslator,
         publisher: ControlPlanePublisher,
     ) -> None:
-        """Probe the engine every load interval (less often while it is idle): down and
-        up, a restart in place (its process start time changed), and its load for the
-        heartbeats, which go every load interval."""
+        """Probe the engine every load interval: down and up, a restart in place (its
+        process start time changed), and its load for the heartbeats (read less often
+        while the engine is idle)."""
         agent = self.settings.agent
         failures = 0
         started_at: float | None = None
         unread_metrics: str | None = None  # why the last probe could not read them
         load = EngineLoad(0, 0, 0.0)
-        batch_seen_at: float | None = None  # the source's last batch, at the last probe
+        batch_seen_at: float | None = None  # the source's last batch, at the last read
         reported = dataclasses.replace(translator.counters)
         skipped = source.skipped_events.copy()
         next_report = time.monotonic() + _COUNTERS_LOG_INTERVAL_S
-        probe_due = 0.0  # while the engine is idle: when it is probed next
+        metrics_due = 0.0  # while the engine is idle: when its metrics are read next
         while True:
             if time.monotonic() >= next_report:
                 next_report += _COUNTERS_LOG_INTERVAL_S
@@ -199,16 +200,13 @@ class WorkerAgent:
                             f"{e.event_type} ({e.reason.value}): {n}" for e, n in skipped.items()
                         ),
                     )
-            if time.monotonic() < probe_due and source.last_batch_at == batch_seen_at:
-                # Idle, and no event since: the last load stands, sent as the heartbeat.
-                publisher.report_load(load)
-                await asyncio.sleep(agent.load_interval_s)
-                continue
-            healthy, metrics, metrics_error = await _probe(http)
-            self.probes += 1
+            # Idle, and no event since: /health alone; the last load stands.
+            read_metrics = time.monotonic() >= metrics_due or source.last_batch_at != batch_seen_at
+            healthy, metrics, metrics_error = await _probe(http, read_metrics=read_metrics)
+            self.metrics_reads += read_metrics
             failures = 0 if healthy else failures + 1
             # Logged as it changes (an engine that is down says nothing of its metrics).
-            if healthy and (metrics_error is None) != (unread_metrics is None):
+            if read_metrics and healthy and (metrics_error is None) != (unread_metrics is None):
                 if metrics_error is not None:
                     log.warning(
                         "the engine's metrics could not be read (%s): load reports repeat "
@@ -251,13 +249,14 @@ class WorkerAgent:
                 publisher.report_engine_down()
             elif healthy:
                 publisher.report_load(load)  # a heartbeat whether or not the metrics parsed
-            idle = (
-                healthy
-                and metrics is not None
-                and is_idle(load, source.last_batch_at, batch_seen_at)
-            )
-            batch_seen_at = source.last_batch_at
-            probe_due = time.monotonic() + agent.idle_probe_interval_s if idle else 0.0
+            if read_metrics:
+                idle = (
+                    healthy
+                    and metrics is not None
+                    and is_idle(load, source.last_batch_at, batch_seen_at)
+                )
+                batch_seen_at = source.last_batch_at
+                metrics_due = time.monotonic() + agent.idle_metrics_interval_s if idle else 0.0
             await asyncio.sleep(agent.load_interval_s)
 
     def _judge_wiring(self, source: KvEventSource, metrics: str) -> WiringReport:
@@ -351,15 +350,18 @@ class _Probe(NamedTuple):
     metrics_error: str | None = None  # why a healthy engine's metrics were not read
 
 
-async def _probe(http: _EngineHttp) -> _Probe:
+async def _probe(http: _EngineHttp, *, read_metrics: bool) -> _Probe:
     """/health alone says whether the engine is up: metrics that fail, time out or do
-    not parse cost the load report, not the engine."""
+    not parse cost the load report, not the engine. Without `read_metrics`, /health
+    only (metrics None, with no error)."""
     try:
         async with http.get("/health") as health:
             if health.status != 200:
                 return _Probe(False, None)
     except (aiohttp.ClientError, TimeoutError):
         return _Probe(False, None)
+    if not read_metrics:
+        return _Probe(True, None)
     try:
         async with http.get("/metrics") as metrics:
             if metrics.status != 200:
@@ -371,9 +373,10 @@ async def _probe(http: _EngineHttp) -> _Probe:
 
 def is_idle(load: EngineLoad, last_batch_at: float | None, seen_at: float | None) -> bool:
     """Whether the engine is idle: nothing running or waiting in its last `load`, and no
-    KV event batch since the one seen at the probe before (`seen_at`). An idle engine is
-    probed less often (nothing there changes until a request comes, whose events end
-    the wait), and its last load goes out as the heartbeat meanwhile."""
+    KV event batch since the one seen at the read before (`seen_at`). An idle engine's
+    metrics are read less often (nothing there changes until a request comes, whose
+    events end the wait); its /health is still probed every load interval, so that it
+    is found down as soon as ever."""
     return load.running == 0 and load.waiting == 0 and last_batch_at == seen_at
 
 

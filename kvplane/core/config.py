@@ -309,13 +309,13 @@ class AgentSettings(_Section):
     load_interval_s: float = Field(
         default=1.0, gt=0, description="seconds between health probes and load reports"
     )
-    # An idle engine's probe costs its agent about 1 ms of CPU (docs/benchmarks.md).
-    idle_probe_interval_s: float = Field(
+    # Reading an engine's metrics is most of what an idle agent costs (docs/benchmarks.md).
+    idle_metrics_interval_s: float = Field(
         default=3.0,
         gt=0,
-        description="seconds between health probes while the engine is idle (nothing "
-        "running or waiting, no KV event since the last probe; an event ends the wait); "
-        "the load reports, the lease's heartbeats, still go every load interval",
+        description="seconds between reads of the engine's metrics while it is idle "
+        "(nothing running or waiting, no KV event since the last read; an event ends the "
+        "wait); /health is still probed, and the last load reported, every load interval",
     )
     engine_down_after_failures: int = Field(
         default=2, ge=1, description="failed health probes before the engine counts as down"

@@ -1,11 +1,10 @@
 """`kvplane agent`: wires the engine adapter, event source, translator and publisher.
 
 Three tasks share one event loop: events (source -> translator -> publisher), the
-engine watch (health probe and load scrape every `load_interval_s`, every
-its metrics only every `idle_metrics_interval_s` while it is idle; a load report each
-load interval)
-and the control plane stream. Anything that breaks the agent's picture of the engine (lost state, an
-engine restart or outage, an overgrown map) clears the translator and starts a new
+engine watch (health probe and load report every `load_interval_s`; the load scrape
+every `idle_metrics_interval_s` instead while the engine is idle) and the control plane
+stream. Anything that breaks the agent's picture of the engine (lost state, an engine
+restart or outage, an overgrown map) clears the translator and starts a new
 incarnation, so the control plane never keeps what the engine no longer holds.
 """
 
@@ -200,7 +199,8 @@ class WorkerAgent:
                             f"{e.event_type} ({e.reason.value}): {n}" for e, n in skipped.items()
                         ),
                     )
-            # Idle, and no event since: /health alone; the last load stands.
+            # While the engine stays idle (no event since), /health alone: the last load
+            # stands and goes out again as the heartbeat.
             read_metrics = time.monotonic() >= metrics_due or source.last_batch_at != batch_seen_at
             healthy, metrics, metrics_error = await _probe(http, read_metrics=read_metrics)
             self.metrics_reads += read_metrics

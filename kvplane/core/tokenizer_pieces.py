@@ -93,19 +93,12 @@ class PieceTokenizer:
         return pieces
 
     def encode(self, pieces: Sequence[Piece]) -> list[list[int]]:
-        """Each text piece's token ids, as the tokenizer produces them within the text;
-        one piece at a time, for the few short new pieces a prompt usually has (the
-        batch call below costs more CPU than it saves for them)."""
-        return [
-            self._ids(piece, self._backend.encode(self._input(piece), add_special_tokens=False))
-            for piece in pieces
-        ]
+        """Each text piece's token ids, as the tokenizer produces them within the text.
 
-    def encode_batch(self, pieces: Sequence[Piece]) -> list[list[int]]:
-        """The same, in one call that lets other threads run meanwhile (the library
-        releases the interpreter lock for a batch, not for a single text): for long new
-        text tokenised in a worker thread."""
-        encodings = self._backend.encode_batch(
+        The library's batch call that skips the character offsets: a quarter less work
+        than `encode` on any length (offsets are of no use here), and it lets other
+        threads run meanwhile, for long new text tokenised in a worker thread."""
+        encodings = self._backend.encode_batch_fast(
             [self._input(piece) for piece in pieces], add_special_tokens=False
         )
         return [

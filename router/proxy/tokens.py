@@ -301,9 +301,7 @@ class PromptTokens:
             found.append(None)
         missing = [parts[at] for at, piece_ids in enumerate(found) if piece_ids is None]
         new_chars = sum(len(piece.text) for piece in missing)
-        # In a thread, the batch call: it lets the loop run while the library works.
-        encode = pieces.encode_batch if new_chars > OFF_LOOP_CHARS else pieces.encode
-        encoded = iter(await _off_loop_if(new_chars, encode, missing))
+        encoded = iter(await _off_loop_if(new_chars, pieces.encode, missing))
         for at, piece_ids in enumerate(found):
             if piece_ids is None:
                 new = next(encoded)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import filecmp
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -137,3 +140,32 @@ def test_counting_stops_once_past_the_limit() -> None:
     assert past is not None
     assert past > 8192
     assert sum(seen) < 4 * MIN_COUNT_CHUNK_CHARS  # a few chunks read, not 10 MB
+
+
+_THREADS_AFTER_TOKENISING = """
+import os
+from kvplane.core.tokenizer import load_tokenizer
+tokenizer = load_tokenizer()
+before = len(os.listdir("/proc/self/task"))
+pieces = tokenizer.pieces.split("<|user|>\\nHello there<|assistant|>\\nGeneral Kenobi")
+tokenizer.pieces.encode([piece for piece in pieces if piece.token_id is None])
+tokenizer.completion_tokens("the whole of a completions prompt")
+print(before, len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_tokenising_starts_no_thread_pool() -> None:
+    # The library's pool would cost a router two spinning threads under load.
+    environment = {
+        name: value for name, value in os.environ.items() if name != "TOKENIZERS_PARALLELISM"
+    }
+    counts = subprocess.run(
+        [sys.executable, "-c", _THREADS_AFTER_TOKENISING],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    before, after = (int(count) for count in counts)
+    assert after == before

@@ -76,6 +76,7 @@ class PromptTokenizer:
 
     def __init__(self, path: Path) -> None:
         _quiet_transformers()
+        _tokenise_in_the_calling_thread()
         from transformers import AutoTokenizer
 
         if not path.is_dir():
@@ -240,3 +241,13 @@ def _normalise_json_files(directory: Path) -> None:
 def _quiet_transformers() -> None:
     # transformers warns at import that PyTorch is absent; kvplane never needs a model.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _tokenise_in_the_calling_thread() -> None:
+    # The tokenizers library hands every batch call, one text included, to its own
+    # thread pool and waits; the pool's threads then spin before they sleep. In a router
+    # under load that was two busy threads with about 750 context switches and 5 ms of
+    # CPU a second, for no parallelism: a prompt's new text is one piece or a few short
+    # ones, and a long one is already tokenised in a worker thread off the event loop.
+    # The library reads this variable at each call; an operator's own value stands.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -201,9 +201,11 @@ class ProxySettings(_Section):
     credit_withdrawal_s: float = Field(default=900.0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     # A prompt's tokens are capped at its model's max_model_len, as the engines register
-    # it; this caps them lower (or at all, where the engines do not say). Over the cap a
-    # request is refused before a long prompt is tokenised whole.
-    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    # it, and at this, the lower. Over the cap a request is refused before a long prompt
+    # is tokenised whole. The default bounds what an agent's registered length can lift
+    # the cap to (what a prompt may cost the router: ~1.3 s of CPU at 2^20 tokens, where
+    # a 32 MiB body tokenised whole costs tens of seconds); raise it for longer contexts.
+    max_prompt_tokens: int = Field(default=1 << 20, ge=1)
     max_connections: int = Field(default=1024, ge=1)  # upstream connections, all workers
     # Each of the two token caches (whole prompts, prompt pieces) holds this many (4 B each).
     token_cache_tokens: int = Field(default=2_000_000, ge=0)

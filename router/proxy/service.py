@@ -349,7 +349,7 @@ class ProxyService:
             return await self._forward(request, parsed, tenant, decision, body)
 
     async def _tokenize(
-        self, parsed: ParsedRequest, scope: str, limit: int | None
+        self, parsed: ParsedRequest, scope: str, limit: int
     ) -> Sequence[int] | None:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.tokenize") as span:
@@ -360,13 +360,14 @@ class ProxyService:
 
     def prompt_length(self, model: str) -> PromptLength:
         """How long `model`'s prompts may be. The limit: the longest any of its engines
-        takes and the configured cap, the lower; None when neither is known. The engines'
-        lengths are left out while one of them counts prompts otherwise than this router
-        (another tokenizer): the router's count would refuse prompts the engines take."""
+        takes and the configured cap, the lower; the cap alone while the engines' length
+        is unknown. The engines' lengths are left out while one of them counts prompts
+        otherwise than this router (another tokenizer): the router's count would refuse
+        prompts the engines take."""
         miscounted = self._counts_otherwise(model)
         engines = None if miscounted else self.fleet.roster.longest_model_len(model)
-        known = [limit for limit in (engines, self.settings.max_prompt_tokens) if limit is not None]
-        return PromptLength(limit=min(known, default=None), per_worker=not miscounted)
+        cap = self.settings.max_prompt_tokens
+        return PromptLength(cap if engines is None else min(engines, cap), not miscounted)
 
     def _counts_otherwise(self, model: str) -> bool:
         """Whether an engine of `model` counts prompts otherwise than this router now.

@@ -134,11 +134,11 @@ class TokenCache:
 
 
 class PromptLength(NamedTuple):
-    """How long a model's prompts may be: over `limit` tokens (None: no cap known) a
-    prompt is refused; within it, it goes only to workers whose max_model_len takes it,
-    if `per_worker` (the router counts prompts as the model's engines do)."""
+    """How long a model's prompts may be: over `limit` tokens a prompt is refused;
+    within it, it goes only to workers whose max_model_len takes it, if `per_worker`
+    (the router counts prompts as the model's engines do)."""
 
-    limit: int | None
+    limit: int
     per_worker: bool
 
 

@@ -171,3 +171,19 @@ async def test_a_tenant_at_its_requests_in_progress_waits_for_its_stream_to_end(
             await asyncio.sleep(0.05)
         assert answer.status_code == 200
     assert TENANT_KEYS  # the fleet's own tenants are untouched by the extension
+
+
+async def test_no_agent_lifts_the_configured_cap() -> None:
+    # An agent registers a huge max_model_len (a lying one, or a misconfigured engine):
+    # the model's cap is then the router's own setting, not the agent's word.
+    huge = {"worker-2": {"max_model_len": 1 << 30}}
+    settings = router_settings(proxy={"max_prompt_tokens": 600})
+    async with routed_fleet(2, settings, sim_options=SIM_OPTIONS, worker_sim_options=huge) as fleet:
+        assert fleet.router.fleet.roster.longest_model_len(MODEL) == 1 << 30
+        prompt = "a prompt past the router's own cap, block after block " * 80
+        assert len(load_tokenizer().completion_tokens(prompt)) > 600
+        async with fleet.http() as http:
+            answer = await http.post("/v1/completions", json=complete(prompt), headers=auth("acme"))
+            assert answer.status_code == 400, answer.text
+            assert "maximum context length is 600 tokens" in answer.json()["error"]["message"]
+            assert "x-kvplane-worker" not in answer.headers

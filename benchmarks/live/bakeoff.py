@@ -62,6 +62,9 @@ class CellResult:
     ttft_p50_ms: float = float("nan")
     ttft_p90_ms: float = float("nan")
     ttft_p99_ms: float = float("nan")
+    # Per turn ("0": conversations' first requests, which no cache holds; then later
+    # turns, or depths in a tree): where a router's p90 comes from.
+    ttft_p90_ms_by_turn: dict[str, float] = field(default_factory=dict)
     requests_per_s: float = 0.0
     output_tokens_per_s: float = 0.0
     engine_requests: dict[str, float] = field(default_factory=dict)
@@ -188,6 +191,13 @@ def _figures(
     result.ttft_p50_ms = percentile(ttfts, 0.5) * 1000
     result.ttft_p90_ms = percentile(ttfts, 0.9) * 1000
     result.ttft_p99_ms = percentile(ttfts, 0.99) * 1000
+    by_turn: dict[int, list[float]] = {}
+    for outcome in outcomes:
+        if outcome.ttft_s is not None:
+            by_turn.setdefault(outcome.turn, []).append(outcome.ttft_s)
+    result.ttft_p90_ms_by_turn = {
+        str(turn): percentile(by_turn[turn], 0.9) * 1000 for turn in sorted(by_turn)
+    }
     done = [outcome for outcome in outcomes if outcome.ok]
     prompt = sum(outcome.prompt_tokens for outcome in done)
     result.client_cached_share = sum(o.cached_tokens for o in done) / prompt if prompt else 0.0

@@ -35,6 +35,7 @@ class Outcome:
     output_tokens: int = 0
     direct: bool = False  # sent to an engine, around the router
     error: str | None = None
+    turn: int = 0  # 0: a conversation's first request; then its turn, or its depth in a tree
 
 
 class Traffic:
@@ -107,10 +108,10 @@ async def run_workload(
         messages: list[Message] = []
         if item.system is not None:
             messages.append({"role": "system", "content": item.system})
-        await step(item, item.root, messages, direct)
+        await step(item, item.root, messages, direct, 0)
 
     async def step(
-        item: Conversation, current: Step, history: list[Message], direct: str | None
+        item: Conversation, current: Step, history: list[Message], direct: str | None, turn: int
     ) -> None:
         question: Message = {"role": "user", "content": current.text}
         messages = [*history, question]
@@ -118,6 +119,7 @@ async def run_workload(
         client = clients.get(url, api_key(item.tenant))
         outcome, text = await _send(client, model, messages, current.max_tokens, item.tenant)
         outcome.direct = direct is not None
+        outcome.turn = turn
         outcomes.append(outcome)
         if not outcome.ok:
             return  # the conversation cannot go on without the response
@@ -125,7 +127,7 @@ async def run_workload(
         follow = [*messages, answer]
         await asyncio.gather(
             *(
-                _after(child.after_s, step(item, child, follow, direct))
+                _after(child.after_s, step(item, child, follow, direct, turn + 1))
                 for child in current.children
             )
         )

@@ -57,6 +57,7 @@ def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
         assert cell["requests"] > 0, cell
         assert cell["failed"] == 0, cell
         assert cell["ttft_p90_ms"] > 0, cell
+        assert cell["ttft_p90_ms_by_turn"]["0"] > 0, cell
         assert cell["router_cpu_s"] > 0, cell
         assert sum(cell["engine_requests"].values()) == cell["requests"], cell
     kvplane = next(cell for cell in cells if cell["router"] == "kvplane kvplane")

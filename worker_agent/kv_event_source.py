@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -49,6 +49,37 @@ _CONNECTION_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
+
+
+class _Arrivals:
+    """Waits for a ZMQ socket to hold a message, on the event loop's own watch of the
+    socket's descriptor. zmq.asyncio's poll() builds a poller, futures and flag enums
+    for every wait: an engine publishes a batch a step, each waited for alone, and that
+    doubled what receiving one cost an agent (about 320-360 µs of CPU against 135-200
+    this way, at 40 batches a second)."""
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._socket = socket
+        self._signalled = asyncio.Event()
+        self._descriptor = socket.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._descriptor, self._signalled.set)
+
+    async def wait(self) -> None:
+        # The descriptor signals that the socket's state changed, not that a message
+        # waits, and only once: ask the socket itself before each wait.
+        while True:
+            self._signalled.clear()
+            if _holds_message(self._socket):
+                return
+            await self._signalled.wait()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._descriptor)
+
+
+def _holds_message(socket: zmq.Socket[bytes]) -> bool:
+    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,48 +159,55 @@ class KvEventSource:
         watch = asyncio.create_task(self._watch_connection(monitor))
         subscriber.connect(self.endpoint)
         self.subscribed_at = self.unconnected_since = self._clock()
+        arrivals: _Arrivals | None = None
         try:
             if self.replay_endpoint is not None:
                 # Learn what the engine already holds: its buffer may reach back to 0.
                 async for item in self._replay_from(0, startup=True):
                     yield item
-            # Awaiting each message costs zmq.asyncio about 0.1 ms; once the socket is
-            # readable, the queued messages are taken without waiting, from the same
-            # socket seen synchronously.
+            # Once the socket holds a message, the queued ones are taken without
+            # waiting, from the same socket seen synchronously.
             draining: zmq.Socket[bytes] = zmq.Socket.shadow(subscriber.underlying)
+            arrivals = _Arrivals(draining)
             while True:
-                if not await self._readable(subscriber):
+                if not await self._readable(arrivals):
                     if self._catch_up_tries:
                         self._catch_up_tries -= 1
                         async for item in self._replay_from(self._next_expected(), idle=True):
                             yield item
                     continue
                 for drained in itertools.count(1):
-                    try:
-                        frames = draining.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                    if not _holds_message(draining):
+                        break  # asked, not tried: a failed receive raises, a dear exception
+                    frames = draining.recv_multipart(zmq.NOBLOCK)
                     self._catch_up_tries = 0  # the subscription works: gaps show as usual
                     async for item in self._frames(frames):
                         yield item
                     if drained % _DRAIN_YIELD_EVERY == 0:
                         await asyncio.sleep(0)  # heartbeats and probes go on under a flood
         finally:
+            if arrivals is not None:
+                arrivals.close()
             watch.cancel()
             with contextlib.suppress(zmq.ZMQError):  # the context may be gone already
                 subscriber.disable_monitor()
             monitor.close(linger=0)
             subscriber.close(linger=0)
 
-    async def _readable(self, subscriber: zmq.asyncio.Socket) -> bool:
+    async def _readable(self, arrivals: _Arrivals) -> bool:
         """Whether a message waits; False after an idle poll while catching up. Outside
         catch-up the wait has no timeout, so that an idle engine costs the agent no
         wake-up at all: engine_went_down() ends that wait to start catching up."""
         if self._catch_up_tries:
-            return bool(await subscriber.poll(_IDLE_POLL_MS))
-        poll = self._endless_poll = asyncio.ensure_future(subscriber.poll())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_IDLE_POLL_MS / 1000):
+                    await arrivals.wait()
+                    return True
+            return False
+        poll = self._endless_poll = asyncio.ensure_future(arrivals.wait())
         try:
-            return bool(await poll)
+            await poll
+            return True
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not self._poll_ended or (task is not None and task.cancelling()):

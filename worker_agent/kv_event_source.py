@@ -78,8 +78,11 @@ class _Arrivals:
         self._loop.remove_reader(self._descriptor)
 
 
+_POLLIN = int(zmq.POLLIN)  # a plain int: zmq.POLLIN is a flag enum, its `&` is Python code
+
+
 def _holds_message(socket: zmq.Socket[bytes]) -> bool:
-    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & _POLLIN)
 
 
 @dataclass(frozen=True, slots=True)

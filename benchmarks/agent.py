@@ -10,6 +10,11 @@ translator and the publisher over real gRPC. The clock runs from the first batch
 received to the control plane's acknowledgement of the last.
 
 A second figure leaves the network out: decode and translate only.
+
+With `--rate`, the stand-in publishes that many batches a second instead, as an engine
+does (a batch a step, each arriving alone), and the figure that matters is the agent's
+CPU a batch (this process's CPU time, every thread): a flood hides the fixed cost of
+each wake-up, receive and gRPC round trip behind batches that arrive together.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import zmq
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
-from kvplane.core.serving import cancel_task, free_port
+from kvplane.core.serving import cancel_task, free_port, run_service
 from simulations.engine.block_pool import BlocksStored as EngineStored
 from simulations.engine.kv_events import EventEncoder, WireFormat
 from simulations.processes import spawn_kvplane
@@ -46,6 +51,8 @@ class AgentFigures:
     blocks_per_event: int
     stored_blocks_per_s: float
     translate_only_blocks_per_s: float
+    rate_per_s: float | None  # batches a second published; None: as fast as ZMQ takes them
+    cpu_us_per_batch: float  # the agent's CPU (this process, every thread) a batch
 
 
 def engine_batches(events: int, blocks_per_event: int, seed: int) -> list[bytes]:
@@ -72,28 +79,36 @@ def _translate_only(payloads: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
-def _engine_publisher(payloads: list[bytes], endpoint: str, ready: Any) -> None:
-    """The engine's side, in its own process: publish every batch as fast as ZMQ takes
-    them, once the agent has subscribed."""
+def _engine_publisher(
+    payloads: list[bytes], endpoint: str, ready: Any, rate_per_s: float | None
+) -> None:
+    """The engine's side, in its own process: publish every batch, as fast as ZMQ takes
+    them or `rate_per_s` a second, once the agent has subscribed."""
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, len(payloads) + 1)
     pub.bind(endpoint)
     ready.wait()
     time.sleep(0.5)  # the subscription reaching the PUB socket
+    start = time.perf_counter()
     for sequence, payload in enumerate(payloads):
+        if rate_per_s is not None:
+            time.sleep(max(0.0, start + sequence / rate_per_s - time.perf_counter()))
         pub.send_multipart([b"", sequence.to_bytes(8, "big"), payload])
     time.sleep(5)  # let the last messages drain before the socket closes
     context.destroy(linger=0)
 
 
-async def _forward(payloads: list[bytes], grpc_port: int) -> float:
+async def _forward(
+    payloads: list[bytes], grpc_port: int, rate_per_s: float | None
+) -> tuple[float, float]:
     """The agent's side: SUB, decode, translate, publish over gRPC, until the control
-    plane acknowledged the last batch. Timed from the first batch received."""
+    plane acknowledged the last batch. Seconds and CPU seconds from the first batch
+    received."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ready = multiprocessing.get_context("spawn").Event()
     engine = multiprocessing.get_context("spawn").Process(
-        target=_engine_publisher, args=(payloads, endpoint, ready), daemon=True
+        target=_engine_publisher, args=(payloads, endpoint, ready, rate_per_s), daemon=True
     )
     engine.start()
     translator = _translator()
@@ -110,17 +125,17 @@ async def _forward(payloads: list[bytes], grpc_port: int) -> float:
     try:
         await publisher.wait_connected()
         ready.set()
-        start = 0.0
+        start = cpu_start = 0.0
         async for item in source.items():
             if isinstance(item, StateLost):
                 raise RuntimeError(f"the benchmark lost batches: {item.reason}")
             if item.sequence == 0:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
             publisher.submit(translator.translate(item.events))
             if item.sequence == len(payloads) - 1:
                 break
         await publisher.wait_flushed()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         await cancel_task(task)
         source.close()
@@ -132,7 +147,12 @@ def _translator() -> BlockTranslator:
 
 
 def run_agent_benchmark(
-    *, json_path: Path | None, events: int, blocks_per_event: int, seed: int = 1
+    *,
+    json_path: Path | None,
+    events: int,
+    blocks_per_event: int,
+    rate_per_s: float | None = None,
+    seed: int = 1,
 ) -> int:
     tune_garbage_collector()  # as `kvplane agent` does for its process
     payloads = engine_batches(events, blocks_per_event, seed)
@@ -141,18 +161,21 @@ def run_agent_benchmark(
     grpc_port, http_port = free_port(), free_port()
     args = ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
     with spawn_kvplane([*args, "--log-level", "WARNING"], f"http://127.0.0.1:{http_port}/healthz"):
-        forward_s = asyncio.run(_forward(payloads, grpc_port))
+        forward_s, cpu_s = run_service(_forward(payloads, grpc_port, rate_per_s))
     figures = AgentFigures(
         stored_blocks=blocks,
         blocks_per_event=blocks_per_event,
         stored_blocks_per_s=round(blocks / forward_s),
         translate_only_blocks_per_s=round(blocks / translate_s),
+        rate_per_s=rate_per_s,
+        cpu_us_per_batch=round(cpu_s / events * 1e6, 1),
     )
+    arrival = "as fast as ZMQ takes them" if rate_per_s is None else f"{rate_per_s:g} a second"
     print(
-        f"agent: {blocks:,} stored blocks ({blocks_per_event} per event): "
+        f"agent: {blocks:,} stored blocks ({blocks_per_event} per event, {arrival}): "
         f"{figures.stored_blocks_per_s:,.0f} blocks/s decoded, translated, forwarded and "
-        f"acknowledged; {figures.translate_only_blocks_per_s:,.0f} blocks/s decode and "
-        "translate only"
+        f"acknowledged, {figures.cpu_us_per_batch:,.0f} µs of the agent's CPU a batch; "
+        f"{figures.translate_only_blocks_per_s:,.0f} blocks/s decode and translate only"
     )
     if json_path is not None:
         report = {

@@ -30,7 +30,10 @@ def _run_bench_agent(args: argparse.Namespace) -> int:
     from benchmarks.agent import run_agent_benchmark
 
     return run_agent_benchmark(
-        json_path=args.json, events=args.events, blocks_per_event=args.blocks_per_event
+        json_path=args.json,
+        events=args.events,
+        blocks_per_event=args.blocks_per_event,
+        rate_per_s=args.rate,
     )
 
 
@@ -99,6 +102,13 @@ def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
 def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Benchmarks that print their figures.")
     bench_kinds = parser.add_subparsers(dest="bench", required=True)
@@ -132,6 +142,11 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     agent_bench.add_argument("--json", type=Path, help="also write the figures here")
     agent_bench.add_argument("--events", type=int, default=4000, help="event batches to send")
     agent_bench.add_argument("--blocks-per-event", type=int, default=64, help="blocks per batch")
+    agent_bench.add_argument(
+        "--rate",
+        type=_positive,
+        help="batches a second, as an engine publishes them (default: as fast as ZMQ takes them)",
+    )
     agent_bench.set_defaults(handler=_run_bench_agent)
     router_bench = bench_kinds.add_parser("router", help="routing decisions and proxy overhead")
     router_bench.add_argument("--json", type=Path, help="also write the figures here")

@@ -154,11 +154,15 @@ class KvEventSource:
 
     async def items(self) -> AsyncGenerator[SourceItem]:
         """Batches in sequence order, with StateLost where continuity broke."""
-        subscriber = self._context.socket(zmq.SUB)
+        # A plain socket, read without waiting once it holds a message; its arrivals are
+        # watched on the event loop (_Arrivals), never through zmq.asyncio, which would
+        # watch the same descriptor with a handler of its own.
+        subscriber: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)
         subscriber.setsockopt(zmq.LINGER, 0)
         subscriber.setsockopt(zmq.SUBSCRIBE, self._topic)
-        # Before connect(), so that the first handshake is seen.
-        monitor = subscriber.get_monitor_socket(_CONNECTION_EVENTS)
+        # Before connect(), so that the first handshake is seen. pyzmq makes it of the
+        # context's (asyncio) socket class, though it types it as the subscriber's.
+        monitor = cast(zmq.asyncio.Socket, subscriber.get_monitor_socket(_CONNECTION_EVENTS))
         watch = asyncio.create_task(self._watch_connection(monitor))
         subscriber.connect(self.endpoint)
         self.subscribed_at = self.unconnected_since = self._clock()
@@ -168,10 +172,7 @@ class KvEventSource:
                 # Learn what the engine already holds: its buffer may reach back to 0.
                 async for item in self._replay_from(0, startup=True):
                     yield item
-            # Once the socket holds a message, the queued ones are taken without
-            # waiting, from the same socket seen synchronously.
-            draining: zmq.Socket[bytes] = zmq.Socket.shadow(subscriber.underlying)
-            arrivals = _Arrivals(draining)
+            arrivals = _Arrivals(subscriber)
             while True:
                 if not await self._readable(arrivals):
                     if self._catch_up_tries:
@@ -180,9 +181,9 @@ class KvEventSource:
                             yield item
                     continue
                 for drained in itertools.count(1):
-                    if not _holds_message(draining):
+                    if not _holds_message(subscriber):
                         break  # asked, not tried: a failed receive raises, a dear exception
-                    frames = draining.recv_multipart(zmq.NOBLOCK)
+                    frames = subscriber.recv_multipart(zmq.NOBLOCK)
                     self._catch_up_tries = 0  # the subscription works: gaps show as usual
                     async for item in self._frames(frames):
                         yield item

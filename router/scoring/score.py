@@ -171,7 +171,7 @@ def spill_excess(
         return excess
     # The gate is never below the margin (a mean load is never negative): while no
     # worker has more requests than that, one comparison settles it, where the peers'
-    # means below cost a decision about 5 us of numpy calls.
+    # means below cost a decision about 6 µs of numpy calls.
     if not len(load) or load.max() <= weights.spill_margin_requests:
         return excess
     for peers in (eligible & reported, eligible & ~reported):

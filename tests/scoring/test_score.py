@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvplane.core.config import ScoringSettings
@@ -20,6 +20,7 @@ from router.scoring.score import (
     queue_estimate,
     rank_by_score,
     score_candidates,
+    spill_excess,
 )
 from tests.scoring.facts import WorkerFacts, facts_of
 
@@ -347,3 +348,36 @@ def test_a_fleet_scored_at_once_scores_each_worker_as_alone(
         and request.prompt_tokens <= w.max_model_len
     ]
     assert len(ranked) == len(eligible)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.booleans(), st.booleans()), min_size=1, max_size=16),
+    st.sampled_from([1.0, 4.0, 8.0]),
+    st.sampled_from([1.0, 1.5, 3.0]),
+)
+@example([(6, True, True)] + [(0, True, True)] * 5, 4.0, 1.5)  # just past a light fleet's gate
+def test_the_spill_is_each_worker_past_its_peers_gate_by_the_definition(
+    rows: list[tuple[int, bool, bool]], margin: float, ratio: float
+) -> None:
+    # The definition, one worker at a time: its peers are the eligible workers whose
+    # load is known as its own is; past max(mean + margin, mean * ratio) of theirs, it
+    # carries its requests over that mean. (spill_excess settles light fleets by one
+    # comparison: this holds it to the definition there too.)
+    load = np.array([float(count) for count, _, _ in rows])
+    allowed = np.array([eligible for _, eligible, _ in rows])
+    reported = np.array([known for _, _, known in rows])
+    weights = WEIGHTS.model_copy(
+        update={"spill_margin_requests": margin, "spill_load_ratio": ratio}
+    )
+    expected = []
+    for count, eligible, known in rows:
+        peers = [
+            float(other)
+            for other, peer_eligible, peer_known in rows
+            if peer_eligible and peer_known == known
+        ]
+        mean = sum(peers) / len(peers) if peers else 0.0
+        gate = max(mean + margin, mean * ratio)
+        expected.append(count - mean if eligible and count > gate else 0.0)
+    excess = spill_excess(load, allowed, reported, weights)
+    assert excess.tolist() == pytest.approx(expected)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,6 +25,8 @@ from prometheus_client.registry import Collector
 
 from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, LoadReport
 from router.index.base import IndexStats, WorkerState
+
+_Counter = TypeVar("_Counter", Counter, Histogram)
 
 
 class WorkerLoadSample(NamedTuple):
@@ -344,6 +346,18 @@ class RouterMetrics:
             self.failovers,
             self.worker_suspicions,
         ]
+        self._children: dict[tuple[object, tuple[tuple[str, str], ...]], Counter | Histogram] = {}
+
+    def child(self, metric: _Counter, **labels: str) -> _Counter:
+        """`metric.labels(**labels)`, kept: prometheus-client checks the names and takes a
+        lock on every labels() call, a few µs that each request paid several times over.
+        For counters that are only ever incremented or pruned by retain_workers (which
+        forgets the kept children with them), never cleared."""
+        key = (metric, tuple(labels.items()))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**labels)
+        return child  # type: ignore[return-value]  # labels() returns the metric's own type
 
     def batch_applied(self, events: Sequence[KvEvent], seconds: float) -> None:
         self.batches_applied.inc()
@@ -390,6 +404,7 @@ class RouterMetrics:
             }
             for worker in labelled - keep:
                 metric.remove_by_labels({"worker": worker})
+                self._children.clear()  # a removed child counts no more: look it up again
 
     def set_routing_view(
         self,

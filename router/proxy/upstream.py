@@ -61,6 +61,8 @@ class UpstreamAnswer:
     async def rest(self) -> AsyncIterator[bytes]:
         """The chunks after the first, as they arrive. Raises UpstreamBroken when the
         connection breaks or the engine is silent for longer than the idle timeout."""
+        if self._response.content.at_eof():  # all of it came at once: no timer to set
+            return
         watchdog = _IdleWatchdog(self.idle_timeout_s, self._response.close)
         try:
             while True:
@@ -150,11 +152,14 @@ class Upstream:
         self, url: str, body: bytes, headers: dict[str, str], first_byte_timeout_s: float
     ) -> UpstreamAnswer:
         """POST `body` and return once the first byte of the answer is in."""
-        try:
-            async with asyncio.timeout(self.settings.connect_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise NoFreeConnection from None
+        if self._slots.locked():  # a free slot is taken at once: no timer to set up
+            try:
+                async with asyncio.timeout(self.settings.connect_timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise NoFreeConnection from None
+        else:
+            await self._slots.acquire()
         response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(first_byte_timeout_s):

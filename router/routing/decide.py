@@ -164,8 +164,9 @@ class RoutingPlanner:
         with self.tracer.start_as_current_span("kvplane.key") as span:
             keys = self.keys(model, cache_scope, tokens)
             span.set_attribute("kvplane.blocks", len(keys))
-        wanted = len(self.fleet.serving_rows(model)) > 0
-        index_matches, answered = await self._lookup(keys, wanted)
+        # No worker at all: nothing to look up. (Working out which workers are routable
+        # costs about as much as the lookup itself, and is done after it anyway.)
+        index_matches, answered = await self._lookup(keys, wanted=len(self.fleet.roster) > 0)
         with self.tracer.start_as_current_span("kvplane.score") as span:
             span.set_attribute("kvplane.index_answered", answered)
             now = self._clock()

@@ -113,8 +113,15 @@ class CacheFunnel:
         self._by_worker: dict[str, FunnelTotals] = {}
 
     def add(self, model: str, tenant: str, worker_id: str, step: FunnelStep) -> None:
-        self._totals.setdefault((model, tenant), FunnelTotals()).add(step)
-        self._by_worker.setdefault(worker_id, FunnelTotals()).add(step)
+        # (setdefault would build and drop a FunnelTotals a request)
+        totals = self._totals.get((model, tenant))
+        if totals is None:
+            totals = self._totals[model, tenant] = FunnelTotals()
+        totals.add(step)
+        worker = self._by_worker.get(worker_id)
+        if worker is None:
+            worker = self._by_worker[worker_id] = FunnelTotals()
+        worker.add(step)
 
     def totals(self) -> dict[tuple[str, str], FunnelTotals]:
         return dict(self._totals)

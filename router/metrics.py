@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,8 +25,6 @@ from prometheus_client.registry import Collector
 
 from kvplane.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, LoadReport
 from router.index.base import IndexStats, WorkerState
-
-_Counter = TypeVar("_Counter", Counter, Histogram)
 
 
 class WorkerLoadSample(NamedTuple):
@@ -346,9 +344,9 @@ class RouterMetrics:
             self.failovers,
             self.worker_suspicions,
         ]
-        self._children: dict[tuple[object, tuple[tuple[str, str], ...]], Counter | Histogram] = {}
+        self._children: dict[tuple[Counter, tuple[tuple[str, str], ...]], Counter] = {}
 
-    def child(self, metric: _Counter, **labels: str) -> _Counter:
+    def child(self, metric: Counter, **labels: str) -> Counter:
         """`metric.labels(**labels)`, kept: prometheus-client checks the names and takes a
         lock on every labels() call, a few µs that each request paid several times over.
         For counters that are only ever incremented or pruned by retain_workers (which
@@ -357,7 +355,7 @@ class RouterMetrics:
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(**labels)
-        return child  # type: ignore[return-value]  # labels() returns the metric's own type
+        return child
 
     def batch_applied(self, events: Sequence[KvEvent], seconds: float) -> None:
         self.batches_applied.inc()

@@ -459,6 +459,38 @@ async def test_a_client_leaving_before_the_first_byte_cancels_the_engine_request
         assert gone == 1
 
 
+async def test_a_full_connection_pool_is_a_503_that_blames_no_worker() -> None:
+    """With every connection to the engines in use, a request waits connect_timeout_s
+    for one (the only wait that sets a timer: a free slot is taken at once), then gets
+    a 503 counted as router_busy, and no worker is failed over or marked unreachable;
+    once the slot is free the next request is served."""
+    settings = router_settings(proxy={"max_connections": 1, "connect_timeout_s": 0.3})
+    async with routed_fleet(1, settings, sim_options=SLOW) as fleet, fleet.http() as http:
+        worker = fleet.workers[0]
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000}
+        holding = asyncio.create_task(http.post("/v1/completions", json=body, headers=AUTH))
+        await wait_until(
+            "the engine is generating", lambda: len(worker.sim.engine.scheduler.running) == 1
+        )
+        started = time.monotonic()
+        refused = await http.post("/v1/completions", json=body, headers=AUTH)
+        waited = time.monotonic() - started
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert "no free connection" in refused.json()["error"]["message"]
+        assert waited >= 0.3
+        assert not holding.done()
+        assert await router_metric(fleet, "kvplane_requests_total", outcome="router_busy") == 1
+        assert await router_metric(fleet, "kvplane_failovers_total") == 0
+        assert fleet.router.fleet.candidates(MODEL)  # the worker is still routable
+        holding.cancel()  # frees the slot (and the engine's request)
+        await asyncio.gather(holding, return_exceptions=True)
+        await wait_cancelled_everywhere(fleet)
+        short = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+        served = await http.post("/v1/completions", json=short, headers=AUTH)
+        assert served.status_code == 200
+
+
 async def test_an_engine_silent_mid_stream_ends_the_stream_with_an_error() -> None:
     settings = router_settings(proxy={"idle_timeout_s": 0.3})
     async with routed_fleet(1, settings, sim_options=SLOW) as fleet, fleet.http() as http:

@@ -248,13 +248,23 @@ class StreamUsage:
     _TAIL_BYTES = 16384
 
     def __init__(self) -> None:
-        self._tail = b""
+        # The stream's last chunks, at least _TAIL_BYTES of them once there are: cut
+        # back only past twice that, so that a chunk costs no copy of the whole tail.
+        self._chunks: list[bytes] = []
+        self._kept = 0
 
     def feed(self, chunk: bytes) -> None:
-        self._tail = (self._tail + chunk)[-self._TAIL_BYTES :]
+        self._chunks.append(chunk)
+        self._kept += len(chunk)
+        if self._kept > 2 * self._TAIL_BYTES:
+            tail = self._tail()
+            self._chunks, self._kept = [tail], len(tail)
+
+    def _tail(self) -> bytes:
+        return b"".join(self._chunks)[-self._TAIL_BYTES :]
 
     def usage(self) -> Usage | None:
-        for event in reversed(self._tail.split(b"\n\n")):
+        for event in reversed(self._tail().split(b"\n\n")):
             data = event.strip()
             if data.startswith(b"data:") and b'"usage"' in data:
                 try:

@@ -547,11 +547,11 @@ class ProxyService:
     async def _relay(self, relay: _Relay, outcome: str) -> AsyncIterator[bytes]:
         answer = relay.answer
         try:
-            relay.usage.feed(answer.first_chunk)
-            yield answer.first_chunk
-            async for chunk in answer.rest():
+            chunk = answer.first_chunk
+            while chunk:
                 relay.usage.feed(chunk)
                 yield chunk
+                chunk = await answer.next_chunk()
             relay.outcome = outcome
         except UpstreamBroken as error:
             if relay.client_left:

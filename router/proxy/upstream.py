@@ -57,30 +57,37 @@ class UpstreamAnswer:
     _response: aiohttp.ClientResponse
     _slot: asyncio.Semaphore
     _closed: bool = False
+    _watchdog: _IdleWatchdog | None = None  # set by the first read that must wait
+
+    async def next_chunk(self) -> bytes:
+        """The next chunk after the first as it arrives; b"" once the answer has ended.
+        Raises UpstreamBroken when the connection breaks or the engine is silent for
+        longer than the idle timeout. (A streamed answer is relayed a chunk per call:
+        an async generator around this would cost every chunk another frame to resume.)"""
+        content = self._response.content
+        watchdog = self._watchdog
+        if watchdog is None:
+            if content.at_eof():  # all of it came at once: no timer to set
+                return b""
+            watchdog = self._watchdog = _IdleWatchdog(self.idle_timeout_s, self._response.close)
+        watchdog.reading()
+        try:
+            chunk = await content.readany()
+        except aiohttp.ClientError as error:
+            if watchdog.fired:
+                raise UpstreamBroken("silent past the idle timeout") from None
+            raise UpstreamBroken(type(error).__name__) from None
+        watchdog.read()
+        if not chunk:
+            watchdog.stop()
+            if watchdog.fired:
+                raise UpstreamBroken("silent past the idle timeout")
+        return chunk
 
     async def rest(self) -> AsyncIterator[bytes]:
-        """The chunks after the first, as they arrive. Raises UpstreamBroken when the
-        connection breaks or the engine is silent for longer than the idle timeout."""
-        if self._response.content.at_eof():  # all of it came at once: no timer to set
-            return
-        watchdog = _IdleWatchdog(self.idle_timeout_s, self._response.close)
-        try:
-            while True:
-                watchdog.reading()
-                try:
-                    chunk = await self._response.content.readany()
-                except aiohttp.ClientError as error:
-                    if watchdog.fired:
-                        raise UpstreamBroken("silent past the idle timeout") from None
-                    raise UpstreamBroken(type(error).__name__) from None
-                watchdog.read()
-                if not chunk:
-                    if watchdog.fired:
-                        raise UpstreamBroken("silent past the idle timeout")
-                    return
-                yield chunk
-        finally:
-            watchdog.stop()
+        """The chunks after the first, as next_chunk() reads them."""
+        while chunk := await self.next_chunk():
+            yield chunk
 
     async def close(self) -> None:
         """A connection whose answer was read to the end goes back to the pool; closing
@@ -88,6 +95,8 @@ class UpstreamAnswer:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._response.content.at_eof():
             self._response.release()
         else:
@@ -142,6 +151,10 @@ class Upstream:
             # each later chunk idle_timeout_s.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
             auto_decompress=False,  # the engine's bytes go to the client as they are
+            # One session carries every tenant's requests: a cookie an engine (or a proxy
+            # before it) sets must reach the client that got that answer, never go back
+            # with other clients' requests.
+            cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent",),
         )
 

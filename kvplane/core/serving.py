@@ -109,6 +109,9 @@ async def serving_http(
                     lifespan="off",
                     log_config=None,
                     access_log=False,
+                    # Nothing here reads a client's address: no middleware rewriting it
+                    # from X-Forwarded-For on every request.
+                    proxy_headers=False,
                     # uvicorn's annotation says int; it waits with asyncio.wait_for.
                     timeout_graceful_shutdown=stop_grace_s,  # type: ignore[arg-type]
                 )

@@ -173,6 +173,12 @@ class LocationIndex(Protocol):
         """Longest consecutive prefix of `keys` per live worker that matched one block
         or more (draining workers included, dead ones never)."""
 
+    @property
+    def lookup_never_waits(self) -> bool:
+        """Whether lookup() answers without waiting on anything (an index in this
+        process): a deadline around it could never fire, and every request would pay
+        for setting one (a timer, about 6 µs)."""
+
     async def workers(self) -> list[WorkerStatus]:
         """Every registered worker, dead ones not yet purged included (in no particular
         order)."""

@@ -95,6 +95,10 @@ class InstrumentedIndex:
         self._metrics.lookup_seconds.observe(time.perf_counter() - started)
         return matches
 
+    @property
+    def lookup_never_waits(self) -> bool:
+        return self._index.lookup_never_waits
+
     async def workers(self) -> list[WorkerStatus]:
         return await self._observed("workers", self._index.workers())
 

@@ -237,6 +237,11 @@ class MemoryLocationIndex:
 
     # -- lookups ---------------------------------------------------------------------
 
+    @property
+    def lookup_never_waits(self) -> bool:
+        # Its own lookup awaits nothing; a subclass's may (a test's stuck index).
+        return type(self).lookup is MemoryLocationIndex.lookup
+
     async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
         live = self._live_view()
         if not keys or live.empty:

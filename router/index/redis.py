@@ -367,6 +367,8 @@ class RedisLocationIndex:
 
     # -- lookups ---------------------------------------------------------------------
 
+    lookup_never_waits = False  # every lookup is a round trip to Redis
+
     async def lookup(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
         if not keys:
             return {}

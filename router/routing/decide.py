@@ -8,6 +8,7 @@ with load and this router's own predicted entries only, and says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ INDEX_PROBE_INTERVAL_S = 0.5
 
 
 _DEVICE_COLUMN = TIERS.index(Tier.DEVICE)
+_NO_DEADLINE = contextlib.nullcontext()  # for an index whose lookups never wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +229,11 @@ class RoutingPlanner:
             # An index that stopped answering costs each request its timeout: only one
             # request per probe interval pays it, the others route on load at once.
             return {}, False
+        deadline = (
+            _NO_DEADLINE if self.index.lookup_never_waits else index_deadline(self.index_timeout_s)
+        )
         try:
-            async with index_deadline(self.index_timeout_s):
+            async with deadline:
                 matches = await self.index.lookup(keys)
         except LocationIndexError as error:  # the index is down or slow: route on load alone
             if self.index_answering:

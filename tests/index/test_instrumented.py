@@ -22,6 +22,7 @@ from router.index.base import (
 )
 from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
+from router.index.redis import RedisLocationIndex
 from router.metrics import RouterMetrics
 from router.tracing import open_tracing
 from tests.index.test_conformance import LEASE, chain, info, stored
@@ -109,6 +110,16 @@ async def test_a_lookup_past_the_callers_deadline_counts_as_cancelled() -> None:
         async with index_deadline(0.05):
             await index.lookup(chain(3, 2))
     assert errors(metrics, "lookup", "CancelledError") == 1
+
+
+def test_only_lookups_that_await_nothing_are_said_to_never_wait() -> None:
+    """The planner sets no deadline around such a lookup. The memory index's own await
+    nothing; a subclass's may (StuckLookups sleeps), and Redis' are round trips."""
+    assert MemoryLocationIndex().lookup_never_waits
+    assert instrumented(MemoryLocationIndex())[0].lookup_never_waits
+    assert not StuckLookups().lookup_never_waits
+    assert not instrumented(StuckLookups())[0].lookup_never_waits
+    assert not RedisLocationIndex.lookup_never_waits
 
 
 async def test_calls_inside_a_traced_request_get_child_spans() -> None:

@@ -72,16 +72,39 @@ class WorkerTraffic:
     in_flight: int = 0
     prefill_tokens: int = 0  # uncached prompt tokens of requests before their first byte
     by_tenant: Counter[str] = field(default_factory=Counter)
-    waiting_for_first_byte: set[Ticket] = field(default_factory=set)
+    _waiting_for_first_byte: set[Ticket] = field(default_factory=set)  # waiting(), answered()
     unstreamed: deque[Ticket] = field(default_factory=deque)  # in the order sent
+    # prefilling_sent_after()'s last moment and answer, kept up to date as requests come
+    # and go: the moment moves once a load report, requests three times each, and a
+    # count over every request before its first byte would cost each of those O(n).
+    _counted_after: float = 0.0
+    _sent_after: int = 0
 
     @property
     def prefilling(self) -> int:
-        return len(self.waiting_for_first_byte)
+        return len(self._waiting_for_first_byte)
+
+    def waiting(self, ticket: Ticket) -> None:
+        """`ticket`'s request waits for its first byte."""
+        self._waiting_for_first_byte.add(ticket)
+        if ticket.sent_at > self._counted_after:
+            self._sent_after += 1
+
+    def answered(self, ticket: Ticket) -> None:
+        """`ticket`'s request has its first byte (or ended without one)."""
+        if ticket in self._waiting_for_first_byte:
+            self._waiting_for_first_byte.remove(ticket)
+            if ticket.sent_at > self._counted_after:
+                self._sent_after -= 1
 
     def prefilling_sent_after(self, moment: float) -> int:
         """Requests before their first byte that were sent after `moment`."""
-        return sum(1 for ticket in self.waiting_for_first_byte if ticket.sent_at > moment)
+        if moment != self._counted_after:
+            self._counted_after = moment
+            self._sent_after = sum(
+                1 for ticket in self._waiting_for_first_byte if ticket.sent_at > moment
+            )
+        return self._sent_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +308,7 @@ class Fleet:
         traffic.in_flight += 1
         traffic.prefill_tokens += prefill_tokens
         traffic.by_tenant[tenant] += 1
-        traffic.waiting_for_first_byte.add(ticket)
+        traffic.waiting(ticket)
         self._traffic_changed(worker_id)
         return ticket
 
@@ -309,7 +332,7 @@ class Fleet:
     def _prefilled(self, ticket: Ticket) -> None:
         ticket.prefilling = False
         traffic = self.traffic(ticket.worker_id)
-        traffic.waiting_for_first_byte.discard(ticket)
+        traffic.answered(ticket)
         traffic.prefill_tokens -= ticket.prefill_tokens
 
     # -- the roster's rows ---------------------------------------------------------

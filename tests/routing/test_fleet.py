@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from typing import Any
 
@@ -11,7 +12,7 @@ from router.index.base import WorkerState
 from router.index.memory import MemoryLocationIndex
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.evictions import RecentEvictions
-from router.routing.fleet import Fleet
+from router.routing.fleet import Fleet, Ticket
 from tests.clock import ManualClock
 
 MODEL = "test-model"
@@ -196,6 +197,29 @@ async def test_requests_before_their_first_byte_are_told_apart_by_when_sent() ->
     setup.fleet.first_byte(late)
     assert traffic.prefilling_sent_after(early.sent_at + 0.5) == 0
     assert traffic.prefilling == 1
+
+
+async def test_requests_sent_after_a_moment_are_counted_as_a_full_count_would() -> None:
+    """The count is kept up to date as requests come and go, and made again when the
+    moment moves: it must always equal counting every request before its first byte."""
+    setup = Setup()
+    rng = random.Random(7)
+    traffic = setup.fleet.traffic("w1")
+    tickets: list[Ticket] = []
+    moment = 0.0
+    for _ in range(2000):
+        action = rng.random()
+        if action < 0.4 or not tickets:
+            tickets.append(setup.fleet.sent("w1", "acme", prefill_tokens=1))
+        elif action < 0.6:
+            setup.fleet.first_byte(rng.choice(tickets))
+        elif action < 0.8:
+            setup.fleet.finished(tickets.pop(rng.randrange(len(tickets))))
+        else:
+            moment = setup.clock.now - rng.choice([0.0, 0.5, 2.0, 5.0])  # a load report
+        setup.clock.now += rng.choice([0.0, 0.25, 1.0])
+        expected = sum(1 for t in tickets if t.prefilling and t.sent_at > moment)
+        assert traffic.prefilling_sent_after(moment) == expected
 
 
 async def test_finishing_without_a_first_byte_releases_everything() -> None:

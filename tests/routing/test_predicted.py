@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from router.routing.predicted import PredictedPrefixes
 
 KEYS = [11, 22, 33, 44]
@@ -105,3 +107,81 @@ def test_a_forgotten_worker_matches_only_what_it_records_afterwards() -> None:
     assert predicted.match([55, 66, 77], now=1.5) == {"w1": 2}
     predicted.removed("w1", [55])  # its first block gone: no prefix is left there
     assert predicted.match([55, 66], now=1.5) == {}
+
+
+class _Model:
+    """What PredictedPrefixes must answer, kept the plain way: every entry's expiry."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.expiry: dict[tuple[str, int], float] = {}
+
+    def record(self, worker: str, keys: list[int], now: float) -> None:
+        for key in keys:
+            self.expiry[worker, key] = now + self.ttl_s
+
+    def match(self, keys: list[int], now: float) -> dict[str, int]:
+        matched = {}
+        for worker in {worker for worker, _ in self.expiry}:
+            held = 0
+            while held < len(keys) and self.expiry.get((worker, keys[held]), 0.0) > now:
+                held += 1
+            if held:
+                matched[worker] = held
+        return matched
+
+    def removed(self, worker: str, keys: list[int]) -> None:
+        for key in keys:
+            self.expiry.pop((worker, key), None)
+
+    def forget_worker(self, worker: str) -> None:
+        for entry in [entry for entry in self.expiry if entry[0] == worker]:
+            del self.expiry[entry]
+
+    def live(self, now: float) -> int:
+        return sum(1 for expiry in self.expiry.values() if expiry > now)
+
+
+def test_it_answers_as_a_plain_record_of_every_entry_would() -> None:
+    """Random traffic over few workers and prompts sharing prefixes, long enough for
+    workers' maps to be compacted and dropped: every match, and the count after each
+    prune, as the plain model's. Removals cut a prompt's tail, as engines evict."""
+    rng = random.Random(5)
+    predicted, model = PredictedPrefixes(ttl_s=3.0), _Model(ttl_s=3.0)
+    prompts = [[rng.getrandbits(62) for _ in range(rng.randrange(1, 300))] for _ in range(40)]
+    workers = ["w1", "w2", "w3"]
+    now = 0.0
+    for _ in range(3000):
+        now += rng.choice([0.0, 0.01, 0.2, 1.0])
+        prompt = rng.choice(prompts)
+        worker = rng.choice(workers)
+        action = rng.random()
+        if action < 0.5:
+            length = rng.randrange(1, len(prompt) + 1)
+            predicted.prune(now)
+            predicted.record(worker, prompt[:length], now)
+            model.record(worker, prompt[:length], now)
+        elif action < 0.6:
+            cut = rng.randrange(len(prompt))
+            predicted.removed(worker, prompt[cut:])
+            model.removed(worker, prompt[cut:])
+        elif action < 0.62:
+            predicted.forget_worker(worker)
+            model.forget_worker(worker)
+        predicted.prune(now)
+        assert predicted.match(prompt, now) == model.match(prompt, now)
+        assert len(predicted) == model.live(now)
+
+
+def test_a_worker_past_thousands_of_keys_keeps_only_its_live_ones() -> None:
+    """Expired entries of a worker that keeps getting requests are dropped in bulk once
+    its map has grown past the floor (4096 keys): the answers stay, the memory goes."""
+    predicted = PredictedPrefixes(ttl_s=3.0)
+    old, new = list(range(1, 4001)), list(range(10_001, 10_201))
+    predicted.record("w1", old, now=0.0)  # expire at 3.0
+    predicted.record("w1", old[:2], now=1.0)  # w1 stays (its last record expires at 4.0)
+    predicted.record("w1", new, now=3.5)  # 4,200 keys held: compacted
+    assert predicted.match(new, now=3.6) == {"w1": 200}
+    assert predicted.match(old, now=3.6) == {"w1": 2}
+    assert len(predicted) == 202
+    assert len(predicted._expiry["w1"]) == 202  # the memory bound itself, not an answer

@@ -8,6 +8,7 @@ Every test talks to a real Redis server or a real Redis Cluster (tests/conftest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import struct
 import time
@@ -117,6 +118,20 @@ async def redises(request: pytest.FixtureRequest) -> AsyncIterator[Redises]:
     target = Redises(url, cluster)
     yield target
     await target.close()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def own_redises(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Redises]:
+    """As `redises`, but never the machine's shared Redis: for a test that changes a
+    server's settings (a single server of its own; the cluster the tests started)."""
+    with contextlib.ExitStack() as servers:
+        if request.param == "redis-cluster":
+            url = request.getfixturevalue("redis_cluster_url")
+        else:
+            url, _ = servers.enter_context(stoppable_redis(tmp_path))
+        target = Redises(url, request.param == "redis-cluster")
+        yield target
+        await target.close()
 
 
 @pytest.fixture
@@ -680,9 +695,10 @@ async def test_a_batch_and_a_lookup_are_one_script_call_each(redis_url: str) -> 
         await admin.aclose()
 
 
-async def test_stats_say_how_full_the_fullest_server_is(redises: Redises) -> None:
+async def test_stats_say_how_full_the_fullest_server_is(own_redises: Redises) -> None:
     """used_memory over maxmemory of the fullest server (every primary of a cluster); None
     while no server has a limit. The limits are set for the test and put back after."""
+    redises = own_redises
     admin = redises.admin
     nodes: list[Any] = [None]
     if isinstance(admin, RedisCluster):

@@ -41,7 +41,6 @@ _DEFAULT_PEERS_VENV = Path(__file__).resolve().parents[2] / ".peers-venv"
 PEERS_BUILD_COMMAND = "make peers-env"
 ADMIN_TOKEN = "bench-live-admin"  # loopback only, for the fleet API's evidence
 _ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-REDIS_URL = "redis://127.0.0.1:6379/13"  # the replicas' shared index: flushed per cell
 
 
 def api_key(tenant: str) -> str:
@@ -121,8 +120,7 @@ def _start_kvplane(
     env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
     flags = ["--policy", spec.policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
-        _flush_redis()
-        flags += ["--index", "redis", "--redis-url", REDIS_URL]
+        flags += ["--index", "redis", "--redis-url", own_redis(children)]
     if workload.tenants:
         flags += ["--tenants-file", str(_tenants_file(workload.tenants, children.log_dir))]
         env["KVPLANE_TENANTS__CACHE_SALT_SECRET"] = "bench-live"
@@ -257,12 +255,28 @@ def _tenants_file(tenants: tuple[str, ...], directory: Path) -> Path:
     return path
 
 
-def _flush_redis() -> None:
-    client = redis.Redis.from_url(REDIS_URL)
+def own_redis(children: Children, timeout_s: float = 10.0) -> str:
+    """A redis-server for this cell's router replicas alone, nothing kept on disk, gone
+    with the cell: the machine's own Redis is never written to, nor flushed."""
+    port = free_port()
+    server = children.launch(
+        "redis",
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+         "--appendonly", "no"],
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=1.0)
+    deadline = time.monotonic() + timeout_s
     try:
-        client.flushdb()
+        while server.process.poll() is None and time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    return url
+            except redis.ConnectionError:
+                time.sleep(0.05)
     finally:
         client.close()
+    raise StartFailed(f"redis-server did not answer on port {port}:\n{server.log_tail()}")
 
 
 # --- peers ---------------------------------------------------------------------------

@@ -181,6 +181,10 @@ class ControlPlanePublisher:
             except PublisherRejected:
                 raise
             except Exception as error:  # grpc raises several kinds; the agent must go on
+                if _cancelling():
+                    # The stream's teardown turned a cancellation into an error: going on
+                    # would reconnect for ever, and whoever cancelled would wait for ever.
+                    raise asyncio.CancelledError from error
                 log.warning(
                     "control plane stream to %s ended (%s); reconnecting",
                     address,
@@ -382,6 +386,11 @@ def _blocks(event: KvEvent) -> int:
     if isinstance(event, BlocksStored | BlocksRemoved):
         return len(event.keys)
     return 0
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _describe(error: BaseException) -> str:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc.aio
+import pytest
+
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
 from kvplane.core.keys import block_keys
 from kvplane.core.serving import cancel_task
@@ -84,3 +87,51 @@ async def test_a_whole_batch_goes_without_waiting_out_the_linger() -> None:
         batches = await _publish_steps(router, linger_s=1.0, steps=3, max_batch_blocks=1)
         assert batches == 3
         assert time.monotonic() - started < 1.0
+
+
+class _ChannelFailingOnClose:
+    """A real channel whose teardown fails when a cancellation interrupts the stream,
+    as a gRPC channel's may: the error then stands where the cancellation was."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+
+    async def __aenter__(self) -> grpc.aio.Channel:
+        return await self.channel.__aenter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        await self.channel.__aexit__(kind, *rest)  # type: ignore[arg-type]
+        if kind is asyncio.CancelledError:
+            raise RuntimeError("the channel did not close cleanly")
+
+
+async def test_a_cancelled_publisher_stops_even_when_its_stream_fails_to_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whoever stops an agent waits for its publisher: one that took the error for a
+    broken stream and reconnected would keep it waiting for ever (a test fleet's
+    shutdown hung so)."""
+    async with running_router(make_settings()) as router:
+        publisher = ControlPlanePublisher(
+            WorkerIdentity("w1", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", "", {}),
+            AgentSettings(control_plane_address=f"127.0.0.1:{router.grpc_port}"),
+            ControlPlaneSettings(block_size=BLOCK_SIZE),
+            snapshot=list,
+        )
+        real_channel = publisher._channel
+        monkeypatch.setattr(
+            publisher, "_channel", lambda address: _ChannelFailingOnClose(real_channel(address))
+        )
+        task = asyncio.create_task(publisher.run())
+        try:
+            await publisher.wait_connected()
+            task.cancel()
+            # (Not wait_for: on its timeout it would wait for the cancelled task too.)
+            finished, _ = await asyncio.wait({task}, timeout=5)
+            assert finished, "the cancelled publisher went on reconnecting"
+            assert task.cancelled()
+        finally:
+            if not task.done():  # the bug: stop it with a channel that closes cleanly
+                monkeypatch.undo()
+                task.cancel()
+                await asyncio.wait({task}, timeout=5)

@@ -272,7 +272,7 @@ def own_redis(children: Children, timeout_s: float = 10.0) -> str:
             try:
                 if client.ping():
                     return url
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # not up yet
                 time.sleep(0.05)
     finally:
         client.close()

@@ -112,15 +112,19 @@ async def _forward(
     )
     engine.start()
     translator = _translator()
+    agent = AgentSettings(control_plane_address=f"127.0.0.1:{grpc_port}")
     publisher = ControlPlanePublisher(
         WorkerIdentity(
             "bench-worker", "http://127.0.0.1:1", "bench", BLOCK_SIZE, 0, "vllm", "", {}
         ),
-        AgentSettings(control_plane_address=f"127.0.0.1:{grpc_port}"),
+        agent,
         ControlPlaneSettings(block_size=BLOCK_SIZE),
         snapshot=translator.snapshot,
     )
-    source = KvEventSource(VllmAdapter(), endpoint, replay_endpoint=None)
+    # As `kvplane agent` reads them: a step's batch waits for the next ones.
+    source = KvEventSource(
+        VllmAdapter(), endpoint, replay_endpoint=None, gather_s=agent.batch_linger_s
+    )
     task = asyncio.create_task(publisher.run())
     try:
         await publisher.wait_connected()

@@ -106,6 +106,7 @@ class WorkerAgent:
                 replay_endpoint=agent.kv_events_replay_endpoint,
                 topic=agent.kv_events_topic,
                 replay_timeout_s=agent.replay_timeout_s,
+                gather_s=agent.batch_linger_s,
             )
             engine_block = cache.block_size if cache is not None else None
             self.wiring = WiringWatch(

@@ -96,6 +96,10 @@ SourceItem = EngineEventBatch | StateLost
 
 
 class KvEventSource:
+    """The engine's batches over SUB (and replay); `gather_s`: how long the first batch
+    after a quiet spell waits for the engine's next steps, which are then read with it
+    in one wake-up (agent.batch_linger_s)."""
+
     def __init__(
         self,
         adapter: EngineAdapter,
@@ -104,9 +108,11 @@ class KvEventSource:
         replay_endpoint: str | None,
         topic: str = "",
         replay_timeout_s: float = 2.0,
+        gather_s: float = 0.0,
         clock: Clock = time.monotonic,
     ) -> None:
         self._adapter = adapter
+        self._gather_s = gather_s
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._clock = clock
@@ -180,6 +186,11 @@ class KvEventSource:
                         async for item in self._replay_from(self._next_expected(), idle=True):
                             yield item
                     continue
+                if self._gather_s:
+                    # The first batch after a quiet spell: engines publish a batch a
+                    # step, and every wake-up costs the agent more than a batch's own
+                    # work. Its next steps are read with it, and forwarded as one.
+                    await asyncio.sleep(self._gather_s)
                 for drained in itertools.count(1):
                     if not _holds_message(subscriber):
                         break  # asked, not tried: a failed receive raises, a dear exception

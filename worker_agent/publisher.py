@@ -6,7 +6,9 @@
   translator's whole current picture (its snapshot), so the control plane never holds a
   partial or stale one: a higher incarnation replaces everything of the lower.
 - Batches go one at a time and wait for their Ack (each takes everything pending, so
-  throughput comes from batch size, and a reconnect has one batch to reconcile).
+  throughput comes from batch size, and a reconnect has one batch to reconcile). A
+  batch goes as soon as nothing is in flight: the engine's consecutive steps arrive
+  together already (the event source gathers them, agent.batch_linger_s).
 - Reconnects back off exponentially with jitter. Re-registering the same incarnation
   resumes when the control plane's Ack matches what the agent sent; anything else (it
   restarted, or another router replica took the stream) means a new incarnation.
@@ -15,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -85,7 +86,6 @@ class ControlPlanePublisher:
         self.incarnation = new_incarnation_id()
         self._outbox: deque[KvEvent] = deque()
         self._outbox_blocks = 0
-        self._outbox_since = 0.0  # monotonic time of the oldest event the outbox holds
         self._outbox_limit = agent.max_pending_blocks
         self._in_flight: _Batch | None = None
         self._acked = 0
@@ -94,7 +94,6 @@ class ControlPlanePublisher:
         self._engine_down = False
         self._down_report_pending = False
         self._wakeup = asyncio.Event()
-        self._filled = asyncio.Event()  # the outbox holds a whole batch
         self._registered = False
         self._connected = asyncio.Event()
         self._flushed = asyncio.Event()
@@ -105,24 +104,13 @@ class ControlPlanePublisher:
     def submit(self, events: Sequence[KvEvent]) -> None:
         if self._engine_down or not events:
             return
-        if not self._outbox:
-            self._outbox_since = time.monotonic()
         self._outbox.extend(events)
         self._outbox_blocks += sum(_blocks(event) for event in events)
         # Bounded: past the limit the pending events are replaced by the snapshot (which
         # the engine's capacity bounds) under a new incarnation.
         if self._outbox_blocks > self._outbox_limit:
             self.start_new_incarnation("the outbox overflowed while disconnected")
-        if self._batch_full():
-            self._filled.set()
         self._wakeup.set()
-
-    def _batch_full(self) -> bool:
-        """Whether the outbox holds a whole batch: it goes without lingering."""
-        return (
-            self._outbox_blocks >= self._limits.max_batch_blocks
-            or len(self._outbox) >= self._limits.max_batch_events
-        )
 
     def report_load(self, load: EngineLoad) -> None:
         self._load = load
@@ -219,14 +207,6 @@ class ControlPlanePublisher:
                 )
                 continue  # an incarnation may have begun meanwhile: register it first
             if self._in_flight is None and self._outbox:
-                lingering = self._outbox_since + self._agent.batch_linger_s - time.monotonic()
-                if lingering > 0 and not self._batch_full():
-                    # More of the engine's steps join it, unless it fills up first.
-                    self._filled.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(lingering):
-                            await self._filled.wait()
-                    continue
                 self._in_flight = self._next_batch()
             if self._in_flight is not None:
                 await self._send_batch(stream, self._in_flight)

@@ -348,9 +348,10 @@ class AgentSettings(_Section):
         default=0.05,
         ge=0,
         le=1,
-        description="how long events wait for the engine's next steps to join them in "
-        "one batch: each batch costs the control plane a message, a parse and an "
-        "acknowledgement, and engines publish every step",
+        description="how long the engine's first event batch after a quiet spell waits "
+        "for its next steps, which are then read with it and sent as one batch: engines "
+        "publish every step, each wake-up costs the agent more than a batch's own work, "
+        "and each batch costs the control plane a message, a parse and an acknowledgement",
     )
     max_pending_blocks: int = Field(
         default=2_000_000,

@@ -1,10 +1,11 @@
-"""The agent lets an engine's consecutive steps join one batch (agent.batch_linger_s)
-and sends what piles up together: the control plane pays per batch, not per step."""
+"""The publisher sends what is pending as one batch as soon as nothing is in flight,
+up to the control plane's limits: the control plane pays per batch, not per step. (The
+event source gathers an engine's consecutive steps: tests/worker_agent/
+test_kv_event_source.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc.aio
 import pytest
@@ -24,16 +25,15 @@ STEP_GAP_S = 0.05
 
 
 async def _publish_steps(
-    router: RunningRouter, linger_s: float, *, steps: int = STEPS, max_batch_blocks: int = 4096
+    router: RunningRouter, gap_s: float, *, steps: int = STEPS, max_batch_blocks: int = 4096
 ) -> float:
-    """Five engine steps, each storing the next block of one chain, STEP_GAP_S apart;
-    the batches the control plane applied for them."""
+    """`steps` engine steps, each storing the next block of one chain, submitted
+    `gap_s` apart (0: with no await between them); the batches the control plane
+    applied for them."""
     translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=1000)
     publisher = ControlPlanePublisher(
         WorkerIdentity("w1", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", "", {}),
-        AgentSettings(
-            control_plane_address=f"127.0.0.1:{router.grpc_port}", batch_linger_s=linger_s
-        ),
+        AgentSettings(control_plane_address=f"127.0.0.1:{router.grpc_port}"),
         ControlPlaneSettings(block_size=BLOCK_SIZE, max_batch_blocks=max_batch_blocks),
         snapshot=translator.snapshot,
     )
@@ -55,7 +55,8 @@ async def _publish_steps(
                 None,
             )
             publisher.submit(translator.translate([stored]))
-            await asyncio.sleep(STEP_GAP_S)
+            if gap_s:
+                await asyncio.sleep(gap_s)
         await publisher.wait_flushed()
         match = (await router.index.lookup(block_keys(tokens, NAMESPACE)))["w1"]
         assert match.blocks == steps  # every step arrived, whatever the batching
@@ -69,24 +70,19 @@ def _batches_applied(router: RunningRouter) -> float:
     return value or 0.0
 
 
-async def test_steps_within_the_linger_go_in_one_batch() -> None:
+async def test_steps_submitted_together_go_in_one_batch() -> None:
     async with running_router(make_settings()) as router:
-        assert await _publish_steps(router, linger_s=1.0) == 1
+        assert await _publish_steps(router, gap_s=0) == 1
 
 
-async def test_without_a_linger_each_step_goes_as_soon_as_nothing_is_in_flight() -> None:
+async def test_a_step_goes_as_soon_as_nothing_is_in_flight() -> None:
     async with running_router(make_settings()) as router:
-        assert await _publish_steps(router, linger_s=0.0) > 1
+        assert await _publish_steps(router, gap_s=STEP_GAP_S) == STEPS
 
 
-async def test_a_whole_batch_goes_without_waiting_out_the_linger() -> None:
+async def test_steps_past_the_control_planes_limit_go_in_several_batches() -> None:
     async with running_router(make_settings()) as router:
-        started = time.monotonic()
-        # One block a batch: each step fills one, so none waits out the second of linger
-        # (the first alone would have taken a second).
-        batches = await _publish_steps(router, linger_s=1.0, steps=3, max_batch_blocks=1)
-        assert batches == 3
-        assert time.monotonic() - started < 1.0
+        assert await _publish_steps(router, gap_s=0, steps=3, max_batch_blocks=1) == 3
 
 
 class _ChannelFailingOnClose:

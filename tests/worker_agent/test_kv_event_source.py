@@ -78,13 +78,14 @@ class Items(asyncio.Queue[SourceItem]):
 
 
 @contextlib.asynccontextmanager
-async def source_of(engine: ScriptedEngine) -> AsyncIterator[Items]:
+async def source_of(engine: ScriptedEngine, *, gather_s: float = 0.0) -> AsyncIterator[Items]:
     source = KvEventSource(
         VllmAdapter(),
         engine.endpoint(engine.pub),
         replay_endpoint=engine.endpoint(engine.router),
         topic="",
         replay_timeout_s=1.0,
+        gather_s=gather_s,
     )
     items = Items(source)
 
@@ -120,6 +121,34 @@ async def test_batches_seen_again_after_a_replay_are_not_a_restart() -> None:
         assert await take(items, 1) == [4]
         await asyncio.sleep(0.2)
         assert items.empty()
+
+
+async def _waiting_behind_the_first(engine: ScriptedEngine, items: Items, gap_s: float) -> int:
+    """Five batches published `gap_s` apart: how many the source had delivered behind
+    the first when its reader woke up for it."""
+
+    async def first() -> int:
+        await items.get()
+        return items.qsize()
+
+    reader = asyncio.create_task(first())
+    for sequence in range(5):
+        await engine.publish(sequence)
+        await asyncio.sleep(gap_s)
+    async with asyncio.timeout(5):
+        return await reader
+
+
+async def test_an_engines_steps_within_the_gather_window_are_read_in_one_wake_up() -> None:
+    engine = ScriptedEngine(lambda start: [])
+    async with source_of(engine, gather_s=1.0) as items:
+        assert await _waiting_behind_the_first(engine, items, gap_s=0.05) == 4
+
+
+async def test_without_a_gather_window_each_batch_is_delivered_as_it_comes() -> None:
+    engine = ScriptedEngine(lambda start: [])
+    async with source_of(engine) as items:
+        assert await _waiting_behind_the_first(engine, items, gap_s=0.05) == 0
 
 
 async def test_a_replay_with_a_hole_loses_the_state() -> None:

@@ -91,6 +91,11 @@ class ControlPlanePublisher:
         self._acked = 0
         self._load: EngineLoad | None = None
         self._wiring: WiringReport | None = None
+        # What the last load report said and when it went: the same again goes only
+        # once a third of the lease the control plane grants has passed (0: always).
+        self._last_report: tuple[EngineLoad, WiringReport | None] | None = None
+        self._last_report_at = 0.0
+        self._repeat_after_s = 0.0
         self._engine_down = False
         self._down_report_pending = False
         self._wakeup = asyncio.Event()
@@ -202,9 +207,12 @@ class ControlPlanePublisher:
                 self._connected.set()
             if self._load is not None:  # first, so that heartbeats go on under traffic
                 load, self._load = self._load, None
-                await stream.send(
-                    load_message(load.running, load.waiting, load.kv_usage, wiring=self._wiring)
-                )
+                if not self._repeats_last_report(load):
+                    await stream.send(
+                        load_message(load.running, load.waiting, load.kv_usage, wiring=self._wiring)
+                    )
+                    self._last_report = (load, self._wiring)
+                    self._last_report_at = time.monotonic()
                 continue  # an incarnation may have begun meanwhile: register it first
             if self._in_flight is None and self._outbox:
                 self._in_flight = self._next_batch()
@@ -216,6 +224,16 @@ class ControlPlanePublisher:
     async def _wait(self) -> None:
         await self._wakeup.wait()
         self._wakeup.clear()
+
+    def _repeats_last_report(self, load: EngineLoad) -> bool:
+        """Whether `load` (with the current wiring) says what the last report said, and
+        the lease does not need renewing yet: an idle engine's agent then heartbeats
+        every third of the lease, not every probe (each message costs the control plane
+        a wake-up, about 1.5 ms of CPU on the 2-core machine)."""
+        return (
+            self._last_report == (load, self._wiring)
+            and time.monotonic() - self._last_report_at < self._repeat_after_s
+        )
 
     async def _register(self, stream: AgentStream) -> None:
         while True:
@@ -242,6 +260,8 @@ class ControlPlanePublisher:
                 self.start_new_incarnation(f"the control plane asked: {reply.resync.reason}")
                 continue
             applied = reply.ack.sequence
+            self._repeat_after_s = reply.ack.lease_ms / 1000 / 3
+            self._last_report = None  # the new stream hears the load at once
             in_flight = self._in_flight
             if applied == self._acked and in_flight is None:
                 break

@@ -106,6 +106,9 @@ def _ending(reply: pb.ControlMessage | Rejection) -> Rejection:
     return Rejection(pb.REJECT_CODE_NOT_REGISTERED, reply.resync.reason)
 
 
+_MAX_LEASE_MS = 2**32 - 1  # Ack.lease_ms is a uint32
+
+
 def _ack(sequence: int) -> pb.ControlMessage:
     return pb.ControlMessage(ack=pb.Ack(sequence=sequence))
 
@@ -341,7 +344,10 @@ class _Stream:
             verdict.value,
             record.applied,
         )
-        return _ack(record.applied)
+        # The lease, so that an agent whose load stands still heartbeats only as often
+        # as it needs (each message costs both sides a wake-up).
+        lease_ms = min(round(self.service.lease_s * 1000), _MAX_LEASE_MS)
+        return pb.ControlMessage(ack=pb.Ack(sequence=record.applied, lease_ms=lease_ms))
 
     async def _kv_events(self, message: pb.KvEvents, record: WorkerRecord) -> Reply:
         events = parse_kv_events(message, self.service.limits)

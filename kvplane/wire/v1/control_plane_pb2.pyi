@@ -207,10 +207,12 @@ class Drain(_message.Message):
     def __init__(self) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("sequence",)
+    __slots__ = ("sequence", "lease_ms")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
-    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, sequence: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ("reason",)

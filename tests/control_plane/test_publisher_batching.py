@@ -33,7 +33,8 @@ async def _publish_steps(
     translator = BlockTranslator(MODEL, BLOCK_SIZE, max_tracked_blocks=1000)
     publisher = ControlPlanePublisher(
         WorkerIdentity("w1", "http://127.0.0.1:1", MODEL, BLOCK_SIZE, 0, "vllm", "", {}),
-        AgentSettings(control_plane_address=f"127.0.0.1:{router.grpc_port}"),
+        # A long linger: the event source applies it, never the publisher.
+        AgentSettings(control_plane_address=f"127.0.0.1:{router.grpc_port}", batch_linger_s=1.0),
         ControlPlaneSettings(block_size=BLOCK_SIZE, max_batch_blocks=max_batch_blocks),
         snapshot=translator.snapshot,
     )

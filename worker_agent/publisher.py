@@ -229,7 +229,7 @@ class ControlPlanePublisher:
         """Whether `load` (with the current wiring) says what the last report said, and
         the lease does not need renewing yet: an idle engine's agent then heartbeats
         every third of the lease, not every probe (each message costs the control plane
-        a wake-up, about 1.5 ms of CPU on the 2-core machine)."""
+        a wake-up, 1.5-3 ms of CPU at rest on the 2-core machine)."""
         return (
             self._last_report == (load, self._wiring)
             and time.monotonic() - self._last_report_at < self._repeat_after_s

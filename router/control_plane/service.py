@@ -109,8 +109,8 @@ def _ending(reply: pb.ControlMessage | Rejection) -> Rejection:
 _MAX_LEASE_MS = 2**32 - 1  # Ack.lease_ms is a uint32
 
 
-def _ack(sequence: int) -> pb.ControlMessage:
-    return pb.ControlMessage(ack=pb.Ack(sequence=sequence))
+def _ack(sequence: int, lease_ms: int = 0) -> pb.ControlMessage:
+    return pb.ControlMessage(ack=pb.Ack(sequence=sequence, lease_ms=lease_ms))
 
 
 class ControlPlaneService:
@@ -346,8 +346,7 @@ class _Stream:
         )
         # The lease, so that an agent whose load stands still heartbeats only as often
         # as it needs (each message costs both sides a wake-up).
-        lease_ms = min(round(self.service.lease_s * 1000), _MAX_LEASE_MS)
-        return pb.ControlMessage(ack=pb.Ack(sequence=record.applied, lease_ms=lease_ms))
+        return _ack(record.applied, min(round(self.service.lease_s * 1000), _MAX_LEASE_MS))
 
     async def _kv_events(self, message: pb.KvEvents, record: WorkerRecord) -> Reply:
         events = parse_kv_events(message, self.service.limits)

@@ -12,6 +12,7 @@ import pytest
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
 from kvplane.core.serving import cancel_task
+from kvplane.core.types import EventsState, ReplayState, WiringReport
 from kvplane.wire.codec import register_message
 from kvplane.wire.stream import AgentStream
 from router.app import RunningRouter, running_router
@@ -102,3 +103,17 @@ async def test_an_agent_told_no_lease_sends_every_load(monkeypatch: pytest.Monke
         before = _loads_received(router)
         await _probe(publisher, lambda probe: EngineLoad(0, 0, 0.0))
         await wait_until("every report", lambda: _loads_received(router) - before == PROBES)
+
+
+async def test_the_same_load_with_changed_wiring_goes_at_once() -> None:
+    """What the router shows of an agent's wiring must not wait for the heartbeat."""
+    async with (
+        running_router(make_settings(lease_s=LEASE_S)) as router,
+        _connected_agent(router) as publisher,
+    ):
+        before = _loads_received(router)
+        publisher.report_load(EngineLoad(0, 0, 0.0))
+        await wait_until("the first report", lambda: _loads_received(router) - before == 1)
+        publisher.report_wiring(WiringReport(EventsState.SILENT, ReplayState.OK, 16))
+        publisher.report_load(EngineLoad(0, 0, 0.0))
+        await wait_until("the changed wiring", lambda: _loads_received(router) - before == 2)

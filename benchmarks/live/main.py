@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
 from benchmarks.live.fleet import FleetShape
-from benchmarks.live.grid import PROFILES, Cell, cells, select
+from benchmarks.live.grid import LONGER_WORKLOADS, PROFILES, Cell, cells, select, traffic_seconds
 from benchmarks.live.report import (
     read_json,
     render_summary_markdown,
@@ -47,6 +47,12 @@ def resume_points(
         else:
             to_run += point_cells
     return kept, to_run
+
+
+def _longer(chosen: Sequence[Cell]) -> str:
+    """What the start line says of the workloads that run longer than the others."""
+    longer = sorted({cell.workload for cell in chosen if cell.workload in LONGER_WORKLOADS})
+    return "".join(f" ({workload}: {LONGER_WORKLOADS[workload]:g}x)" for workload in longer)
 
 
 def run_live_benchmark(
@@ -100,15 +106,19 @@ def run_live_benchmark(
     print(
         f"kvplane bench live ({profile.name}): {len(to_run)} cells to run"
         + (f" ({len(done)} kept from {json_path})" if done else "")
-        + f", {profile.duration_s:g} s of traffic each, {shape.engines} engine simulators "
-        f"({shape.kv_blocks} KV blocks each); logs in {logs}",
+        + f", {profile.duration_s:g} s of traffic each{_longer(chosen)}, {shape.engines} "
+        f"engine simulators ({shape.kv_blocks} KV blocks each); logs in {logs}",
         flush=True,
     )
     meta = {"profile": profile.name, "duration_s": profile.duration_s, "runs": profile.runs}
     started = time.monotonic()
     for number, cell in enumerate(to_run, 1):
         result = run_cell(
-            cell, duration_s=profile.duration_s, trace=trace, log_root=logs, shape=shape
+            cell,
+            duration_s=traffic_seconds(profile.duration_s, cell.workload),
+            trace=trace,
+            log_root=logs,
+            shape=shape,
         )
         done[cell.key] = result
         figures = (

@@ -34,6 +34,10 @@ def _by_router(results: Sequence[CellResult]) -> dict[str, list[CellResult]]:
 
 
 def render_tables(results: Sequence[CellResult]) -> str:
+    """`hit %` is the engines' own counters (hit over queried tokens), `cached %` the
+    cached share of the prompt tokens the answers' usage reports. They part where
+    requests wait for KV memory: an engine queries a waiting request's prefix again at
+    every step it cannot admit it, so the counters fall while the answers do not."""
     sections = []
     for (workload, situation, load), point in _points(results).items():
         rate = point[0].rate_per_s
@@ -41,6 +45,7 @@ def render_tables(results: Sequence[CellResult]) -> str:
             (
                 "router",
                 "hit %",
+                "cached %",
                 "TTFT p50 ms",
                 "TTFT p90 ms",
                 "TTFT p99 ms",
@@ -61,6 +66,7 @@ def render_tables(results: Sequence[CellResult]) -> str:
                 (
                     router,
                     _runs([run.engine_hit_rate * 100 for run in ok], ".1f"),
+                    _runs([run.client_cached_share * 100 for run in ok], ".1f"),
                     _runs([run.ttft_p50_ms for run in ok], ".0f"),
                     _runs([run.ttft_p90_ms for run in ok], ".0f"),
                     _runs([run.ttft_p99_ms for run in ok], ".0f"),

@@ -31,8 +31,20 @@ def _cell(router: str, run: int, **figures: float | str | None) -> CellResult:
 def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
     table = render_tables(
         [
-            _cell("kvplane kvplane", 1, engine_hit_rate=0.9, ttft_p90_ms=84.0),
-            _cell("kvplane kvplane", 2, engine_hit_rate=0.8, ttft_p90_ms=134.0),
+            _cell(
+                "kvplane kvplane",
+                1,
+                engine_hit_rate=0.9,
+                client_cached_share=0.93,
+                ttft_p90_ms=84.0,
+            ),
+            _cell(
+                "kvplane kvplane",
+                2,
+                engine_hit_rate=0.8,
+                client_cached_share=0.91,
+                ttft_p90_ms=134.0,
+            ),
             _cell("smg cache_aware", 1, error="the peers' environment is missing"),
             _cell("sglang-router round_robin", 1, unsalted_blocks=12),
             _cell("smg round_robin", 1, unsalted_blocks=0),
@@ -41,6 +53,7 @@ def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
     assert "shared-8, steady, medium (15 req/s offered)" in table
     row = next(line for line in table.splitlines() if line.startswith("kvplane kvplane"))
     assert "90.0 / 80.0" in row
+    assert "93.0 / 91.0" in row  # the answers' cached share beside the engines' counters
     assert "84 / 134" in row
     assert "smg cache_aware: no figures: the peers' environment is missing" in table
     assert "sglang-router round_robin: tenants SHARED cache" in table

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.live.bakeoff import CellResult
-from benchmarks.live.grid import PROFILES, Cell, cells
+from benchmarks.live.grid import LONGER_WORKLOADS, PROFILES, Cell, cells, traffic_seconds
 from benchmarks.live.main import resume_points, run_live_benchmark
 from benchmarks.live.report import read_json, write_json
 
@@ -83,3 +83,9 @@ def test_resume_refuses_without_a_file_or_with_other_cells(
     assert run_live_benchmark(profile_name="quick", only=only, json_path=path, resume=True) == 2
     assert "pass the same --duration" in capsys.readouterr().err
     assert path.read_text() == before  # nothing run, nothing written
+
+
+def test_mooncake_cells_send_three_times_the_profiles_traffic() -> None:
+    assert traffic_seconds(15.0, "mooncake") == 45.0
+    assert traffic_seconds(15.0, "shared-8") == 15.0
+    assert {cell.workload for cell in cells(PROFILES["full"])} >= set(LONGER_WORKLOADS)

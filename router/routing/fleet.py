@@ -144,12 +144,18 @@ class Fleet:
         self._roster = Roster([])
         self._live: dict[str, WorkerInfo] = {}  # the roster's workers, as registered
         self.refreshed_at: float | None = None
+        self._last_read_failed = False
 
     # -- the registry --------------------------------------------------------------
 
     async def refresh(self) -> None:
         """Re-read the registry; on failure keep the last one (routing goes on with it)."""
-        statuses = await self._index.workers()
+        try:
+            statuses = await self._index.workers()
+        except BaseException:  # raised on: this router's caller decides what it means
+            self._last_read_failed = True
+            raise
+        self._last_read_failed = False
         self._statuses = {status.info.worker_id: status for status in statuses}
         self.refreshed_at = self._clock()
         live = {
@@ -184,8 +190,13 @@ class Fleet:
         return sorted({candidate.info.model for candidate in self.candidates()})
 
     def registry_is_current(self) -> bool:
+        """Whether the last registry read answered, recently. A read that failed ends it
+        at once: the leases this router saw renewed last may run out within the stale
+        window, and the view's guess that they did must not stop routing (module doc)."""
         return (
-            self.refreshed_at is not None and self._clock() - self.refreshed_at < REGISTRY_STALE_S
+            self.refreshed_at is not None
+            and not self._last_read_failed
+            and self._clock() - self.refreshed_at < REGISTRY_STALE_S
         )
 
     # -- where requests may go -----------------------------------------------------

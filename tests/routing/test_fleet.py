@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerView
-from router.index.base import WorkerState
+from router.index.base import LocationIndexError, WorkerState
 from router.index.memory import MemoryLocationIndex
+from router.index.redis import RedisLocationIndex
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.evictions import RecentEvictions
 from router.routing.fleet import Fleet, Ticket
 from tests.clock import ManualClock
+from tests.redis_servers import stoppable_redis
 
 MODEL = "test-model"
 
@@ -252,6 +257,37 @@ async def test_while_the_index_is_silent_the_last_registry_read_stands() -> None
     setup.clock.now += 5  # no refresh since: the index is not answering
     assert not setup.fleet.registry_is_current()
     assert setup.ids() == ["w1"]
+
+
+async def test_a_registry_read_that_fails_makes_the_views_deaths_guesses_at_once(
+    tmp_path: Path,
+) -> None:
+    """Within the stale window too: the view's leases (renewed a third of a lease apart
+    at most) may run out before a last good read is a second old."""
+    clock = ManualClock()
+    view = WorkerView()
+    with stoppable_redis(tmp_path) as (url, redis_process):
+        index = RedisLocationIndex.from_url(url, prefix="fleet-test")
+        fleet = Fleet(
+            index,
+            view,
+            evictions=RecentEvictions(horizon_s=10.0),
+            accuracy=PredictionAccuracy(suspect_after_misses=2, tolerance_tokens=4),
+            unreachable_backoff_s=BACKOFF_S,
+            clock=clock,
+        )
+        info = worker("w1")
+        await index.register(info, LEASE_S)
+        view.registered(info, stream=1, now=clock.now, lease_s=LEASE_S)
+        await fleet.refresh()
+        view.dead("w1", clock.now)  # its lease ran out in this router's view
+        assert [c.worker_id for c in fleet.candidates()] == []
+        redis_process.stop()
+        with pytest.raises(LocationIndexError):
+            await fleet.refresh()
+        assert not fleet.registry_is_current()  # no time has passed on the clock
+        assert [c.worker_id for c in fleet.candidates()] == ["w1"]
+        await index.close()
 
 
 async def test_a_non_streamed_request_prefills_until_the_next_load_report() -> None:

@@ -112,6 +112,7 @@ class DecisionFigures:
     tokenize_repeat_p50_us: float  # the same prompt again: the proxy's token cache
     tokenize_shared_p50_us: float  # a chat whose messages but the last were seen before
     route_shared_p50_us: float  # that chat from its body to its request to the engine
+    tokenize_shared_text_p50_us: float  # a completions prompt whose start was seen before
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,7 @@ async def measure_decisions(
         tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
         tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
         route_shared_p50_us=round(case.tokenize.shared_route_us, 1),
+        tokenize_shared_text_p50_us=round(case.tokenize.shared_text_us, 1),
     )
 
 
@@ -317,6 +319,10 @@ class TokenizeFigures:
     # predicted where it goes, its body for the engine made (the router's work from a
     # body received to a request sent).
     shared_route_us: float
+    # A completions prompt of one text whose first 15/16 was seen before (a document, a
+    # long instruction): its start is reused where the tokenizer allows cuts between
+    # words (kvplane.core.tokenizer_pieces).
+    shared_text_us: float
 
 
 def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
@@ -330,22 +336,29 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     repeats = max(10, 200_000 // prompt_tokens)
     history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 
-    def request(suffix: str) -> ParsedRequest:
-        raw = msgspec.json.encode({"model": MODEL, "prompt": text + suffix})
+    def request_for(prompt: str) -> ParsedRequest:
+        raw = msgspec.json.encode({"model": MODEL, "prompt": prompt})
         return parse_body(raw, Endpoint.COMPLETIONS)
 
-    def chat_body(suffix: str) -> bytes:
+    def request(suffix: str) -> ParsedRequest:
+        return request_for(text + suffix)
+
+    def chat_body(marker: str) -> bytes:
+        # The marker leads the new message: none of it was seen before, not even its
+        # start (which the cuts between words would otherwise find again).
         messages = [
             {"role": "system", "content": history},
-            {"role": "user", "content": question + suffix},
+            {"role": "user", "content": marker + question},
         ]
         return msgspec.json.encode({"model": MODEL, "messages": messages})
 
-    def chat(suffix: str) -> ParsedRequest:
-        return parse_body(chat_body(suffix), Endpoint.CHAT)
+    def chat(marker: str) -> ParsedRequest:
+        return parse_body(chat_body(marker), Endpoint.CHAT)
 
     async def fresh() -> None:
-        await prompt_tokens_of.of(request(f" {time.perf_counter_ns()}"), "")
+        # A scope of its own each time: no piece of it was seen before, where the cuts
+        # between words would otherwise find the earlier prompts' start.
+        await prompt_tokens_of.of(request(""), f"fresh {time.perf_counter_ns()}")
 
     repeated_request = request("")
 
@@ -353,10 +366,13 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         await prompt_tokens_of.of(repeated_request, "")
 
     async def shared_prefix() -> None:
-        await prompt_tokens_of.of(chat(f" {time.perf_counter_ns()}"), "")
+        await prompt_tokens_of.of(chat(f"{time.perf_counter_ns()} "), "")
+
+    async def shared_text() -> None:
+        await prompt_tokens_of.of(request_for(f"{history} {time.perf_counter_ns()} {question}"), "")
 
     async def shared_route() -> None:
-        raw = chat_body(f" {time.perf_counter_ns()}")  # as received: the clock starts here
+        raw = chat_body(f"{time.perf_counter_ns()} ")  # as received: the clock starts here
         started = time.perf_counter_ns()
         parsed = parse_body(raw, Endpoint.CHAT)
         tokens = await prompt_tokens_of.of(parsed, "")
@@ -380,18 +396,21 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     await _timed_us(repeated, 3)
     # Past the first uses, which are compared with whole tokenisation: the steady state.
     await _timed_us(shared_prefix, CHECKED_FIRST_USES)
+    await _timed_us(shared_text, CHECKED_FIRST_USES)
     route_us: list[float] = []
     await _timed_us(shared_route, 3)
     route_us.clear()
     fresh_us = await _timed_us(fresh, repeats)
     repeated_us = await _timed_us(repeated, repeats)
     shared_us = await _timed_us(shared_prefix, repeats)
+    shared_text_us = await _timed_us(shared_text, repeats)
     await _timed_us(shared_route, repeats)  # timed inside, from the body received
     figures = TokenizeFigures(
         statistics.median(fresh_us),
         statistics.median(repeated_us),
         statistics.median(shared_us),
         statistics.median(route_us),
+        statistics.median(shared_text_us),
     )
     await index.close()
     return figures
@@ -618,7 +637,7 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
         print(
             f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
             f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'tokenize p50':>13} "
-            f"{'repeated':>9} {'shared':>9} {'route shared':>13}"
+            f"{'repeated':>9} {'shared':>9} {'route shared':>13} {'text shared':>12}"
         )
         for row in decisions:
             print(
@@ -626,7 +645,8 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
                 f"{row.decision_p50_us:>9.0f}µs {row.decision_p99_us:>9.0f}µs "
                 f"{row.keys_p50_us:>8.0f}µs {row.lookup_p50_us:>9.0f}µs "
                 f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs "
-                f"{row.tokenize_shared_p50_us:>7.0f}µs {row.route_shared_p50_us:>11.0f}µs"
+                f"{row.tokenize_shared_p50_us:>7.0f}µs {row.route_shared_p50_us:>11.0f}µs "
+                f"{row.tokenize_shared_text_p50_us:>10.0f}µs"
             )
     if proxy is not None:
         print(

@@ -18,6 +18,7 @@ DECISION_FIELDS = {
     "decision_p99_us",
     "tokenize_p50_us",
     "tokenize_shared_p50_us",
+    "tokenize_shared_text_p50_us",
 }
 PROXY_FIELDS = {
     "added_latency_p50_ms",

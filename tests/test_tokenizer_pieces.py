@@ -1,6 +1,7 @@
 """Piecewise tokenisation equals whole tokenisation, for every kind of tokenizer it
 accepts, on generated texts full of added tokens, near-misses of them, spaces, newlines
-and non-ASCII text; and the tokenizers whose added tokens move the cut are refused."""
+and non-ASCII text; and the tokenizers whose added tokens move the cut are refused.
+Text cut between words too, for the pre-tokenizers that allow it, and only those."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import (
     AddedToken,
+    Regex,
     Tokenizer,
     models,
     normalizers,
@@ -19,6 +21,7 @@ from tokenizers import (
     trainers,
 )
 
+from kvplane.core import tokenizer_pieces
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
 from kvplane.core.tokenizer_pieces import PieceTokenizer
 
@@ -153,6 +156,40 @@ def _llama_like() -> Tokenizer:
     )
 
 
+LLAMA_3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_2_PATTERN = LLAMA_3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_then_byte_level(
+    pattern: str, normalizer: normalizers.Normalizer | None = None, dropout: float | None = None
+) -> Tokenizer:
+    """Llama 3's and Qwen 2's shape: a regular expression's matches, then bytes."""
+
+    def setup(tokenizer: Tokenizer) -> None:
+        if normalizer is not None:
+            tokenizer.normalizer = normalizer
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return _trained(
+        models.BPE(dropout=dropout),
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=SPECIAL,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+        setup,
+    )
+
+
 TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {
     "kvplane default": lambda: Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json")),
     "byte-level BPE": lambda: _byte_level(add_prefix_space=False),
@@ -162,8 +199,35 @@ TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {
     "SentencePiece, space always": lambda: _sentencepiece_like("always"),
     "WordPiece, lowercase": _wordpiece_lowercase,
     "Llama-like": _llama_like,
+    "Llama 3 split": lambda: _split_then_byte_level(LLAMA_3_PATTERN),
+    "Qwen 2 split, NFC": lambda: _split_then_byte_level(QWEN_2_PATTERN, normalizers.NFC()),
 }
+CUT_BETWEEN_WORDS = ("kvplane default", "byte-level BPE", "Llama 3 split", "Qwen 2 split, NFC")
 texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=6), max_size=40).map("".join)
+# Words, and what may stand next to a space: whitespace of every kind Unicode has (and
+# Python's isspace() adds), punctuation, digits, contractions, combining marks.
+WORDY = [
+    *FRAGMENTS,
+    "word",
+    " word",
+    " ",
+    " ",
+    "\u00a0",
+    "\u3000",
+    "\u2028",
+    "\x1c",
+    "\x85",
+    "\u0301",
+    "e\u0301",
+    " '",
+    "'ll",
+    " 12345",
+    ".",
+    " .",
+    "-",
+    "\r\n",
+]
+wordy_texts = st.lists(st.sampled_from(WORDY) | st.text(max_size=4), max_size=60).map("".join)
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -187,6 +251,78 @@ def test_pieces_encode_to_exactly_what_the_whole_text_encodes_to(name: str) -> N
             assert before + joined + after == backend.encode(text, add_special_tokens=True).ids
 
     check()
+
+
+@pytest.mark.parametrize("name", CUT_BETWEEN_WORDS)
+def test_text_cut_between_words_encodes_to_exactly_the_whole_text(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer_pieces, "SEGMENT_CHARS", 2)  # a cut at every chance
+    backend = TOKENIZERS[name]()
+    pieces = PieceTokenizer.of(backend)
+    assert isinstance(pieces, PieceTokenizer), pieces
+    assert pieces.no_cuts_between_words_reason is None
+    cut = 0
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(text=wordy_texts)
+    def check(text: str) -> None:
+        nonlocal cut
+        split = pieces.split(text)
+        assert "".join(piece.text for piece in split) == text
+        text_pieces = [piece for piece in split if piece.token_id is None]
+        cut += sum(piece.text.startswith(" ") and not piece.starts_text for piece in text_pieces)
+        joined = []
+        encoded = iter(pieces.encode(text_pieces))
+        for piece in split:
+            joined += [piece.token_id] if piece.token_id is not None else next(encoded)
+        assert joined == backend.encode(text, add_special_tokens=False).ids
+
+    check()
+    assert cut > 30  # the texts were cut between words, often
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: _byte_level(add_prefix_space=True), "pre-tokenizer"),
+        (lambda: _sentencepiece_like("first"), "not BPE"),
+        (_wordpiece_lowercase, "not BPE"),
+        (_llama_like, "normalises"),
+        (lambda: _split_then_byte_level(r"\S+|\s+"), "pre-tokenizer"),
+        (lambda: _split_then_byte_level(LLAMA_3_PATTERN, normalizers.NFKC()), "normalises"),
+        (lambda: _split_then_byte_level(LLAMA_3_PATTERN, dropout=0.1), "dropout"),
+    ],
+)
+def test_text_is_cut_between_words_only_where_that_is_proven_exact(
+    make: Callable[[], Tokenizer], reason: str
+) -> None:
+    pieces = PieceTokenizer.of(make())
+    assert isinstance(pieces, PieceTokenizer), pieces
+    assert reason in (pieces.no_cuts_between_words_reason or "")
+    long_text = "word " * 400
+    assert [piece.text for piece in pieces.split(long_text)] == [long_text]
+
+
+def test_texts_that_share_a_start_are_cut_alike_within_it() -> None:
+    pieces = PieceTokenizer.of(Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json")))
+    assert isinstance(pieces, PieceTokenizer)
+    shared = " ".join(f"word{number}" for number in range(1000))  # about 8,900 characters
+    first = pieces.split(shared + " and then one ending")
+    second = pieces.split(shared + " but another")
+    assert len(first) > 10
+    assert [piece.text for piece in first[:-1]] == [piece.text for piece in second[:-1]]
+    assert all(len(piece.text) >= tokenizer_pieces.SEGMENT_CHARS for piece in first[:-1])
+
+
+def test_a_long_text_is_cut_less_often_far_into_it() -> None:
+    """A megabyte of text in a few hundred pieces at most (the router tokenises a prompt
+    of more than 1,024 pieces whole)."""
+    pieces = PieceTokenizer.of(Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json")))
+    assert isinstance(pieces, PieceTokenizer)
+    split = pieces.split("word " * 200_000)
+    assert 100 < len(split) < 200
+    assert len(split[-2].text) > 20 * len(split[0].text)
 
 
 def test_the_post_processors_wrap_is_read_off_the_tokenizer() -> None:

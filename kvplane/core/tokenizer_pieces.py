@@ -18,19 +18,66 @@ each piece's own output between them, under conditions checked or arranged here:
   an added token whose id is then dropped;
 - the tokenizer extracts added tokens at all (`encode_special_tokens` off), and it
   neither truncates nor pads.
+
+A long run of text between added tokens (a document, a long user message, a prompt of
+the completions API) is cut further, between words, where the tokenizer's
+pre-tokenizer is one of those below, so that a prompt that repeats the start of an
+earlier one reuses that start too. A cut goes before a space that has a character
+other than whitespace on either side ("...word| word..."), and the result is still
+exact, because of how these pre-tokenizers split:
+- GPT-2's byte-level regular expression (`ByteLevel(use_regex=True)`), and Llama 3's
+  and Qwen 2's (`Split(pattern, "isolated")` then `ByteLevel(use_regex=False)`), both
+  without a prefix space: a space is taken only at the start of a match, or inside a
+  run of whitespace; so the match of the character before the space ends at it, and
+  the next match starts there, as it would at the start of the second part;
+- the part before the cut matches as it would alone: no alternative of these patterns
+  looks behind; the only one that looks ahead (whitespace not followed by anything
+  else) looks at most one character past a run of whitespace, which ends before the
+  character left of the cut; and every other alternative stops at a space as it stops
+  at the end of the text;
+- the model (BPE, without dropout) encodes each pre-token on its own, and the
+  normaliser, if any, is NFC, which composes nothing with a space.
+The first piece's start is kept as it was (`starts_text`); a cut piece is encoded behind
+an added token like any other. Runs are cut at the first such space past every
+`SEGMENT_CHARS` characters from the last cut (more, far into a long run), reading from
+the start, so two texts that share a start are cut alike within it.
+
 `tests/test_tokenizer_pieces.py` checks the equality on generated texts for byte-level
-BPE, SentencePiece-style and WordPiece tokenizers; the router also compares a sample of
-its piecewise results with whole tokenisation, and stops using pieces on any difference.
+BPE, SentencePiece-style and WordPiece tokenizers, and the cuts between words on the
+patterns above; the router also compares a sample of its piecewise results with whole
+tokenisation, and stops using pieces on any difference.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _PROBES = ("a", "Hello, world 123")
+
+SEGMENT_CHARS = 512
+"""Text runs are cut between words about this often (see the module doc), and less
+often far into a long run: each cut piece costs a cache entry and a hash a prompt, each
+character past the last cut that a later prompt shares is tokenised again."""
+SEGMENT_GROWTH = 32
+"""Past SEGMENT_CHARS * SEGMENT_GROWTH characters into a run, a piece is this fraction
+of the way so far: a 1 MB text makes about 170 pieces, not 2,000, and a later prompt that
+shares most of it tokenises again at most a 32nd of what they share."""
+
+_GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+_SPLIT_PATTERNS = frozenset(
+    {
+        # Llama 3
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        # Qwen 2
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +96,7 @@ class PieceTokenizer:
         self._backend = backend
         self._added = added
         self._sentinel = sentinel
+        self.no_cuts_between_words_reason = _why_not_cut_between_words(backend)
         longest_first = sorted(added, key=len, reverse=True)
         self._cut = re.compile("|".join(re.escape(content) for content in longest_first))
         self.wrap = _special_token_wrap(backend)
@@ -81,16 +129,26 @@ class PieceTokenizer:
         return cls(backend, added, sentinel)
 
     def split(self, text: str) -> list[Piece]:
-        pieces = []
+        pieces: list[Piece] = []
         start = 0
         for match in self._cut.finditer(text):
             if match.start() > start:
-                pieces.append(Piece(text[start : match.start()], None, start == 0))
+                pieces += self._text_pieces(text, start, match.start())
             pieces.append(Piece(match.group(), self._added[match.group()], match.start() == 0))
             start = match.end()
         if start < len(text):
-            pieces.append(Piece(text[start:], None, start == 0))
+            pieces += self._text_pieces(text, start, len(text))
         return pieces
+
+    def _text_pieces(self, text: str, start: int, end: int) -> Iterator[Piece]:
+        """The run text[start:end], cut between words if the tokenizer allows it."""
+        if self.no_cuts_between_words_reason is not None:
+            yield Piece(text[start:end], None, start == 0)
+            return
+        for cut in _cuts_between_words(text, start, end):
+            yield Piece(text[start:cut], None, start == 0)
+            start = cut
+        yield Piece(text[start:end], None, start == 0)
 
     def encode(self, pieces: Sequence[Piece]) -> list[list[int]]:
         """Each text piece's token ids, as the tokenizer produces them within the text.
@@ -112,6 +170,51 @@ class PieceTokenizer:
     def _ids(piece: Piece, encoding: Any) -> list[int]:
         ids: list[int] = encoding.ids  # a new list at every read: no copy needed
         return ids if piece.starts_text else ids[1:]
+
+
+def _cuts_between_words(text: str, start: int, end: int) -> Iterator[int]:
+    """Where the run text[start:end] is cut: at the first space with no whitespace on
+    either side, SEGMENT_CHARS (or a SEGMENT_GROWTH-th of the way into the run, if more)
+    past the last cut. Each cut depends on the text before it only, so texts that share
+    a start are cut alike within it. (Python's isspace() holds for all of Unicode's
+    White_Space, which the patterns' whitespace class matches, and for a few characters
+    more: a cut it refuses is only a cut not made.)"""
+    at = start + SEGMENT_CHARS
+    while at < end - 1:
+        space = text.find(" ", at, end - 1)
+        if space < 0:
+            return
+        if not text[space - 1].isspace() and not text[space + 1].isspace():
+            yield space
+            at = space + max(SEGMENT_CHARS, (space - start) // SEGMENT_GROWTH)
+        else:
+            at = space + 1
+
+
+def _why_not_cut_between_words(backend: Any) -> str | None:
+    """None when a text run may be cut between words (the module doc's conditions)."""
+    if type(backend.model).__name__ != "BPE" or backend.model.dropout:
+        return "its model is not BPE without dropout"
+    normalizer = backend.normalizer
+    if normalizer is not None and json.loads(normalizer.__getstate__()) != {"type": "NFC"}:
+        return "it normalises other than NFC"
+    pre_tokenizer = backend.pre_tokenizer
+    state = json.loads(pre_tokenizer.__getstate__()) if pre_tokenizer is not None else {}
+    if _is(state, _GPT2_BYTE_LEVEL):
+        return None
+    steps = state.get("pretokenizers", []) if state.get("type") == "Sequence" else []
+    if (
+        len(steps) == 2
+        and _is(steps[0], {"type": "Split", "behavior": "Isolated", "invert": False})
+        and steps[0].get("pattern", {}).get("Regex") in _SPLIT_PATTERNS
+        and _is(steps[1], {**_GPT2_BYTE_LEVEL, "use_regex": False})
+    ):
+        return None
+    return "its pre-tokenizer is not one whose splits are known to fall between words"
+
+
+def _is(state: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    return all(state.get(name) == value for name, value in wanted.items())
 
 
 def _special_token_wrap(backend: Any) -> tuple[list[int], list[int]] | None:

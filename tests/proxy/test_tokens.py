@@ -152,6 +152,22 @@ async def test_completions_prompts_get_the_tokenizers_special_tokens_piecewise()
     assert stats.piecewise_differences == 0
 
 
+async def test_a_long_text_that_starts_as_an_earlier_one_reuses_that_start() -> None:
+    """No added token in it (a document, a completions prompt): reused all the same, cut
+    between words (kvplane.core.tokenizer_pieces)."""
+    tokenizer = load_tokenizer()
+    tokens = PromptTokens(ProxySettings())
+    document = "The quick brown fox jumps over the lazy dog. " * 100  # 4,500 characters
+    for question in ("What did the fox do?", "And the dog?"):
+        prompt = document + question
+        ids = await tokens.of(request(Endpoint.COMPLETIONS, prompt=prompt), "")
+        assert ids is not None
+        assert list(ids) == tokenizer.completion_tokens(prompt)
+    stats = tokens.stats()
+    assert stats.piece_tokens_reused > 0.8 * len(tokenizer.completion_tokens(document))
+    assert stats.piecewise_differences == 0
+
+
 async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -325,6 +325,13 @@ class TokenizeFigures:
     shared_text_us: float
 
 
+def marked(text: str, marker: str) -> str:
+    """`text` with `marker` every 256 characters: none of it is a piece seen before, where
+    the cuts between words (every 512 characters or more) would find the same text again
+    behind a marker at its start only."""
+    return "".join(f" {marker}{text[at : at + 256]}" for at in range(0, len(text), 256))
+
+
 def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
     return asyncio.run(_measure_tokenize_us(text_prompt(prompt_tokens), prompt_tokens))
 
@@ -344,11 +351,9 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         return request_for(text + suffix)
 
     def chat_body(marker: str) -> bytes:
-        # The marker leads the new message: none of it was seen before, not even its
-        # start (which the cuts between words would otherwise find again).
         messages = [
             {"role": "system", "content": history},
-            {"role": "user", "content": marker + question},
+            {"role": "user", "content": marked(question, marker)},
         ]
         return msgspec.json.encode({"model": MODEL, "messages": messages})
 
@@ -366,13 +371,14 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         await prompt_tokens_of.of(repeated_request, "")
 
     async def shared_prefix() -> None:
-        await prompt_tokens_of.of(chat(f"{time.perf_counter_ns()} "), "")
+        await prompt_tokens_of.of(chat(str(time.perf_counter_ns())), "")
 
     async def shared_text() -> None:
-        await prompt_tokens_of.of(request_for(f"{history} {time.perf_counter_ns()} {question}"), "")
+        prompt = history + marked(question, str(time.perf_counter_ns()))
+        await prompt_tokens_of.of(request_for(prompt), "")
 
     async def shared_route() -> None:
-        raw = chat_body(f"{time.perf_counter_ns()} ")  # as received: the clock starts here
+        raw = chat_body(str(time.perf_counter_ns()))  # as received: the clock starts here
         started = time.perf_counter_ns()
         parsed = parse_body(raw, Endpoint.CHAT)
         tokens = await prompt_tokens_of.of(parsed, "")

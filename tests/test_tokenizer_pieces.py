@@ -23,7 +23,7 @@ from tokenizers import (
 
 from kvplane.core import tokenizer_pieces
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
-from kvplane.core.tokenizer_pieces import PieceTokenizer
+from kvplane.core.tokenizer_pieces import Piece, PieceTokenizer
 
 SPECIAL = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|im_start|>x"]
 TRAINING = [
@@ -253,6 +253,11 @@ def test_pieces_encode_to_exactly_what_the_whole_text_encodes_to(name: str) -> N
     check()
 
 
+def cut_between_words(pieces: PieceTokenizer, text: str) -> list[Piece]:
+    """The text cut at its added tokens, and each run between them between words."""
+    return [segment for piece in pieces.split(text) for segment in pieces.segments(piece)]
+
+
 @pytest.mark.parametrize("name", CUT_BETWEEN_WORDS)
 def test_text_cut_between_words_encodes_to_exactly_the_whole_text(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -268,7 +273,7 @@ def test_text_cut_between_words_encodes_to_exactly_the_whole_text(
     @given(text=wordy_texts)
     def check(text: str) -> None:
         nonlocal cut
-        split = pieces.split(text)
+        split = cut_between_words(pieces, text)
         assert "".join(piece.text for piece in split) == text
         text_pieces = [piece for piece in split if piece.token_id is None]
         cut += sum(piece.text.startswith(" ") and not piece.starts_text for piece in text_pieces)
@@ -301,15 +306,15 @@ def test_text_is_cut_between_words_only_where_that_is_proven_exact(
     assert isinstance(pieces, PieceTokenizer), pieces
     assert reason in (pieces.no_cuts_between_words_reason or "")
     long_text = "word " * 400
-    assert [piece.text for piece in pieces.split(long_text)] == [long_text]
+    assert [piece.text for piece in cut_between_words(pieces, long_text)] == [long_text]
 
 
 def test_texts_that_share_a_start_are_cut_alike_within_it() -> None:
     pieces = PieceTokenizer.of(Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json")))
     assert isinstance(pieces, PieceTokenizer)
     shared = " ".join(f"word{number}" for number in range(1000))  # about 8,900 characters
-    first = pieces.split(shared + " and then one ending")
-    second = pieces.split(shared + " but another")
+    first = cut_between_words(pieces, shared + " and then one ending")
+    second = cut_between_words(pieces, shared + " but another")
     assert len(first) > 10
     assert [piece.text for piece in first[:-1]] == [piece.text for piece in second[:-1]]
     assert all(len(piece.text) >= tokenizer_pieces.SEGMENT_CHARS for piece in first[:-1])
@@ -320,7 +325,7 @@ def test_a_long_text_is_cut_less_often_far_into_it() -> None:
     of more than 1,024 pieces whole)."""
     pieces = PieceTokenizer.of(Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json")))
     assert isinstance(pieces, PieceTokenizer)
-    split = pieces.split("word " * 200_000)
+    split = cut_between_words(pieces, "word " * 200_000)
     assert 100 < len(split) < 200
     assert len(split[-2].text) > 20 * len(split[0].text)
 

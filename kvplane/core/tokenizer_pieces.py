@@ -129,26 +129,31 @@ class PieceTokenizer:
         return cls(backend, added, sentinel)
 
     def split(self, text: str) -> list[Piece]:
-        pieces: list[Piece] = []
+        """The text cut at its added tokens: the runs of text between them, and them."""
+        pieces = []
         start = 0
         for match in self._cut.finditer(text):
             if match.start() > start:
-                pieces += self._text_pieces(text, start, match.start())
+                pieces.append(Piece(text[start : match.start()], None, start == 0))
             pieces.append(Piece(match.group(), self._added[match.group()], match.start() == 0))
             start = match.end()
         if start < len(text):
-            pieces += self._text_pieces(text, start, len(text))
+            pieces.append(Piece(text[start:], None, start == 0))
         return pieces
 
-    def _text_pieces(self, text: str, start: int, end: int) -> Iterator[Piece]:
-        """The run text[start:end], cut between words if the tokenizer allows it."""
-        if self.no_cuts_between_words_reason is not None:
-            yield Piece(text[start:end], None, start == 0)
-            return
-        for cut in _cuts_between_words(text, start, end):
-            yield Piece(text[start:cut], None, start == 0)
+    def segments(self, piece: Piece) -> list[Piece]:
+        """A run of text cut between words, where the tokenizer allows it (the module
+        doc); [piece] when it is not cut."""
+        if self.no_cuts_between_words_reason is not None or piece.token_id is not None:
+            return [piece]
+        text = piece.text
+        segments = []
+        start = 0
+        for cut in _cuts_between_words(text):
+            segments.append(Piece(text[start:cut], None, piece.starts_text and start == 0))
             start = cut
-        yield Piece(text[start:end], None, start == 0)
+        segments.append(Piece(text[start:], None, piece.starts_text and start == 0))
+        return segments
 
     def encode(self, pieces: Sequence[Piece]) -> list[list[int]]:
         """Each text piece's token ids, as the tokenizer produces them within the text.
@@ -172,21 +177,21 @@ class PieceTokenizer:
         return ids if piece.starts_text else ids[1:]
 
 
-def _cuts_between_words(text: str, start: int, end: int) -> Iterator[int]:
-    """Where the run text[start:end] is cut: at the first space with no whitespace on
-    either side, SEGMENT_CHARS (or a SEGMENT_GROWTH-th of the way into the run, if more)
-    past the last cut. Each cut depends on the text before it only, so texts that share
-    a start are cut alike within it. (Python's isspace() holds for all of Unicode's
-    White_Space, which the patterns' whitespace class matches, and for a few characters
-    more: a cut it refuses is only a cut not made.)"""
-    at = start + SEGMENT_CHARS
-    while at < end - 1:
-        space = text.find(" ", at, end - 1)
+def _cuts_between_words(text: str) -> Iterator[int]:
+    """Where a run of text is cut: at the first space with no whitespace on either side,
+    SEGMENT_CHARS (or a SEGMENT_GROWTH-th of the way into the run, if more) past the last
+    cut. Each cut depends on the text before it only, so runs that share a start are cut
+    alike within it. (Python's isspace() holds for all of Unicode's White_Space, which the
+    patterns' whitespace class matches, and for a few characters more: a cut it refuses
+    is only a cut not made.)"""
+    at = SEGMENT_CHARS
+    while at < len(text) - 1:
+        space = text.find(" ", at, len(text) - 1)
         if space < 0:
             return
         if not text[space - 1].isspace() and not text[space + 1].isspace():
             yield space
-            at = space + max(SEGMENT_CHARS, (space - start) // SEGMENT_GROWTH)
+            at = space + max(SEGMENT_CHARS, space // SEGMENT_GROWTH)
         else:
             at = space + 1
 

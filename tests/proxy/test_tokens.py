@@ -166,6 +166,13 @@ async def test_a_long_text_that_starts_as_an_earlier_one_reuses_that_start() -> 
     stats = tokens.stats()
     assert stats.piece_tokens_reused > 0.8 * len(tokenizer.completion_tokens(document))
     assert stats.piecewise_differences == 0
+    # Kept both ways: the run whole (a prompt seen before costs one lookup) and its cuts.
+    assert tokenizer.pieces is not None
+    (run,) = tokenizer.pieces.split(document + "And the dog?")
+    segments = tokenizer.pieces.segments(run)
+    assert len(segments) > 1
+    for piece in (run, *segments[:-1]):
+        assert tokens.pieces.get(piece_key("", piece)) is not None
 
 
 async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(

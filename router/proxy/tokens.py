@@ -9,10 +9,11 @@ scopes that would tell one tenant that another sent the same text):
   prompt or the messages and the template's arguments): a retry, a repeated evaluation
   prompt or a client's fan-out costs the hash;
 - pieces of prompts: the text between two added tokens (a system prompt, a tool schema,
-  an earlier turn of the conversation), and a long such text cut between words about
-  every 512 characters (a document, a prompt of the completions API), is tokenised once
-  and its ids reused wherever it comes again, so that a prompt that shares most of its
-  text with earlier ones costs the new text only. `kvplane.core.tokenizer_pieces` says
+  an earlier turn of the conversation) is tokenised once and its ids reused wherever it
+  comes again, so that a prompt that shares most of its text with earlier ones costs the
+  new text only. A long such text missed whole is cut between words about every 512
+  characters (a document, a prompt of the completions API that repeats the start of an
+  earlier one), and kept both whole and cut. `kvplane.core.tokenizer_pieces` says
   why this equals tokenising the whole text and which tokenizers it refuses; the first
   uses of each tokenizer and a sample after them are compared with whole tokenisation
   all the same, and a difference turns pieces off for that tokenizer.

@@ -69,12 +69,9 @@ def _trained(
     return tokenizer
 
 
-def _byte_level(add_prefix_space: bool) -> Tokenizer:
-    def setup(tokenizer: Tokenizer) -> None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
-
-    tokenizer = _trained(
-        models.BPE(),
+def _byte_level_bpe(setup: Callable[[Tokenizer], None], dropout: float | None = None) -> Tokenizer:
+    return _trained(
+        models.BPE(dropout=dropout),
         trainers.BpeTrainer(
             vocab_size=400,
             special_tokens=SPECIAL,
@@ -83,6 +80,13 @@ def _byte_level(add_prefix_space: bool) -> Tokenizer:
         ),
         setup,
     )
+
+
+def _byte_level(add_prefix_space: bool) -> Tokenizer:
+    def setup(tokenizer: Tokenizer) -> None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+
+    tokenizer = _byte_level_bpe(setup)
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
     )
@@ -178,16 +182,7 @@ def _split_then_byte_level(
             ]
         )
 
-    return _trained(
-        models.BPE(dropout=dropout),
-        trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-        setup,
-    )
+    return _byte_level_bpe(setup, dropout)
 
 
 TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {

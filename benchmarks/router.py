@@ -347,9 +347,6 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         raw = msgspec.json.encode({"model": MODEL, "prompt": prompt})
         return parse_body(raw, Endpoint.COMPLETIONS)
 
-    def request(suffix: str) -> ParsedRequest:
-        return request_for(text + suffix)
-
     def chat_body(marker: str) -> bytes:
         messages = [
             {"role": "system", "content": history},
@@ -360,15 +357,15 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     def chat(marker: str) -> ParsedRequest:
         return parse_body(chat_body(marker), Endpoint.CHAT)
 
+    whole_request = request_for(text)
+
     async def fresh() -> None:
         # A scope of its own each time: no piece of it was seen before, where the cuts
         # between words would otherwise find the earlier prompts' start.
-        await prompt_tokens_of.of(request(""), f"fresh {time.perf_counter_ns()}")
-
-    repeated_request = request("")
+        await prompt_tokens_of.of(whole_request, f"fresh {time.perf_counter_ns()}")
 
     async def repeated() -> None:
-        await prompt_tokens_of.of(repeated_request, "")
+        await prompt_tokens_of.of(whole_request, "")
 
     async def shared_prefix() -> None:
         await prompt_tokens_of.of(chat(str(time.perf_counter_ns())), "")

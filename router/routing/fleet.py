@@ -152,7 +152,7 @@ class Fleet:
         """Re-read the registry; on failure keep the last one (routing goes on with it)."""
         try:
             statuses = await self._index.workers()
-        except BaseException:  # raised on: this router's caller decides what it means
+        except BaseException:  # not answered, whatever the reason; raised on to the caller
             self._last_read_failed = True
             raise
         self._last_read_failed = False

@@ -11,6 +11,11 @@ The count decays exponentially with a time constant of `horizon_s`, so that it w
 the last `horizon_s` seconds most and a worker that stopped evicting is soon
 forgotten. Only device-tier removals count: a block moved to a slower tier is still
 reusable.
+
+Removals are counted in router blocks (`control_plane.block_size` tokens), while an
+agent registers its engine's capacity in the engine's own blocks, which may be smaller
+(SGLang's pages are often one token): `capacity_in_router_blocks` puts the two in one
+unit.
 """
 
 from __future__ import annotations
@@ -21,6 +26,17 @@ import numpy as np
 import numpy.typing as npt
 
 Column = npt.NDArray[np.float64]
+
+
+def capacity_in_router_blocks(
+    engine_blocks: int, engine_block_size: int | None, router_block_size: int
+) -> float:
+    """A worker's KV capacity in router blocks, from its engine's count of its own blocks
+    and their size. An engine that does not say its block size is taken to use the
+    router's (the agent keys its events only when the one divides the other)."""
+    if engine_block_size is None or engine_block_size <= 0 or router_block_size <= 0:
+        return float(engine_blocks)
+    return engine_blocks * engine_block_size / router_block_size
 
 
 class RecentEvictions:

@@ -45,7 +45,7 @@ from router.index.base import (
     index_deadline,
 )
 from router.routing.accuracy import PredictionAccuracy
-from router.routing.evictions import RecentEvictions
+from router.routing.evictions import RecentEvictions, capacity_in_router_blocks
 from router.routing.roster import Roster, Rows
 from router.scoring.score import TIERS, CandidateFacts, queue_estimate
 
@@ -264,7 +264,7 @@ class Fleet:
         evicted = self.evictions.shares(
             roster.evicted_blocks[rows],
             roster.evicted_as_of[rows],
-            roster.kv_capacity_blocks[rows],
+            roster.capacity_router_blocks[rows],
             now,
         )
         return CandidateFacts(
@@ -371,6 +371,12 @@ class Fleet:
         roster.report_running[row] = load.running if load is not None else 0
         roster.kv_usage[row] = load.kv_usage if load is not None else 0.0
         roster.report_received_at[row] = received_at if received_at is not None else 0.0
+        wiring = load.wiring if load is not None else None
+        roster.capacity_router_blocks[row] = capacity_in_router_blocks(
+            info.kv_capacity_blocks,
+            wiring.engine_block_size if wiring is not None else None,
+            info.block_size,
+        )
         roster.evicted_blocks[row], roster.evicted_as_of[row] = self.evictions.recorded(worker_id)
         roster.suspect[row] = self.accuracy.is_suspect(worker_id, info.incarnation)
         self._write_traffic(row, traffic)

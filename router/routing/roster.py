@@ -28,9 +28,6 @@ class Roster:
         self.worker_ids = _objects([info.worker_id for info in infos])
         self.labels = _objects([info.labels for info in infos])
         self.pools = _objects([info.labels.get(POOL_LABEL) for info in infos])
-        self.kv_capacity_blocks = np.array(
-            [info.kv_capacity_blocks for info in infos], dtype=np.float64
-        ).reshape(count)
         by_model: dict[str, list[int]] = {}
         for row, info in enumerate(infos):
             by_model.setdefault(info.model, []).append(row)
@@ -72,6 +69,7 @@ class Roster:
         self.prefill_tokens = zeros()  # of the requests before their first byte
         self.sent_since_report = zeros()  # requests before their first byte, sent after it
         # Its recent evictions (router/routing/evictions.py) and index suspicion.
+        self.capacity_router_blocks = zeros()  # 0: unknown
         self.evicted_blocks = zeros()
         self.evicted_as_of = zeros()
         self.suspect = flags()

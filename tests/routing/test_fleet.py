@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.core.types import LoadReport, WorkerInfo
+from kvplane.core.types import EventsState, LoadReport, ReplayState, WiringReport, WorkerInfo
 from router.control_plane.workers import WorkerView
 from router.index.base import LocationIndexError, WorkerState
 from router.index.memory import MemoryLocationIndex
@@ -288,6 +288,26 @@ async def test_a_registry_read_that_fails_makes_the_views_deaths_guesses_at_once
         assert not fleet.registry_is_current()  # no time has passed on the clock
         assert [c.worker_id for c in fleet.candidates()] == ["w1"]
         await index.close()
+
+
+async def test_evictions_are_a_share_of_the_capacity_in_router_blocks() -> None:
+    """Removals are counted in router blocks (4 tokens here); an engine registers its
+    capacity in its own blocks, which may be one token each (SGLang's pages)."""
+    setup = Setup()
+    await setup.register("pages", kv_capacity_blocks=400)  # 400 one-token pages
+    await setup.register("blocks", kv_capacity_blocks=100)  # 100 blocks of 4 tokens
+    await setup.register("silent", kv_capacity_blocks=100)  # says no block size
+    await setup.fleet.refresh()
+    fleet, clock = setup.fleet, setup.clock
+    for worker_id, engine_block_size in (("pages", 1), ("blocks", 4), ("silent", None)):
+        wiring = WiringReport(EventsState.FLOWING, ReplayState.OK, engine_block_size)
+        setup.view.load(worker_id, 1, load(wiring=wiring), clock.now)
+        fleet.evictions.record(worker_id, 50, clock.now)  # 200 tokens' worth
+    rows = fleet.candidate_rows()
+    facts = fleet.facts(fleet.roster, rows, None, clock.now)
+    shares = dict(zip(facts.worker_ids, facts.evicted_share.tolist(), strict=True))
+    # 400 tokens of cache each: 100 router blocks, half of them evicted.
+    assert shares == {"pages": 0.5, "blocks": 0.5, "silent": 0.5}
 
 
 async def test_a_non_streamed_request_prefills_until_the_next_load_report() -> None:

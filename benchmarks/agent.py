@@ -13,8 +13,9 @@ A second figure leaves the network out: decode and translate only.
 
 With `--rate`, the stand-in publishes that many batches a second instead, as an engine
 does (a batch a step, each arriving alone), and the figure that matters is the agent's
-CPU a batch (this process's CPU time, every thread): a flood hides the fixed cost of
-each wake-up, receive and gRPC round trip behind batches that arrive together.
+CPU a batch (this process's CPU time, every thread), and the control plane's (the
+router process's): a flood hides the fixed cost of each wake-up, receive and gRPC round
+trip behind batches that arrive together.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import zmq
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
@@ -53,6 +55,7 @@ class AgentFigures:
     translate_only_blocks_per_s: float
     rate_per_s: float | None  # batches a second published; None: as fast as ZMQ takes them
     cpu_us_per_batch: float  # the agent's CPU (this process, every thread) a batch
+    router_cpu_us_per_batch: float  # the control plane's (its process, every thread)
 
 
 def engine_batches(events: int, blocks_per_event: int, seed: int) -> list[bytes]:
@@ -100,11 +103,11 @@ def _engine_publisher(
 
 
 async def _forward(
-    payloads: list[bytes], grpc_port: int, rate_per_s: float | None
-) -> tuple[float, float]:
+    payloads: list[bytes], grpc_port: int, rate_per_s: float | None, router: psutil.Process
+) -> tuple[float, float, float]:
     """The agent's side: SUB, decode, translate, publish over gRPC, until the control
-    plane acknowledged the last batch. Seconds and CPU seconds from the first batch
-    received."""
+    plane acknowledged the last batch. Seconds, the agent's CPU seconds and `router`'s,
+    from the first batch received."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ready = multiprocessing.get_context("spawn").Event()
     engine = multiprocessing.get_context("spawn").Process(
@@ -129,21 +132,28 @@ async def _forward(
     try:
         await publisher.wait_connected()
         ready.set()
-        start = cpu_start = 0.0
+        start = cpu_start = router_start = 0.0
         async for item in source.items():
             if isinstance(item, StateLost):
                 raise RuntimeError(f"the benchmark lost batches: {item.reason}")
             if item.sequence == 0:
                 start, cpu_start = time.perf_counter(), time.process_time()
+                router_start = _cpu_seconds(router)
             publisher.submit(translator.translate(item.events))
             if item.sequence == len(payloads) - 1:
                 break
         await publisher.wait_flushed()
-        return time.perf_counter() - start, time.process_time() - cpu_start
+        cpu_s, router_cpu_s = time.process_time() - cpu_start, _cpu_seconds(router) - router_start
+        return time.perf_counter() - start, cpu_s, router_cpu_s
     finally:
         await cancel_task(task)
         source.close()
         engine.kill()
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def _translator() -> BlockTranslator:
@@ -164,8 +174,10 @@ def run_agent_benchmark(
     translate_s = _translate_only(payloads)
     grpc_port, http_port = free_port(), free_port()
     args = ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
-    with spawn_kvplane([*args, "--log-level", "WARNING"], f"http://127.0.0.1:{http_port}/healthz"):
-        forward_s, cpu_s = run_service(_forward(payloads, grpc_port, rate_per_s))
+    health_url = f"http://127.0.0.1:{http_port}/healthz"
+    with spawn_kvplane([*args, "--log-level", "WARNING"], health_url) as router:
+        forward = _forward(payloads, grpc_port, rate_per_s, psutil.Process(router.pid))
+        forward_s, cpu_s, router_cpu_s = run_service(forward)
     figures = AgentFigures(
         stored_blocks=blocks,
         blocks_per_event=blocks_per_event,
@@ -173,12 +185,14 @@ def run_agent_benchmark(
         translate_only_blocks_per_s=round(blocks / translate_s),
         rate_per_s=rate_per_s,
         cpu_us_per_batch=round(cpu_s / events * 1e6, 1),
+        router_cpu_us_per_batch=round(router_cpu_s / events * 1e6, 1),
     )
     arrival = "as fast as ZMQ takes them" if rate_per_s is None else f"{rate_per_s:g} a second"
     print(
         f"agent: {blocks:,} stored blocks ({blocks_per_event} per event, {arrival}): "
         f"{figures.stored_blocks_per_s:,.0f} blocks/s decoded, translated, forwarded and "
-        f"acknowledged, {figures.cpu_us_per_batch:,.0f} µs of the agent's CPU a batch; "
+        f"acknowledged, {figures.cpu_us_per_batch:,.0f} µs of the agent's CPU a batch "
+        f"and {figures.router_cpu_us_per_batch:,.0f} µs of the control plane's; "
         f"{figures.translate_only_blocks_per_s:,.0f} blocks/s decode and translate only"
     )
     if json_path is not None:

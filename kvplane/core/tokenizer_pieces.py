@@ -70,10 +70,13 @@ shares most of it tokenises again at most a 32nd of what they share."""
 _GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 _SPLIT_PATTERNS = frozenset(
     {
-        # Llama 3
+        # Spelled as in these models' tokenizer.json files (as public copies of them,
+        # and llama.cpp's and tiktoken ports' tables, spell them); any other spelling,
+        # such as GGUF conversions' `(?:'[sS]|...)`, is refused, never cut wrongly.
+        # Llama 3 (and Mistral's Tekken)
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        # Qwen 2
+        # Qwen 2, 2.5 and 3
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     }

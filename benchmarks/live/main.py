@@ -20,6 +20,7 @@ from benchmarks.live.report import (
     write_json,
     write_plot,
 )
+from benchmarks.live.standings import render_standings, standings
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
@@ -136,6 +137,9 @@ def run_live_benchmark(
     results = [done[cell.key] for cell in chosen]
     print()
     print(render_tables(results))
+    against_peers = render_standings(standings(results))
+    if against_peers:
+        print(f"\n{against_peers}")
     print(f"\n{len(to_run)} cells run in {time.monotonic() - started:.0f} s")
     if plot_path is not None:
         write_plot(plot_path, results)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.live.bakeoff import CellResult
+from benchmarks.live.standings import render_standings, standings
 from simulations.reporting import format_table
 
 
@@ -134,6 +135,7 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
                 lines.append(f"| {router} | " + " | ".join(figures) + " |")
         return "\n".join(lines)
 
+    against_peers = render_standings(standings(results))
     return (
         "\n\n".join(
             [
@@ -142,6 +144,7 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
                 "CPU ms per request (the router's processes, kvplane's agents included), "
                 "every run:",
                 *(table(name, points, _cpu) for name, points in tables.items()),
+                *([f"```\n{against_peers}\n```"] if against_peers else []),
             ]
         )
         + "\n"

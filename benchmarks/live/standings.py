@@ -118,10 +118,11 @@ def render_standings(found: Sequence[Standing]) -> str:
         hits = sum(standing.highest_hit_rate for standing in mine)
         p90s = sum(standing.lowest_ttft_p90 for standing in mine)
         cpu = [standing.cpu_ratio for standing in mine]
+        spread = f"{min(cpu):.1f}-{max(cpu):.1f}" if len(mine) > 1 else f"{cpu[0]:.1f}"
         summary = (
-            f"{router}: the highest hit rate in {hits} runs of {len(mine)} (ties to 0.1 "
+            f"{router}: the highest hit rate in {hits} of {len(mine)} runs (ties to 0.1 "
             f"point counted), the lowest TTFT p90 in {p90s} of {len(mine)}, CPU per "
-            f"request {min(cpu):.1f}-{max(cpu):.1f}x the least of the peers'"
+            f"request {spread}x the least of the peers'"
         )
         sections.append(f"{format_table(rows)}\n{summary}")
     return "\n\n".join(sections)

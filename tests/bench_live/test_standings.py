@@ -89,7 +89,10 @@ def test_a_peer_that_let_tenants_share_cache_is_marked() -> None:
         [_cell(KVPLANE, 1, 0.90, 60.0, 8.0), _cell(SGLANG, 1, 0.93, 70.0, 2.0, unsalted_blocks=9)]
     )
     assert found.peer_shared_tenants_cache
-    assert "shared tenants' cache" in render_standings([found])
+    text = render_standings([found])
+    assert "shared tenants' cache" in text
+    assert "the highest hit rate in 0 of 1 runs" in text
+    assert "CPU per request 4.0x the least of the peers'" in text
 
 
 def test_the_rendering_counts_the_runs_that_lead() -> None:
@@ -101,7 +104,7 @@ def test_the_rendering_counts_the_runs_that_lead() -> None:
     ]
     text = render_standings(standings(results))
     assert (
-        "kvplane kvplane: the highest hit rate in 1 runs of 2 (ties to 0.1 point counted), "
+        "kvplane kvplane: the highest hit rate in 1 of 2 runs (ties to 0.1 point counted), "
         "the lowest TTFT p90 in 1 of 2, CPU per request 2.0-3.0x the least of the peers'"
     ) in text
     row = next(

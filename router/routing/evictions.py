@@ -32,9 +32,10 @@ def capacity_in_router_blocks(
     engine_blocks: int, engine_block_size: int | None, router_block_size: int
 ) -> float:
     """A worker's KV capacity in router blocks, from its engine's count of its own blocks
-    and their size. An engine that does not say its block size is taken to use the
-    router's (the agent keys its events only when the one divides the other)."""
-    if engine_block_size is None or engine_block_size <= 0 or router_block_size <= 0:
+    and their size as its agent reports it. Only a size that divides the router's is
+    taken (the agent keys events only then); any other, or none, is read as the
+    router's, so that no report makes a cache look larger than its registered count."""
+    if not engine_block_size or router_block_size <= 0 or router_block_size % engine_block_size:
         return float(engine_blocks)
     return engine_blocks * engine_block_size / router_block_size
 

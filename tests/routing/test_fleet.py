@@ -297,17 +297,20 @@ async def test_evictions_are_a_share_of_the_capacity_in_router_blocks() -> None:
     await setup.register("pages", kv_capacity_blocks=400)  # 400 one-token pages
     await setup.register("blocks", kv_capacity_blocks=100)  # 100 blocks of 4 tokens
     await setup.register("silent", kv_capacity_blocks=100)  # says no block size
+    await setup.register("liar", kv_capacity_blocks=100)  # says 64: it does not divide 4
     await setup.fleet.refresh()
     fleet, clock = setup.fleet, setup.clock
-    for worker_id, engine_block_size in (("pages", 1), ("blocks", 4), ("silent", None)):
+    sizes = (("pages", 1), ("blocks", 4), ("silent", None), ("liar", 64))
+    for worker_id, engine_block_size in sizes:
         wiring = WiringReport(EventsState.FLOWING, ReplayState.OK, engine_block_size)
         setup.view.load(worker_id, 1, load(wiring=wiring), clock.now)
         fleet.evictions.record(worker_id, 50, clock.now)  # 200 tokens' worth
     rows = fleet.candidate_rows()
     facts = fleet.facts(fleet.roster, rows, None, clock.now)
     shares = dict(zip(facts.worker_ids, facts.evicted_share.tolist(), strict=True))
-    # 400 tokens of cache each: 100 router blocks, half of them evicted.
-    assert shares == {"pages": 0.5, "blocks": 0.5, "silent": 0.5}
+    # 400 tokens of cache each: 100 router blocks, half of them evicted. A size that
+    # does not divide the router's cannot be an engine's it keys: the count stands.
+    assert shares == {"pages": 0.5, "blocks": 0.5, "silent": 0.5, "liar": 0.5}
 
 
 async def test_a_non_streamed_request_prefills_until_the_next_load_report() -> None:

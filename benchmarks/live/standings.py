@@ -5,7 +5,8 @@ A kvplane router's run of a point (workload, situation, load) is set against the
 routers' runs of the same point with the same run number (the bake-off runs every
 router's run 1, then every router's run 2): its engine hit rate against the highest of
 theirs, its TTFT p90 against the lowest, its CPU per request against the least. A run
-that has no figures (its cell failed) is left out, and so is a point with no peer.
+that has no figures (its cell failed, or no request was answered) is left out, and so
+is a point with no peer.
 
 Ties are counted as the tables show the figures: hit rates to 0.1 point, TTFT to the
 millisecond. A peer that let tenants share cache (it dropped their `cache_salt`) is
@@ -14,6 +15,7 @@ marked: its hit rate is one kvplane refuses to earn that way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -89,7 +91,7 @@ def standings(results: Sequence[CellResult]) -> list[Standing]:
 
 
 def _pairs(results: Sequence[CellResult]) -> Iterator[tuple[CellResult, list[CellResult]]]:
-    measured = [result for result in results if result.error is None]
+    measured = [result for result in results if result.error is None and _has_figures(result)]
     for kvplane in measured:
         if kvplane.family != KVPLANE_FAMILY:
             continue
@@ -102,6 +104,12 @@ def _pairs(results: Sequence[CellResult]) -> Iterator[tuple[CellResult, list[Cel
         ]
         if peers:
             yield kvplane, peers
+
+
+def _has_figures(result: CellResult) -> bool:
+    """A run without a TTFT (no request answered) has nothing to set against, and NaN
+    would make every comparison with it false, whichever side it is on."""
+    return math.isfinite(result.ttft_p90_ms) and math.isfinite(result.engine_hit_rate)
 
 
 def render_standings(found: Sequence[Standing]) -> str:

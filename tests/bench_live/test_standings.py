@@ -77,6 +77,10 @@ def test_runs_without_figures_and_points_without_peers_are_left_out() -> None:
             _cell(KVPLANE, 2, 0.9, 60.0, 8.0, error="engine crashed"),
             _cell(SGLANG, 2, 0.8, 70.0, 2.0),
             _cell(KVPLANE, 1, 0.9, 60.0, 8.0, workload="agent-tree"),  # no peer ran it
+            _cell(KVPLANE, 3, 0.9, math.nan, 8.0),  # no request answered, no error
+            _cell(SGLANG, 3, 0.8, 70.0, 2.0),
+            _cell(KVPLANE, 4, 0.9, 60.0, 8.0),
+            _cell(SGLANG, 4, 0.8, math.nan, 2.0),
         ]
     )
     assert [(found.workload, found.run, found.peer_with_hit_rate) for found in found] == [

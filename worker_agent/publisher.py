@@ -5,10 +5,13 @@
   agent's state was lost or its outbox overflowed. A new incarnation starts with the
   translator's whole current picture (its snapshot), so the control plane never holds a
   partial or stale one: a higher incarnation replaces everything of the lower.
-- Batches go one at a time and wait for their Ack (each takes everything pending, so
-  throughput comes from batch size, and a reconnect has one batch to reconcile). A
-  batch goes as soon as nothing is in flight: the engine's consecutive steps arrive
-  together already (the event source gathers them, agent.batch_linger_s).
+- A batch goes as soon as there is something to send (each takes everything pending;
+  the engine's consecutive steps arrive together already: the event source gathers
+  them, agent.batch_linger_s). Only every agent.ack_every_batches-th waits for its Ack,
+  which covers those before it: an Ack costs both sides a wake-up, more than a batch's
+  own work. A control plane that does not say it defers Acks is asked for every one.
+  Unacknowledged batches are kept, sent again after a reconnect, and acknowledged a load
+  interval after the last one at the latest (an empty batch asks).
 - Reconnects back off exponentially with jitter. Re-registering the same incarnation
   resumes when the control plane's Ack matches what the agent sent; anything else (it
   restarted, or another router replica took the stream) means a new incarnation.
@@ -61,6 +64,7 @@ class WorkerIdentity:
 class _Batch:
     sequence: int
     message: pb.AgentMessage
+    asks_ack: bool
 
 
 def new_incarnation_id(previous: int = 0) -> int:
@@ -87,8 +91,14 @@ class ControlPlanePublisher:
         self._outbox: deque[KvEvent] = deque()
         self._outbox_blocks = 0
         self._outbox_limit = agent.max_pending_blocks
-        self._in_flight: _Batch | None = None
+        # Sent, or to send again after a reconnect, and not yet acknowledged: sequences
+        # _acked + 1 onwards, those up to _sent written on the current stream.
+        self._unacked: deque[_Batch] = deque()
         self._acked = 0
+        self._sent = 0
+        self._defers_acks = False  # what the control plane said when it registered us
+        self._ack_due = 0.0  # when deferred Acks are asked for if nothing else asks first
+        self._flush_wanted = False
         self._load: EngineLoad | None = None
         self._wiring: WiringReport | None = None
         # What the last load report said and when it went: the same again goes only
@@ -142,8 +152,8 @@ class ControlPlanePublisher:
     def start_new_incarnation(self, reason: str) -> None:
         self.incarnation = new_incarnation_id(self.incarnation)
         self.incarnations_started += 1
-        self._acked = 0
-        self._in_flight = None
+        self._acked = self._sent = 0
+        self._unacked.clear()
         self._outbox = deque(self._snapshot())
         self._outbox_blocks = sum(_blocks(event) for event in self._outbox)
         self._outbox_limit = self._outbox_blocks + self._agent.max_pending_blocks
@@ -157,7 +167,9 @@ class ControlPlanePublisher:
 
     async def wait_flushed(self) -> None:
         """Until everything submitted so far is acknowledged."""
-        while self._outbox or self._in_flight is not None:
+        while self._outbox or self._unacked:
+            self._flush_wanted = True  # ask for the deferred Acks now
+            self._wakeup.set()
             self._flushed.clear()
             await self._flushed.wait()
 
@@ -214,16 +226,29 @@ class ControlPlanePublisher:
                     self._last_report = (load, self._wiring)
                     self._last_report_at = time.monotonic()
                 continue  # an incarnation may have begun meanwhile: register it first
-            if self._in_flight is None and self._outbox:
-                self._in_flight = self._next_batch()
-            if self._in_flight is not None:
-                await self._send_batch(stream, self._in_flight)
+            batch = self._next_to_send()
+            if batch is not None:
+                await self._send_batch(stream, batch)
+                continue
+            if self._unacked:  # all sent, their Acks deferred
+                if self._flush_wanted or not await self._wait(self._ack_due - time.monotonic()):
+                    self._flush_wanted = False
+                    self._unacked.append(self._batch([], asks_ack=True))
                 continue
             await self._wait()
 
-    async def _wait(self) -> None:
-        await self._wakeup.wait()
+    async def _wait(self, timeout_s: float | None = None) -> bool:
+        """Until woken (True) or `timeout_s` has passed (False)."""
+        if timeout_s is None:  # the usual wait: no timer
+            await self._wakeup.wait()
+        else:
+            try:
+                async with asyncio.timeout(max(0.0, timeout_s)):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                return False
         self._wakeup.clear()
+        return True
 
     def _repeats_last_report(self, load: EngineLoad) -> bool:
         """Whether `load` (with the current wiring) says what the last report said, and
@@ -262,12 +287,14 @@ class ControlPlanePublisher:
             applied = reply.ack.sequence
             self._repeat_after_s = reply.ack.lease_ms / 1000 / 3
             self._last_report = None  # the new stream hears the load at once
-            in_flight = self._in_flight
-            if applied == self._acked and in_flight is None:
-                break
-            if in_flight is not None and applied in (self._acked, in_flight.sequence):
-                if applied == in_flight.sequence:  # it landed before the stream broke
-                    self._acked, self._in_flight = applied, None
+            self._defers_acks = reply.ack.defers_acks
+            if self._acked <= applied <= self._acked + len(self._unacked):
+                self._acknowledged(applied)  # those landed before the stream broke
+                self._sent = applied  # the rest go again, each asking for its Ack where
+                if not self._defers_acks:  # this control plane would send it anyway
+                    for batch in self._unacked:
+                        batch.asks_ack = True
+                        batch.message.kv_events.ack_deferred = False
                 break
             # The control plane does not hold what we sent (it restarted, or another
             # replica answers now): only a whole new picture is safe.
@@ -284,22 +311,61 @@ class ControlPlanePublisher:
 
     async def _send_batch(self, stream: AgentStream, batch: _Batch) -> None:
         incarnation = self.incarnation
-        reply = await stream.request(batch.message)
-        if self.incarnation != incarnation:
-            return  # the reply is about an incarnation that is over
-        kind = reply.WhichOneof("body")
-        if kind == "ack" and reply.ack.sequence >= batch.sequence:
-            self._acked, self._in_flight = batch.sequence, None
-            if not self._outbox:
-                self._flushed.set()
-        elif kind == "resync":
-            self.start_new_incarnation(f"the control plane asked: {reply.resync.reason}")
-        elif kind == "reject":
-            self._rejected(reply.reject)
-        else:
-            self.start_new_incarnation(f"unexpected reply to batch {batch.sequence}")
+        await stream.send(batch.message)
+        self._sent = batch.sequence
+        if not batch.asks_ack:
+            self._ack_due = time.monotonic() + self._agent.load_interval_s
+            return
+        while True:  # replies come in order; older Acks may come first
+            reply = await stream.reply()
+            current = self.incarnation == incarnation  # else about one that is over
+            kind = reply.WhichOneof("body")
+            if kind == "ack":
+                if current:
+                    self._acknowledged(reply.ack.sequence)
+                if reply.ack.sequence >= batch.sequence:
+                    return
+                continue
+            if not current:
+                return
+            if kind == "resync":
+                self.start_new_incarnation(f"the control plane asked: {reply.resync.reason}")
+            elif kind == "reject":
+                self._rejected(reply.reject)
+            else:
+                self.start_new_incarnation(f"unexpected reply to batch {batch.sequence}")
+            return
 
-    def _next_batch(self) -> _Batch:
+    def _acknowledged(self, sequence: int) -> None:
+        while self._unacked and self._unacked[0].sequence <= sequence:
+            self._unacked.popleft()
+        self._acked = max(self._acked, sequence)
+        if not self._unacked and not self._outbox:
+            self._flushed.set()
+
+    def _next_to_send(self) -> _Batch | None:
+        """What a reconnect left to send again, else everything pending as a new batch."""
+        if self._unacked and self._unacked[-1].sequence > self._sent:
+            return self._unacked[self._sent - self._acked]
+        if not self._outbox:
+            return None
+        batch = self._batch(self._take_pending())
+        self._unacked.append(batch)
+        return batch
+
+    def _batch(self, events: list[KvEvent], *, asks_ack: bool = False) -> _Batch:
+        """The next sequence; it asks for its Ack when the control plane acknowledges every
+        batch, or when agent.ack_every_batches are unacknowledged with it."""
+        asks_ack = (
+            asks_ack
+            or not self._defers_acks
+            or len(self._unacked) + 1 >= self._agent.ack_every_batches
+        )
+        sequence = self._acked + len(self._unacked) + 1
+        message = events_message(sequence, coalesced(events), ack_deferred=not asks_ack)
+        return _Batch(sequence, message, asks_ack)
+
+    def _take_pending(self) -> list[KvEvent]:
         """Everything pending, up to the control plane's batch limits."""
         max_events, max_blocks = self._limits.max_batch_events, self._limits.max_batch_blocks
         events: list[KvEvent] = []
@@ -311,8 +377,7 @@ class ControlPlanePublisher:
             events.append(self._outbox.popleft())
             blocks += size
         self._outbox_blocks -= blocks
-        sequence = self._acked + 1
-        return _Batch(sequence, events_message(sequence, coalesced(events)))
+        return events
 
     def _rejected(self, reject: pb.Reject) -> None:
         code = pb.RejectCode.Name(reject.code)

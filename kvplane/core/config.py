@@ -353,6 +353,17 @@ class AgentSettings(_Section):
         "publish every step, each wake-up costs the agent more than a batch's own work, "
         "and each batch costs the control plane a message, a parse and an acknowledgement",
     )
+    # 8: the control plane's Ack write was a third of its CPU for an agent's batches, and
+    # the agent's read of it a third of the agent's (docs/benchmarks.md).
+    ack_every_batches: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="batches sent before one asks the control plane for its Ack (1: every "
+        "batch); unacknowledged batches are kept and sent again after a reconnect, and a "
+        "load interval after the last batch an agent with nothing more to send asks for the "
+        "Ack of what it sent",
+    )
     max_pending_blocks: int = Field(
         default=2_000_000,
         ge=1,

@@ -140,12 +140,15 @@ def event_to_wire(event: KvEvent) -> pb.KvEvent:
     return pb.KvEvent(cleared=pb.AllBlocksCleared())
 
 
-def events_message(sequence: int, events: Iterable[KvEvent]) -> pb.AgentMessage:
+def events_message(
+    sequence: int, events: Iterable[KvEvent], *, ack_deferred: bool = False
+) -> pb.AgentMessage:
     return pb.AgentMessage(
         kv_events=pb.KvEvents(
             sequence=sequence,
             events=[event_to_wire(e) for e in events],
             timestamp_ms=time.time_ns() // 1_000_000,
+            ack_deferred=ack_deferred,
         )
     )
 

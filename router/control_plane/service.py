@@ -6,8 +6,10 @@ come from pure functions (the wire codec, admission.py, workers.py); this module
 the I/O they call for (index calls, replies) and keeps the view and metrics current.
 
 Outcomes, as proto/kvplane/wire/v1/control_plane.proto defines them:
-- Ack: after a Register (the sequence to resume after) and after every KvEvents batch
-  that was applied or was a duplicate. Load and Drain get no reply.
+- Ack: after a Register (the sequence to resume after, and that batches may defer
+  their Acks) and after every KvEvents batch that was applied or was a duplicate,
+  unless the agent marked it `ack_deferred`: a later Ack covers it. Load and Drain get
+  no reply.
 - Resync: the worker's entries are gone (sequence gap, or its lease ran out). The
   stream stays open for a Register of a higher incarnation; messages still in flight
   from the old one are ignored until then.
@@ -109,8 +111,13 @@ def _ending(reply: pb.ControlMessage | Rejection) -> Rejection:
 _MAX_LEASE_MS = 2**32 - 1  # Ack.lease_ms is a uint32
 
 
-def _ack(sequence: int, lease_ms: int = 0) -> pb.ControlMessage:
-    return pb.ControlMessage(ack=pb.Ack(sequence=sequence, lease_ms=lease_ms))
+def _ack(sequence: int) -> pb.ControlMessage:
+    return pb.ControlMessage(ack=pb.Ack(sequence=sequence))
+
+
+def _register_ack(applied: int, lease_s: float) -> pb.ControlMessage:
+    lease_ms = min(round(lease_s * 1000), _MAX_LEASE_MS)
+    return pb.ControlMessage(ack=pb.Ack(sequence=applied, lease_ms=lease_ms, defers_acks=True))
 
 
 class ControlPlaneService:
@@ -346,7 +353,7 @@ class _Stream:
         )
         # The lease, so that an agent whose load stands still heartbeats only as often
         # as it needs (each message costs both sides a wake-up).
-        return _ack(record.applied, min(round(self.service.lease_s * 1000), _MAX_LEASE_MS))
+        return _register_ack(record.applied, self.service.lease_s)
 
     async def _kv_events(self, message: pb.KvEvents, record: WorkerRecord) -> Reply:
         events = parse_kv_events(message, self.service.limits)
@@ -366,15 +373,21 @@ class _Stream:
             failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
             if failed is not None:
                 return failed
-        try:
-            await self.index.apply(record.info.worker_id, record.incarnation, events)
-        except (StaleIncarnation, UnknownWorker) as error:
-            return self._index_refused(error)
-        _tell_removals(self.service.on_removed, record.info.worker_id, events)
-        if message.timestamp_ms:
-            lag = self.service.wall_clock() - message.timestamp_ms / 1000
-            self.metrics.event_lag_seconds.observe(max(0.0, lag))
-        self.view.applied(record.info.worker_id, record.incarnation, message.sequence, self.clock())
+        if events:  # an empty batch only asks for the Ack of those before it
+            try:
+                await self.index.apply(record.info.worker_id, record.incarnation, events)
+            except (StaleIncarnation, UnknownWorker) as error:
+                return self._index_refused(error)
+            _tell_removals(self.service.on_removed, record.info.worker_id, events)
+            if message.timestamp_ms:
+                lag = self.service.wall_clock() - message.timestamp_ms / 1000
+                self.metrics.event_lag_seconds.observe(max(0.0, lag))
+        self.view.applied(
+            record.info.worker_id,
+            record.incarnation,
+            message.sequence,
+            self.clock() if events else None,
+        )
         log.debug(
             "worker %s applied sequence %d: %d events, %d blocks",
             record.info.worker_id,
@@ -382,7 +395,8 @@ class _Stream:
             len(events),
             batch_blocks(events),
         )
-        return _ack(message.sequence)
+        # Each reply costs both sides a wake-up, more than a batch's own work here.
+        return None if message.ack_deferred else _ack(message.sequence)
 
     async def _load(self, message: pb.Load, record: WorkerRecord) -> Reply:
         report = parse_load(message)

@@ -123,11 +123,16 @@ class WorkerView:
         record.stream = stream
         return record
 
-    def applied(self, worker_id: str, incarnation: int, sequence: int, now: float) -> None:
+    def applied(
+        self, worker_id: str, incarnation: int, sequence: int, events_at: float | None
+    ) -> None:
+        """Batches up to `sequence` are applied; `events_at` is now, or None for a batch
+        that carried no event."""
         record = self._current(worker_id, incarnation)
         if record is not None:
             record.applied = max(record.applied, sequence)
-            record.last_event_at = now
+            if events_at is not None:
+                record.last_event_at = events_at
 
     def renewed(
         self, worker_id: str, incarnation: int, *, now: float, lease_s: float, draining: bool

@@ -111,6 +111,34 @@ async def test_sequence_gap_drops_the_worker_and_asks_for_a_resync(
     assert await router.index.lookup(KEYS_A) == {}
 
 
+async def test_a_deferred_ack_is_covered_by_the_next_ack_asked_for(
+    router: RunningRouter, channel: grpc.aio.Channel
+) -> None:
+    stream = AgentStream(channel)
+    reply = await stream.request(register_message(worker("w1", 1)))
+    assert reply.ack.defers_acks  # the agent may mark batches ack_deferred
+
+    await stream.send(events_message(1, [stored(KEYS_A)], ack_deferred=True))
+    await stream.send(events_message(2, [stored(KEYS_B)], ack_deferred=True))
+    await wait_until("both deferred batches applied", lambda: _applied(router) == 2)
+    record = router.workers.get("w1")
+    assert record is not None
+    events_at = record.last_event_at
+    # An empty batch only asks: its Ack is the first reply since the Register's.
+    reply = await stream.request(events_message(3, []))
+
+    assert reply.ack.sequence == 3
+    assert set(await router.index.lookup(KEYS_A)) == set(await router.index.lookup(KEYS_B))
+    assert set(await router.index.lookup(KEYS_B)) == {"w1"}
+    assert record.last_event_at == events_at  # no event came with it
+    assert router.metrics.registry.get_sample_value("kvplane_batches_applied_total") == 2
+
+
+def _applied(router: RunningRouter) -> int:
+    record = router.workers.get("w1")
+    return 0 if record is None else record.applied
+
+
 async def test_reconnect_with_the_same_incarnation_resumes(
     router: RunningRouter, channel: grpc.aio.Channel
 ) -> None:

@@ -64,7 +64,7 @@ def test_renewal_is_due_after_a_quarter_lease() -> None:
 
 def test_reconnect_keeps_the_applied_sequence_and_a_new_incarnation_resets_it() -> None:
     view, _ = _view_with()
-    view.applied("w1", 5, 7, now=100.1)
+    view.applied("w1", 5, 7, events_at=100.1)
     record = view.registered(worker("w1", 5), stream=2, now=100.2, lease_s=LEASE_S)
     assert (record.applied, record.stream) == (7, 2)
     record = view.registered(worker("w1", 6), stream=3, now=100.3, lease_s=LEASE_S)
@@ -73,7 +73,7 @@ def test_reconnect_keeps_the_applied_sequence_and_a_new_incarnation_resets_it() 
 
 def test_updates_for_another_incarnation_are_ignored() -> None:
     view, _ = _view_with(incarnation=5)
-    view.applied("w1", 4, 9, now=100.1)
+    view.applied("w1", 4, 9, events_at=100.1)
     view.load("w1", 4, LoadReport(1, 2, 0.5, 0), now=100.1)
     view.renewed("w1", 4, now=100.1, lease_s=LEASE_S, draining=True)
     record = view.get("w1")

@@ -151,14 +151,16 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KvEvents(_message.Message):
-    __slots__ = ("sequence", "events", "timestamp_ms")
+    __slots__ = ("sequence", "events", "timestamp_ms", "ack_deferred")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    ACK_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     timestamp_ms: int
-    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+    ack_deferred: bool
+    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ..., ack_deferred: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms", "engine_down", "wiring")
@@ -207,12 +209,14 @@ class Drain(_message.Message):
     def __init__(self) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("sequence", "lease_ms")
+    __slots__ = ("sequence", "lease_ms", "defers_acks")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEFERS_ACKS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     lease_ms: int
-    def __init__(self, sequence: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    defers_acks: bool
+    def __init__(self, sequence: _Optional[int] = ..., lease_ms: _Optional[int] = ..., defers_acks: _Optional[bool] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ("reason",)

@@ -16,7 +16,10 @@ the keys and the lookup also timed alone. The prompts are token ids: tokenisatio
 a figure of its own, the proxy's tokenisation with the default tokenizer of English
 text of the same length: a `/v1/completions` prompt not seen before, the same prompt
 again, and a chat whose system message (15/16 of the text) was seen before and whose
-user message was not.
+user message was not. `route shared` times that chat as the proxy routes it, from the
+body received to the engine's request ready (`route_prompt`: the decision on the
+prompt's start when the new end cannot change it; the end is tokenised after the
+answer, outside the time, as the proxy does).
 
 Proxy. Three child processes: an engine simulator (time scale 0, KV events on), a
 `kvplane router` (in-memory index) and a `kvplane agent` registering the simulator
@@ -63,6 +66,7 @@ from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
 from router.metrics import RouterMetrics
 from router.proxy.bodies import Endpoint, ParsedRequest, body_for_engine, parse_body
+from router.proxy.service import route_prompt
 from router.proxy.tokens import CHECKED_FIRST_USES, PromptTokens
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
@@ -378,13 +382,14 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         raw = chat_body(str(time.perf_counter_ns()))  # as received: the clock starts here
         started = time.perf_counter_ns()
         parsed = parse_body(raw, Endpoint.CHAT)
-        tokens = await prompt_tokens_of.of(parsed, "")
-        decision = await planner.decide(
-            model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=tokens or []
-        )
-        planner.routed(decision, decision.ranked[0].worker_id)  # before the send, as the proxy
+        start = await prompt_tokens_of.start(parsed, "", defer_rest=True)
+        decision, start = await route_prompt(planner, parsed, ANONYMOUS_TENANT, "", start, True)
+        worker = decision.ranked[0].worker_id
+        planner.routed(decision, worker)  # before the send, as the proxy
         body_for_engine(raw, parsed, None)
         route_us.append((time.perf_counter_ns() - started) / 1000)
+        if start is not None and start.rest is not None:  # after the answer, as the proxy
+            planner.routed_rest(worker, MODEL, "", start.rest())
         if not decision.index_answered or decision.matched(WORKER).get(Tier.DEVICE, 0) < (
             len(decision.keys) * 7 // 8
         ):

@@ -324,6 +324,16 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+        self.prompt_rests = Counter(
+            "kvplane_prompt_rests",
+            "Prompts whose start the piece cache held and whose new end was short, by when "
+            "that end was tokenised: after the answer (routed on the start) or before "
+            "routing (it could have changed the worker)",
+            ["tokenised"],
+            registry=r,
+        )
+        for when in ("after_answer", "before_routing"):
+            self.prompt_rests.labels(tokenised=when)
         self.piecewise_checks = Gauge(
             "kvplane_piecewise_tokenisation_checks",
             "Piecewise tokenisations compared with whole tokenisation since start, by result "

@@ -185,6 +185,7 @@ _TOKENISATION_SERIES = frozenset(
         "kvplane_token_cache_lookups",
         "kvplane_prompt_piece_tokens",
         "kvplane_piecewise_tokenisation_checks",
+        "kvplane_prompt_rests_total",
     }
 )
 

@@ -52,7 +52,7 @@ from router.proxy.schema import (
     ModelList,
     StreamEvent,
 )
-from router.proxy.tokens import PromptLength, PromptTokens, PromptTooLong
+from router.proxy.tokens import PromptLength, PromptStart, PromptTokens, PromptTooLong
 from router.proxy.upstream import (
     AttemptFailed,
     NoFreeConnection,
@@ -132,6 +132,10 @@ class _Exchange:
     tenant: str
     decision: Decision  # for the funnel, read when the answer is settled
     dispatched_at: float  # on the router's clock, as evictions are recorded
+    cache_scope: str = ""
+    # The prompt's whole ids, where it was routed on its start: tokenised once the
+    # answer is settled, for the count and the predicted entries (None: whole already).
+    prompt_rest: Callable[[], Sequence[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -346,33 +350,32 @@ class ProxyService:
             scope = key_scope(tenant, parsed)
             length = self.prompt_length(parsed.model)
             try:
-                tokens = await self._tokenize(parsed, scope, length.limit)
+                start = await self._tokenize(parsed, scope, length.limit)
             except PromptTooLong as too_long:
                 self._count("prompt_too_long")
                 return error_response(400, str(too_long), kind="BadRequestError")
-            decision = await self.planner.decide(
-                model=parsed.model,
-                tenant=tenant,
-                cache_scope=scope,
-                tokens=tokens or [],
-                counted_as_engines=length.per_worker,
+            deferred = start is not None and start.rest is not None
+            decision, start = await route_prompt(
+                self.planner, parsed, tenant, scope, start, length.per_worker
             )
+            if deferred:
+                when = "before_routing" if start is None or start.rest is None else "after_answer"
+                self.metrics.child(self.metrics.prompt_rests, tokenised=when).inc()
             self.metrics.decision_seconds.observe(decision.seconds)
             self.metrics.child(self.metrics.decisions, factor=decision.factor).inc()
             if not decision.ranked:
                 return self._no_worker(tenant)
             body = body_for_engine(raw, parsed, tenant.cache_salt)
-            return await self._forward(request, parsed, tenant, decision, body)
+            rest = None if start is None else start.rest
+            return await self._forward(request, parsed, tenant, decision, body, scope, rest)
 
-    async def _tokenize(
-        self, parsed: ParsedRequest, scope: str, limit: int
-    ) -> Sequence[int] | None:
+    async def _tokenize(self, parsed: ParsedRequest, scope: str, limit: int) -> PromptStart | None:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.tokenize") as span:
-            tokens = await self.prompt_tokens.of(parsed, scope, limit)
-            span.set_attribute("kvplane.prompt_tokens", -1 if tokens is None else len(tokens))
+            start = await self.prompt_tokens.start(parsed, scope, limit, defer_rest=True)
+            span.set_attribute("kvplane.prompt_tokens", -1 if start is None else len(start.ids))
         self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
-        return tokens
+        return start
 
     def prompt_length(self, model: str) -> PromptLength:
         """How long `model`'s prompts may be. The limit: the longest any of its engines
@@ -416,6 +419,8 @@ class ProxyService:
         tenant: Tenant,
         decision: Decision,
         body: bytes,
+        cache_scope: str,
+        prompt_rest: Callable[[], Sequence[int]] | None,
     ) -> Response:
         path = parsed.endpoint.value
         headers = {"content-type": "application/json"}
@@ -440,6 +445,8 @@ class ProxyService:
                 tenant=tenant.name,
                 decision=decision,
                 dispatched_at=self.clock(),
+                cache_scope=cache_scope,
+                prompt_rest=prompt_rest,
             )
             self.planner.routed(decision, candidate.worker_id)
             url = candidate.base_url.rstrip("/") + path
@@ -586,6 +593,13 @@ class ProxyService:
         if status >= 400:  # the engine refused the request (a 4xx) or failed it
             outcome = "engine_refused" if status < 500 else "engine_error"
         self._count(outcome, exchange.worker_id)
+        if exchange.prompt_rest is not None:  # routed on its start: the rest, now
+            token_ids = exchange.prompt_rest()
+            exchange.prompt_tokens = len(token_ids)
+            if status < 400:
+                self.planner.routed_rest(
+                    exchange.worker_id, exchange.model, exchange.cache_scope, token_ids
+                )
         worker = exchange.worker_id
         if status < 400 and usage is not None:
             self._compare_token_counts(exchange, usage)
@@ -689,6 +703,34 @@ class ProxyService:
 
     def _count(self, outcome: str, worker: str = NO_WORKER) -> None:
         self.metrics.child(self.metrics.requests, outcome=outcome, worker=worker).inc()
+
+
+async def route_prompt(
+    planner: RoutingPlanner,
+    parsed: ParsedRequest,
+    tenant: Tenant,
+    cache_scope: str,
+    start: PromptStart | None,
+    counted_as_engines: bool,
+) -> tuple[Decision, PromptStart | None]:
+    """The decision for a prompt, on its start where that cannot choose otherwise than
+    the whole would (Decision.rest_could_change_choice); else its rest is tokenised now
+    and the whole decides. Returns the prompt as decided on."""
+    for _ in range(2):
+        tokens: Sequence[int] = [] if start is None else start.ids
+        decision = await planner.decide(
+            model=parsed.model,
+            tenant=tenant,
+            cache_scope=cache_scope,
+            tokens=tokens,
+            counted_as_engines=counted_as_engines,
+            more_tokens=0 if start is None else start.estimated_tokens - len(tokens),
+            more_tokens_at_most=0 if start is None else start.most_tokens - len(tokens),
+        )
+        if start is None or not decision.rest_could_change_choice():
+            break
+        start = start.completed()
+    return decision, start
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:

@@ -17,12 +17,18 @@ scopes that would tell one tenant that another sent the same text):
   why this equals tokenising the whole text and which tokenizers it refuses; the first
   uses of each tokenizer and a sample after them are compared with whole tokenisation
   all the same, and a difference turns pieces off for that tokenizer.
+
+A prompt whose start the piece cache holds and whose new text at its end is short
+(`PromptStart`) can be routed on the start alone: blocks past it are held only where
+all of the start is, and `start()` leaves the rest to be tokenised once the request
+is on its way (router/proxy/service.py, `route_prompt`).
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -59,6 +65,13 @@ COUNTED_FIRST_CHARS_PER_TOKEN = 4
 at a time (PromptTokenizer.counts_past) before it is tokenised: past the limit, it is
 refused having cost about the limit's worth of tokenising. Text averages 3-5 characters
 a token, so a prompt within its limit rarely pays for the count."""
+
+DEFERRED_REST_SHARE = 4
+"""New text at a prompt's end may be left to tokenise after the request is sent when it
+is at most this fraction (1/4) of the prompt's text, and no longer than OFF_LOOP_CHARS:
+a conversation's next turn, a question after a shared document. A router replica that
+sees a conversation mid-way has its history to tokenise, the larger part: that is
+tokenised first, as is a fresh prompt."""
 
 CHECKED_FIRST_USES = 8
 CHECK_ONE_IN = 1024
@@ -162,6 +175,46 @@ class PromptTooLong(Exception):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PromptStart:
+    """A prompt's token ids whole, or the start of them that the caches held, with its
+    new text left to tokenise (`rest`)."""
+
+    ids: Sequence[int]
+    estimated_tokens: int  # the whole prompt's count: len(ids), or with the rest estimated
+    most_tokens: int  # no more than this in all: len(ids), or with the rest's bytes
+    rest: Callable[[], Sequence[int]] | None = None  # the whole prompt's ids
+
+    @classmethod
+    def whole(cls, ids: Sequence[int]) -> PromptStart:
+        return cls(ids, len(ids), len(ids))
+
+    def completed(self) -> PromptStart:
+        """The whole prompt, its rest tokenised now if need be."""
+        return self if self.rest is None else PromptStart.whole(self.rest())
+
+
+@dataclass(slots=True)
+class _PiecePlan:
+    """A prompt cut into units (pieces, and segments of long runs missed whole), with
+    the ids the caches held for each; None where a unit is still to encode."""
+
+    units: list[Piece]
+    found: list[Sequence[int] | None]
+    keys: dict[int, bytes]  # of the units that are cached
+    cut_runs: list[tuple[bytes, int, int]]  # a run missed whole: its key, its units
+
+    def first_new(self) -> int | None:
+        """The first unit worth a cache entry that the cache did not hold."""
+        for at, unit_ids in enumerate(self.found):
+            if unit_ids is None and len(self.units[at].text) >= MIN_CACHED_PIECE_CHARS:
+                return at
+        return None
+
+    def missing(self, start: int, end: int) -> list[int]:
+        return [at for at in range(start, end) if self.found[at] is None]
+
+
 def _within(token_ids: Sequence[int], limit: int | None) -> Sequence[int]:
     if limit is not None and len(token_ids) > limit:
         raise PromptTooLong(len(token_ids), limit, at_least=False)
@@ -238,6 +291,15 @@ class PromptTokens:
 
         Raises PromptTooLong for a prompt over `limit` tokens, found before the whole of
         a long prompt is tokenised."""
+        start = await self.start(request, scope, limit, defer_rest=False)
+        return None if start is None else start.ids
+
+    async def start(
+        self, request: ParsedRequest, scope: str, limit: int | None = None, *, defer_rest: bool
+    ) -> PromptStart | None:
+        """As of(); with `defer_rest`, a prompt whose start the caches hold and whose
+        new text at the end is short (DEFERRED_REST_SHARE) comes as its start, with the
+        rest to tokenise later (when that cannot make it longer than `limit`)."""
         try:
             key = tokenisation_key(request, scope)
         except (msgspec.EncodeError, TypeError, ValueError):  # not JSON-encodable: no cache
@@ -245,17 +307,22 @@ class PromptTokens:
         if key is not None:
             cached = self.cache.get(key)
             if cached is not None:
-                return _within(cached, limit)
+                return PromptStart.whole(_within(cached, limit))
         tokenizer = self.tokenizers.for_model(request.model)
-        token_ids = await self._tokenise(request, tokenizer, scope, limit)
-        if token_ids is None:
-            return None
-        _within(token_ids, limit)
-        return token_ids if key is None else self.cache.put(key, token_ids)
+        tokenised = await self._tokenise(request, tokenizer, scope, limit, defer_rest)
+        if tokenised is None or isinstance(tokenised, PromptStart):
+            return tokenised
+        _within(tokenised, limit)
+        return PromptStart.whole(tokenised if key is None else self.cache.put(key, tokenised))
 
     async def _tokenise(
-        self, request: ParsedRequest, tokenizer: PromptTokenizer, scope: str, limit: int | None
-    ) -> Sequence[int] | None:
+        self,
+        request: ParsedRequest,
+        tokenizer: PromptTokenizer,
+        scope: str,
+        limit: int | None,
+        defer_rest: bool,
+    ) -> Sequence[int] | PromptStart | None:
         prompt = prompt_input(request, tokenizer)
         if not isinstance(prompt, PromptText):
             return prompt
@@ -273,9 +340,21 @@ class PromptTokens:
         )
         if pieces is None or parts is None or len(parts) > MAX_PIECES:
             return await _off_loop_if(len(prompt.text), prompt.whole_tokens, tokenizer)
-        token_ids = await self._piecewise(pieces, parts, prompt.add_special_tokens, scope)
+        plan = self._plan(pieces, parts, scope)
         uses = self._uses[tokenizer.path] = self._uses.get(tokenizer.path, 0) + 1
-        if uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0:
+        checked = uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0
+        if defer_rest and not checked:
+            started = self._started(
+                pieces, plan, prompt.add_special_tokens, len(prompt.text), limit, request, scope
+            )
+            if started is not None:
+                return started
+        missing = plan.missing(0, len(plan.units))
+        new = [plan.units[at] for at in missing]
+        encoded = await _off_loop_if(sum(len(unit.text) for unit in new), pieces.encode, new)
+        self._store(plan, missing, encoded)
+        token_ids = self._assembled(pieces, plan, prompt.add_special_tokens)
+        if checked:
             self._checks += 1
             whole = await _off_loop_if(len(prompt.text), prompt.whole_tokens, tokenizer)
             if array.array("I", whole) != token_ids:
@@ -290,9 +369,61 @@ class PromptTokens:
                 return whole
         return token_ids
 
-    async def _piecewise(
-        self, pieces: PieceTokenizer, parts: list[Piece], add_special_tokens: bool, scope: str
+    def _started(
+        self,
+        pieces: PieceTokenizer,
+        plan: _PiecePlan,
+        add_special_tokens: bool,
+        prompt_chars: int,
+        limit: int | None,
+        request: ParsedRequest,
+        scope: str,
+    ) -> PromptStart | None:
+        """The prompt's start with its new text left for later, or None when the new
+        text is not a short end (DEFERRED_REST_SHARE) or could take it past `limit`."""
+        cut = plan.first_new()
+        if cut is None:
+            return None
+        rest_units = plan.units[cut:]
+        rest_chars = sum(len(unit.text) for unit in rest_units)
+        if rest_chars * DEFERRED_REST_SHARE > prompt_chars or rest_chars > OFF_LOOP_CHARS:
+            return None
+        self._encode(pieces, plan, plan.missing(0, cut))  # short pieces, never kept
+        before, after = pieces.wrap if add_special_tokens and pieces.wrap else ([], [])
+        ids = _joined([before, *plan.found[:cut]])
+        # A token is at least a byte of text, or an added token.
+        most = len(ids) + len(after)
+        most += sum(
+            1 if unit.token_id is not None else len(unit.text.encode()) for unit in rest_units
+        )
+        if limit is not None and most > limit:
+            return None
+        known_chars = prompt_chars - rest_chars
+        estimated = len(ids) + len(after) + round(rest_chars * len(ids) / max(1, known_chars))
+        finish = functools.partial(
+            self._rest, pieces, plan, cut, add_special_tokens, request, scope
+        )
+        return PromptStart(ids, min(estimated, most), most, finish)
+
+    def _rest(
+        self,
+        pieces: PieceTokenizer,
+        plan: _PiecePlan,
+        cut: int,
+        add_special_tokens: bool,
+        request: ParsedRequest,
+        scope: str,
     ) -> array.array[int]:
+        """The whole prompt's ids: its rest tokenised, and both kept in the caches."""
+        self._encode(pieces, plan, plan.missing(cut, len(plan.units)))
+        token_ids = self._assembled(pieces, plan, add_special_tokens)
+        try:
+            key = tokenisation_key(request, scope)
+        except (msgspec.EncodeError, TypeError, ValueError):
+            return token_ids
+        return self.cache.put(key, token_ids)
+
+    def _plan(self, pieces: PieceTokenizer, parts: list[Piece], scope: str) -> _PiecePlan:
         units: list[Piece] = []  # what is looked up and encoded
         found: list[Sequence[int] | None] = []
         keys: dict[int, bytes] = {}  # of the units that are cached
@@ -325,18 +456,27 @@ class PromptTokens:
                 else:
                     found.append(None)
                 units.append(segment)
-        missing = [units[at] for at, unit_ids in enumerate(found) if unit_ids is None]
-        new_chars = sum(len(piece.text) for piece in missing)
-        encoded = iter(await _off_loop_if(new_chars, pieces.encode, missing))
-        for at, unit_ids in enumerate(found):
-            if unit_ids is None:
-                new = next(encoded)
-                self._tokenised += len(new)
-                found[at] = self.pieces.put(keys[at], new) if at in keys else new
-        for key, first, end in cut_runs:
-            self.pieces.put(key, _joined(found[first:end]))
+        return _PiecePlan(units, found, keys, cut_runs)
+
+    def _encode(self, pieces: PieceTokenizer, plan: _PiecePlan, units: list[int]) -> None:
+        """The units encoded here, on the event loop (short text only)."""
+        if units:
+            self._store(plan, units, pieces.encode([plan.units[at] for at in units]))
+
+    def _store(self, plan: _PiecePlan, units: list[int], encoded: list[list[int]]) -> None:
+        """The units' new ids in the plan, and in the piece cache where they are kept."""
+        for at, new in zip(units, encoded, strict=True):
+            self._tokenised += len(new)
+            plan.found[at] = self.pieces.put(plan.keys[at], new) if at in plan.keys else new
+
+    def _assembled(
+        self, pieces: PieceTokenizer, plan: _PiecePlan, add_special_tokens: bool
+    ) -> array.array[int]:
+        """The prompt's ids, every unit encoded; the runs missed whole kept whole too."""
+        for key, first, end in plan.cut_runs:
+            self.pieces.put(key, _joined(plan.found[first:end]))
         before, after = pieces.wrap if add_special_tokens and pieces.wrap else ([], [])
-        return _joined([before, *found, after])
+        return _joined([before, *plan.found, after])
 
     def _reuse(self, key: bytes) -> Sequence[int] | None:
         cached = self.pieces.get(key)

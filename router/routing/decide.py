@@ -57,7 +57,8 @@ class Decision:
     indexed: npt.NDArray[np.int64]
     candidate_of_row: npt.NDArray[np.intp]  # roster row -> candidate row, -1: none
     keys: list[BlockKey]
-    prompt_tokens: int
+    prompt_tokens: int  # the whole prompt's count, estimated while only its start is keyed
+    whole_prompt: bool  # False: `keys` are its start's; the rest is not tokenised yet
     block_size: int
     index_answered: bool  # False: load-only (plus this router's predictions)
     factor: str
@@ -99,6 +100,21 @@ class Decision:
             tokens=blocks * self.block_size,
             holder_eligible=bool(np.any(self.ranked.scores.eligible[held == blocks])),
         )
+
+    def rest_could_change_choice(self) -> bool:
+        """Whether the prompt's rest, keyed too, could change the best-ranked worker.
+        Blocks past the start are held only where all of the start's are, and a score
+        only grows with the blocks held: so only a candidate holding the whole start
+        could gain, and only one that does not rank first could overtake."""
+        if self.whole_prompt or not self.ranked:
+            return False
+        if not self.keys:  # no block of the start: anyone could hold the rest
+            return True
+        held = self.believed.sum(axis=1)
+        holders = held >= len(self.keys)
+        if not np.any(holders & self.ranked.scores.eligible):
+            return False
+        return not bool(holders[self.ranked.rows[0]])
 
     def off_device_tokens(self, worker_id: str) -> int:
         """The part of predicted_tokens() held on host, disk or remote tiers."""
@@ -157,11 +173,16 @@ class RoutingPlanner:
         cache_scope: str,
         tokens: Sequence[int],
         counted_as_engines: bool = True,
+        more_tokens: int = 0,
+        more_tokens_at_most: int = 0,
     ) -> Decision:
         """Rank the candidates serving `model` for a prompt of `tokens`, keyed in
         `cache_scope` (the tenant's salt, or a salt the client sent in the shared
         scope; empty for none). `counted_as_engines`: the engines count the prompt as
-        `tokens` does, so a worker whose max_model_len it exceeds is no candidate."""
+        `tokens` does, so a worker whose max_model_len it exceeds is no candidate.
+        `more_tokens_at_most` > 0: `tokens` are the prompt's start, and its rest (an
+        estimated `more_tokens`, at most `more_tokens_at_most`) is not tokenised yet:
+        the costs count the estimate, max_model_len the most it can be."""
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.key") as span:
             keys = self.keys(model, cache_scope, tokens)
@@ -183,13 +204,16 @@ class RoutingPlanner:
             candidate_of_row = np.full(len(roster) + 1, -1, dtype=np.intp)
             candidate_of_row[rows] = np.arange(len(rows), dtype=np.intp)
             index_tiers = _index_tiers(index_matches, roster, candidate_of_row, len(rows))
-            limit = servable_blocks(len(tokens), self.block_size)
+            whole = more_tokens_at_most == 0
+            # Of a prompt's start every block is servable: its last token comes later.
+            limit = servable_blocks(len(tokens), self.block_size) if whole else len(keys)
             believed = believed_blocks(
                 index_tiers, _predicted(predicted, roster, candidate_of_row, len(rows)), limit
             )
             facts.matched_tokens[:] = believed * self.block_size
             request = RequestFacts(
-                prompt_tokens=len(tokens),
+                prompt_tokens=len(tokens) + more_tokens,
+                prompt_tokens_at_most=len(tokens) + more_tokens_at_most,
                 isolation=tenant.isolation,
                 required_labels=tenant.required_labels,
                 pool=tenant.pool,
@@ -206,7 +230,8 @@ class RoutingPlanner:
             indexed=np.minimum(index_tiers.sum(axis=1), limit),
             candidate_of_row=candidate_of_row,
             keys=keys,
-            prompt_tokens=len(tokens),
+            prompt_tokens=len(tokens) + more_tokens,
+            whole_prompt=whole,
             block_size=self.block_size,
             index_answered=answered,
             factor=factor,
@@ -215,10 +240,22 @@ class RoutingPlanner:
 
     def routed(self, decision: Decision, worker_id: str) -> None:
         """The request went to `worker_id`: its prefix is predicted there from now on."""
-        servable = decision.keys[: servable_blocks(decision.prompt_tokens, self.block_size)]
+        servable = (
+            decision.keys[: servable_blocks(decision.prompt_tokens, self.block_size)]
+            if decision.whole_prompt
+            else decision.keys
+        )
         self.predicted.record(worker_id, servable, self._clock())
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _routed_line(decision, worker_id, servable[-1] if servable else None))
+
+    def routed_rest(
+        self, worker_id: str, model: str, cache_scope: str, token_ids: Sequence[int]
+    ) -> None:
+        """The whole prompt of a request routed on its start: predicted where it went."""
+        keys = self.keys(model, cache_scope, token_ids)
+        servable = keys[: servable_blocks(len(token_ids), self.block_size)]
+        self.predicted.record(worker_id, servable, self._clock())
 
     async def _lookup(
         self, keys: list[BlockKey], wanted: bool

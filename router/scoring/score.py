@@ -73,13 +73,15 @@ class CandidateFacts(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class RequestFacts:
-    prompt_tokens: int
+    prompt_tokens: int  # estimated, while the rest of a prompt is not tokenised yet
     isolation: str = "shared"  # shared | private | dedicated
     required_labels: Mapping[str, str] = field(default_factory=dict)
     pool: str | None = None  # for `dedicated`: the only pool it may use
     # Whether prompt_tokens counts the prompt as the engines do: only then is it held
     # against each worker's max_model_len (not while an engine tokenises otherwise).
     counted_as_engines: bool = True
+    # The most tokens the prompt can have (None: prompt_tokens, counted exactly).
+    prompt_tokens_at_most: int | None = None
 
 
 class ScoreBreakdown(NamedTuple):
@@ -154,7 +156,8 @@ def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
     else:
         allowed = np.asarray(facts.pools == request.pool, dtype=np.bool_)
     if request.counted_as_engines:
-        allowed &= facts.max_model_len >= request.prompt_tokens
+        most = request.prompt_tokens_at_most
+        allowed &= facts.max_model_len >= (request.prompt_tokens if most is None else most)
     return allowed
 
 

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import TenantSettings
+from router.proxy.tokens import CHECKED_FIRST_USES
 from tests.proxy.conftest import (
     ADMIN_TOKEN,
     MODEL,
@@ -417,3 +418,42 @@ async def test_an_identical_prompt_is_tokenised_once() -> None:
         await _complete(fleet, PROMPT + " identical", max_tokens=3)  # not read by tokenising
         assert await _metric(fleet, "kvplane_token_cache_lookups", result="hit") == 1
         assert await _metric(fleet, "kvplane_token_cache_tokens") > 0
+
+
+async def _chat(fleet: RoutedFleet, messages: list[dict[str, str]]) -> httpx.Response:
+    async with fleet.http() as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 2},
+            headers={"authorization": "Bearer sk-acme"},
+        )
+    assert response.status_code == 200, response.text
+    return response
+
+
+async def test_a_short_new_end_is_tokenised_after_the_answer_and_counted_whole() -> None:
+    system = {"role": "system", "content": PROMPT * 2}
+    asked = [system, {"role": "user", "content": "What does the cache remember? " * 3}]
+    async with routed_fleet(3) as fleet:
+        first = await _chat(fleet, asked)
+        holder = first.headers["x-kvplane-worker"]
+        for use in range(CHECKED_FIRST_USES):  # compared with whole tokenisation first
+            await _chat(fleet, [{"role": "user", "content": f"warm-up {use}"}])
+        follow_up = [
+            *asked,
+            {"role": "assistant", "content": "What it has already read, block by block. " * 3},
+            {"role": "user", "content": "And which blocks does it forget first? " * 3},
+        ]
+        routed_on_start = await _chat(fleet, follow_up)
+
+        assert routed_on_start.headers["x-kvplane-worker"] == holder
+        assert await _metric(fleet, "kvplane_prompt_rests_total", tokenised="after_answer") == 1
+        # Counted whole once the answer was in: as the engine counted it.
+        assert await _metric(fleet, "kvplane_prompt_token_checks_total", result="match") >= 10
+        assert await _metric(fleet, "kvplane_prompt_token_checks_total", result="mismatch") == 0
+        # And predicted whole where it went: the same prompt again expects all of it.
+        again = await _chat(fleet, follow_up)
+        assert again.headers["x-kvplane-worker"] == holder
+        predicted = int(again.headers["x-kvplane-cached-tokens"])
+        assert predicted > int(routed_on_start.headers["x-kvplane-cached-tokens"])
+        assert abs(_reported(again) - predicted) <= 16

@@ -16,6 +16,8 @@ from kvplane.core.config import ProxySettings
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
 from router.proxy.tokens import (
+    CHECKED_FIRST_USES,
+    DEFERRED_REST_SHARE,
     MAX_PIECES,
     MIN_CACHED_PIECE_CHARS,
     OFF_LOOP_CHARS,
@@ -107,6 +109,88 @@ async def test_a_growing_conversation_tokenises_only_its_new_text() -> None:
     assert 0 < tokenised < len(second) - len(system_piece)
     assert after.piecewise_checks == 2
     assert after.piecewise_differences == 0
+
+
+LONG_SYSTEM = SYSTEM * 4  # the start a conversation's later turns share
+NEXT_QUESTION = "Which blocks does it keep when memory runs short, and for how long? " * 2
+FOLLOW_UP = [
+    {"role": "system", "content": LONG_SYSTEM},
+    {"role": "user", "content": "What does the cache remember?"},
+    {"role": "assistant", "content": "What the model has already read. " * 2},
+    {"role": "user", "content": NEXT_QUESTION},
+]
+
+
+async def _past_the_checked_uses(tokens: PromptTokens) -> None:
+    """Spend the first uses, whose piecewise results are compared with whole ones."""
+    for use in range(CHECKED_FIRST_USES):
+        await tokens.of(request(messages=[{"role": "user", "content": f"warm-up {use}"}]), "")
+
+
+async def test_a_prompt_with_a_short_new_end_comes_as_its_start_and_its_rest() -> None:
+    tokenizer = load_tokenizer()
+    tokens = PromptTokens(ProxySettings())
+    await _past_the_checked_uses(tokens)
+    await tokens.of(request(messages=FOLLOW_UP[:2]), "")  # the system prompt seen
+    whole = tokenizer.chat_tokens(FOLLOW_UP)
+
+    start = await tokens.start(request(messages=FOLLOW_UP), "", defer_rest=True)
+
+    assert start is not None
+    assert start.rest is not None
+    assert 0 < len(start.ids) < len(whole) <= start.most_tokens
+    assert list(start.ids) == whole[: len(start.ids)]
+    assert abs(start.estimated_tokens - len(whole)) < (len(whole) - len(start.ids)) / 2
+    assert list(start.rest()) == whole
+    # The rest is in the caches now: the same prompt again comes whole.
+    again = await tokens.start(request(messages=FOLLOW_UP), "", defer_rest=True)
+    assert again is not None
+    assert again.rest is None
+    assert list(again.ids) == whole
+
+
+async def test_a_prompt_comes_whole_where_its_rest_may_not_wait() -> None:
+    tokenizer = load_tokenizer()
+    tokens = PromptTokens(ProxySettings())
+    assert (await tokens.start(request(messages=FOLLOW_UP), "", defer_rest=True)) is not None
+    # Among the first uses, every result is compared with whole tokenisation first.
+    checked = await tokens.start(request(messages=FOLLOW_UP[:3]), "", defer_rest=True)
+    assert checked is not None
+    assert checked.rest is None
+    await _past_the_checked_uses(tokens)
+    await tokens.of(request(messages=FOLLOW_UP[:2]), "")
+    # A new end longer than a quarter of the prompt: a replica seeing a conversation
+    # mid-way, whose history is the larger part.
+    long_end = [*FOLLOW_UP[:3], {"role": "user", "content": NEXT_QUESTION * 8}]
+    assert tokenizer.render_chat(long_end).count(NEXT_QUESTION) * len(NEXT_QUESTION) * (
+        DEFERRED_REST_SHARE
+    ) > len(tokenizer.render_chat(long_end))
+    whole = await tokens.start(request(messages=long_end), "", defer_rest=True)
+    assert whole is not None
+    assert whole.rest is None
+    assert list(whole.ids) == tokenizer.chat_tokens(long_end)
+    # A rest that could take the prompt past its limit: counted now.
+    near_limit = _asking(FOLLOW_UP, "Once more?")
+    exact = tokenizer.chat_tokens(near_limit)
+    within = await tokens.start(request(messages=near_limit), "", len(exact), defer_rest=True)
+    assert within is not None
+    assert within.rest is None
+    assert list(within.ids) == exact
+    # of() never leaves a rest.
+    other = _asking(FOLLOW_UP, "And twice?")
+    assert list(await tokens.of(request(messages=other), "") or []) == (
+        tokenizer.chat_tokens(other)
+    )
+    deferred = await tokens.start(
+        request(messages=_asking(FOLLOW_UP, "Thrice?")), "", defer_rest=True
+    )
+    assert deferred is not None
+    assert deferred.rest is not None
+
+
+def _asking(messages: list[dict[str, str]], more: str) -> list[dict[str, str]]:
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": last["content"] + more}]
 
 
 async def test_pieces_are_reused_within_their_scope_only() -> None:

@@ -23,6 +23,7 @@ from router.index.redis import RedisLocationIndex
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import (
     INDEX_PROBE_INTERVAL_S,
+    Decision,
     RoutingPlanner,
     believed_blocks,
     servable_blocks,
@@ -226,6 +227,69 @@ async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
         tokens=[*TOKENS[:16], *range(5000, 5017)],
     )
     assert third.matched("w3") == {Tier.DEVICE: 4}
+
+
+START = TOKENS[:24]  # 6 full blocks: a prompt's start, its rest not tokenised yet
+
+
+async def _decide_on_start(planner: RoutingPlanner, *, rest_tokens: int = 9) -> Decision:
+    return await planner.decide(
+        model=MODEL,
+        tenant=ANONYMOUS_TENANT,
+        cache_scope="",
+        tokens=START,
+        more_tokens=rest_tokens,
+        more_tokens_at_most=rest_tokens * 4,
+    )
+
+
+async def test_a_prompts_start_is_decided_on_with_its_rest_estimated() -> None:
+    planner = await make_planner()
+    await store(planner, "w2", 6)
+    decision = await _decide_on_start(planner)
+    assert not decision.whole_prompt
+    assert decision.keys == planner.keys(MODEL, "", START)
+    assert decision.prompt_tokens == len(START) + 9
+    assert decision.matched("w2") == {Tier.DEVICE: 6}  # every block of a start is servable
+    assert decision.ranked[0].worker_id == "w2"
+    assert not decision.rest_could_change_choice()  # only w2 could hold more, and it leads
+    planner.routed(decision, "w2")
+    assert planner.predicted.match(decision.keys, time.monotonic()) == {"w2": 6}
+    planner.routed_rest("w2", MODEL, "", TOKENS)  # the whole prompt, once tokenised
+    assert planner.predicted.match(planner.keys(MODEL, "", TOKENS), time.monotonic()) == {
+        "w2": servable_blocks(len(TOKENS), BLOCK_SIZE)
+    }
+
+
+async def test_the_rest_matters_only_where_all_of_the_start_is_held() -> None:
+    planner = await make_planner()
+    await store(planner, "w2", 5)  # not all of the start: the rest cannot be there
+    decision = await _decide_on_start(planner)
+    assert decision.ranked[0].worker_id == "w2"
+    assert not decision.rest_could_change_choice()
+
+
+async def test_a_busy_worker_holding_the_whole_start_could_overtake_with_its_rest() -> None:
+    planner = await make_planner(workers=["w1", "w2"])
+    await store(planner, "w1", 6)
+    for _ in range(4):
+        planner.fleet.sent("w1", "other", prefill_tokens=512)
+    decision = await _decide_on_start(planner)
+    assert decision.ranked[0].worker_id == "w2"  # w1 holds it all, but is busy
+    assert decision.rest_could_change_choice()
+
+
+async def test_a_start_shorter_than_a_block_says_nothing_of_the_rest() -> None:
+    planner = await make_planner()
+    decision = await planner.decide(
+        model=MODEL,
+        tenant=ANONYMOUS_TENANT,
+        cache_scope="",
+        tokens=TOKENS[:3],
+        more_tokens=30,
+        more_tokens_at_most=120,
+    )
+    assert decision.rest_could_change_choice()
 
 
 async def test_a_decision_is_logged_at_debug_with_numbers_and_hashes_only(

@@ -206,6 +206,12 @@ def test_no_worker_takes_a_prompt_over_its_max_model_len() -> None:
     # Counted by another tokenizer than the engines', the prompt is held against none.
     otherwise = RequestFacts(prompt_tokens=4096, counted_as_engines=False)
     assert len(rank_workers(otherwise, [short, long, unknown])) == 3
+    # A prompt whose rest is not tokenised yet is held to the most it can count.
+    estimated = RequestFacts(prompt_tokens=500, prompt_tokens_at_most=600)
+    assert sorted(r.worker_id for r in rank_workers(estimated, [short, long, unknown])) == [
+        "long",
+        "unknown",
+    ]
 
 
 def test_ties_are_broken_at_random_not_by_list_order() -> None:

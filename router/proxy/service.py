@@ -132,10 +132,10 @@ class _Exchange:
     tenant: str
     decision: Decision  # for the funnel, read when the answer is settled
     dispatched_at: float  # on the router's clock, as evictions are recorded
-    cache_scope: str = ""
+    cache_scope: str
     # The prompt's whole ids, where it was routed on its start: tokenised once the
     # answer is settled, for the count and the predicted entries (None: whole already).
-    prompt_rest: Callable[[], Sequence[int]] | None = None
+    prompt_rest: Callable[[], Sequence[int]] | None
 
 
 @dataclass(slots=True)
@@ -593,13 +593,12 @@ class ProxyService:
         if status >= 400:  # the engine refused the request (a 4xx) or failed it
             outcome = "engine_refused" if status < 500 else "engine_error"
         self._count(outcome, exchange.worker_id)
-        if exchange.prompt_rest is not None:  # routed on its start: the rest, now
-            token_ids = exchange.prompt_rest()
+        if exchange.prompt_rest is not None and status < 400:  # routed on its start
+            token_ids = exchange.prompt_rest()  # counted whole, for the comparisons below
             exchange.prompt_tokens = len(token_ids)
-            if status < 400:
-                self.planner.routed_rest(
-                    exchange.worker_id, exchange.model, exchange.cache_scope, token_ids
-                )
+            self.planner.routed_rest(
+                exchange.worker_id, exchange.model, exchange.cache_scope, token_ids
+            )
         worker = exchange.worker_id
         if status < 400 and usage is not None:
             self._compare_token_counts(exchange, usage)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
@@ -310,10 +311,19 @@ class PromptTokens:
                 return PromptStart.whole(_within(cached, limit))
         tokenizer = self.tokenizers.for_model(request.model)
         tokenised = await self._tokenise(request, tokenizer, scope, limit, defer_rest)
-        if tokenised is None or isinstance(tokenised, PromptStart):
-            return tokenised
+        if tokenised is None:
+            return None
+        if isinstance(tokenised, PromptStart):
+            if key is None or tokenised.rest is None:
+                return tokenised
+            kept = functools.partial(self._kept, key, tokenised.rest)
+            return dataclasses.replace(tokenised, rest=kept)
         _within(tokenised, limit)
         return PromptStart.whole(tokenised if key is None else self.cache.put(key, tokenised))
+
+    def _kept(self, key: bytes, rest: Callable[[], Sequence[int]]) -> Sequence[int]:
+        """A deferred rest's whole prompt, kept in the cache of whole prompts."""
+        return self.cache.put(key, rest())
 
     async def _tokenise(
         self,
@@ -345,7 +355,7 @@ class PromptTokens:
         checked = uses <= CHECKED_FIRST_USES or uses % CHECK_ONE_IN == 0
         if defer_rest and not checked:
             started = self._started(
-                pieces, plan, prompt.add_special_tokens, len(prompt.text), limit, request, scope
+                pieces, plan, prompt.add_special_tokens, len(prompt.text), limit
             )
             if started is not None:
                 return started
@@ -376,8 +386,6 @@ class PromptTokens:
         add_special_tokens: bool,
         prompt_chars: int,
         limit: int | None,
-        request: ParsedRequest,
-        scope: str,
     ) -> PromptStart | None:
         """The prompt's start with its new text left for later, or None when the new
         text is not a short end (DEFERRED_REST_SHARE) or could take it past `limit`."""
@@ -400,9 +408,7 @@ class PromptTokens:
             return None
         known_chars = prompt_chars - rest_chars
         estimated = len(ids) + len(after) + round(rest_chars * len(ids) / max(1, known_chars))
-        finish = functools.partial(
-            self._rest, pieces, plan, cut, add_special_tokens, request, scope
-        )
+        finish = functools.partial(self._rest, pieces, plan, cut, add_special_tokens)
         return PromptStart(ids, min(estimated, most), most, finish)
 
     def _rest(
@@ -411,17 +417,10 @@ class PromptTokens:
         plan: _PiecePlan,
         cut: int,
         add_special_tokens: bool,
-        request: ParsedRequest,
-        scope: str,
     ) -> array.array[int]:
-        """The whole prompt's ids: its rest tokenised, and both kept in the caches."""
+        """The whole prompt's ids, its rest tokenised (new pieces kept in their cache)."""
         self._encode(pieces, plan, plan.missing(cut, len(plan.units)))
-        token_ids = self._assembled(pieces, plan, add_special_tokens)
-        try:
-            key = tokenisation_key(request, scope)
-        except (msgspec.EncodeError, TypeError, ValueError):
-            return token_ids
-        return self.cache.put(key, token_ids)
+        return self._assembled(pieces, plan, add_special_tokens)
 
     def _plan(self, pieces: PieceTokenizer, parts: list[Piece], scope: str) -> _PiecePlan:
         units: list[Piece] = []  # what is looked up and encoded

@@ -20,6 +20,9 @@ from router.control_plane.workers import WorkerView
 from router.index.base import IndexUnavailable, PrefixMatch
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import RedisLocationIndex
+from router.proxy.bodies import Endpoint, parse_body
+from router.proxy.service import route_prompt
+from router.proxy.tokens import PromptStart
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import (
     INDEX_PROBE_INTERVAL_S,
@@ -230,6 +233,7 @@ async def test_a_routed_prefix_is_predicted_on_the_next_decision() -> None:
 
 
 START = TOKENS[:24]  # 6 full blocks: a prompt's start, its rest not tokenised yet
+_CHAT = parse_body(b'{"model": "test-model", "messages": []}', Endpoint.CHAT)
 
 
 async def _decide_on_start(planner: RoutingPlanner, *, rest_tokens: int = 9) -> Decision:
@@ -277,6 +281,48 @@ async def test_a_busy_worker_holding_the_whole_start_could_overtake_with_its_res
     decision = await _decide_on_start(planner)
     assert decision.ranked[0].worker_id == "w2"  # w1 holds it all, but is busy
     assert decision.rest_could_change_choice()
+
+
+def _start_of_tokens(rests: list[int]) -> PromptStart:
+    """TOKENS' start, with a rest that counts how often it was tokenised."""
+
+    def rest() -> list[int]:
+        rests.append(1)
+        return TOKENS
+
+    return PromptStart(START, len(START) + 9, len(START) + 36, rest)
+
+
+async def test_route_prompt_sends_on_the_start_where_the_rest_cannot_change_the_choice() -> None:
+    planner = await make_planner()
+    await store(planner, "w2", 6)
+    rests: list[int] = []
+    decision, start = await route_prompt(
+        planner, _CHAT, ANONYMOUS_TENANT, "", _start_of_tokens(rests), True
+    )
+    assert decision.ranked[0].worker_id == "w2"
+    assert not decision.whole_prompt
+    assert start is not None
+    assert start.rest is not None
+    assert rests == []  # left for after the answer
+
+
+async def test_route_prompt_decides_on_the_whole_where_the_rest_could_change_it() -> None:
+    planner = await make_planner(workers=["w1", "w2"])
+    await store(planner, "w1", 8)  # all of the start, and the rest's blocks too
+    for _ in range(4):
+        planner.fleet.sent("w1", "other", prefill_tokens=512)
+    rests: list[int] = []
+    decision, start = await route_prompt(
+        planner, _CHAT, ANONYMOUS_TENANT, "", _start_of_tokens(rests), True
+    )
+    assert rests == [1]
+    assert start is not None
+    assert start.rest is None
+    assert list(start.ids) == TOKENS
+    assert decision.whole_prompt
+    assert decision.keys == planner.keys(MODEL, "", TOKENS)
+    assert decision.matched("w1") == {Tier.DEVICE: 8}  # the rest's blocks counted
 
 
 async def test_a_start_shorter_than_a_block_says_nothing_of_the_rest() -> None:

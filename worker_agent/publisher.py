@@ -106,6 +106,10 @@ class ControlPlanePublisher:
         self._last_report: tuple[EngineLoad, WiringReport | None] | None = None
         self._last_report_at = 0.0
         self._repeat_after_s = 0.0
+        # The engine's last load and when the lease was last renewed (a Register or a
+        # load report): the lease's own heartbeat, where probes come too seldom for it.
+        self._last_load: EngineLoad | None = None
+        self._renewed_at = 0.0
         self._engine_down = False
         self._down_report_pending = False
         self._wakeup = asyncio.Event()
@@ -128,7 +132,7 @@ class ControlPlanePublisher:
         self._wakeup.set()
 
     def report_load(self, load: EngineLoad) -> None:
-        self._load = load
+        self._load = self._last_load = load
         self._wakeup.set()
 
     def report_wiring(self, report: WiringReport) -> None:
@@ -141,7 +145,7 @@ class ControlPlanePublisher:
         the lease, and with it the worker's entries, run out."""
         self._engine_down = True
         self._outbox.clear()
-        self._outbox_blocks, self._load = 0, None
+        self._outbox_blocks, self._load, self._last_load = 0, None, None
         self._down_report_pending = True
         self._wakeup.set()
 
@@ -224,18 +228,25 @@ class ControlPlanePublisher:
                         load_message(load.running, load.waiting, load.kv_usage, wiring=self._wiring)
                     )
                     self._last_report = (load, self._wiring)
-                    self._last_report_at = time.monotonic()
+                    self._last_report_at = self._renewed_at = time.monotonic()
                 continue  # an incarnation may have begun meanwhile: register it first
             batch = self._next_to_send()
             if batch is not None:
                 await self._send_batch(stream, batch)
                 continue
+            renewal_s = self._until_lease_needs_renewal_s()
+            if renewal_s is not None and renewal_s <= 0:
+                self._load = self._last_load  # the heartbeat: what the engine said last
+                continue
             if self._unacked:  # all sent, their Acks deferred
-                if self._flush_wanted or not await self._wait(self._ack_due - time.monotonic()):
+                ack_s = self._ack_due - time.monotonic()
+                acks_first = renewal_s is None or ack_s <= renewal_s
+                timeout_s = ack_s if acks_first or renewal_s is None else renewal_s
+                if self._flush_wanted or (not await self._wait(timeout_s) and acks_first):
                     self._flush_wanted = False
                     self._unacked.append(self._batch([], asks_ack=True))
                 continue
-            await self._wait()
+            await self._wait(renewal_s)
 
     async def _wait(self, timeout_s: float | None = None) -> bool:
         """Until woken (True) or `timeout_s` has passed (False)."""
@@ -249,6 +260,17 @@ class ControlPlanePublisher:
                 return False
         self._wakeup.clear()
         return True
+
+    def _until_lease_needs_renewal_s(self) -> float | None:
+        """Seconds until the last load goes again as a heartbeat, whether or not a probe
+        brought it: two thirds of the lease after its last renewal. A probe brings it
+        every load interval, which may be longer than the lease (the control plane sets
+        that, not this agent): the lease would run out between probes, and the worker
+        drop out of routing and the index until it registered again. None: no lease was
+        told (an older control plane), or no load is known yet."""
+        if self._repeat_after_s <= 0 or self._last_load is None:
+            return None
+        return self._renewed_at + 2 * self._repeat_after_s - time.monotonic()
 
     def _repeats_last_report(self, load: EngineLoad) -> bool:
         """Whether `load` (with the current wiring) says what the last report said, and
@@ -286,6 +308,7 @@ class ControlPlanePublisher:
                 continue
             applied = reply.ack.sequence
             self._repeat_after_s = reply.ack.lease_ms / 1000 / 3
+            self._renewed_at = time.monotonic()
             self._last_report = None  # the new stream hears the load at once
             self._defers_acks = reply.ack.defers_acks
             if self._acked <= applied <= self._acked + len(self._unacked):

@@ -1,6 +1,7 @@
 """A load report that says nothing new goes only as often as the lease needs: the router
 tells each agent its lease when it registers, and an idle engine's agent then
-heartbeats every third of it instead of every probe."""
+heartbeats every third of it instead of every probe, and on its own where probes come
+further apart than the lease."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvplane.wire.codec import register_message
 from kvplane.wire.stream import AgentStream
 from router.app import RunningRouter, running_router
 from router.control_plane import service as control_plane_service
+from router.index.base import WorkerState
 from tests.control_plane.conftest import (
     BLOCK_SIZE,
     MODEL,
@@ -117,3 +119,21 @@ async def test_the_same_load_with_changed_wiring_goes_at_once() -> None:
         publisher.report_wiring(WiringReport(EventsState.SILENT, ReplayState.OK, 16))
         publisher.report_load(EngineLoad(0, 0, 0.0))
         await wait_until("the changed wiring", lambda: _loads_received(router) - before == 2)
+
+
+async def test_probes_further_apart_than_the_lease_do_not_let_it_run_out() -> None:
+    """The control plane sets the lease, the agent its load interval: an interval longer
+    than the lease once let the worker drop out of routing and the index between
+    probes, and register again under a new incarnation, over and over."""
+    lease_s = 0.9  # a heartbeat every 0.6 s, two thirds of it
+    async with (
+        running_router(make_settings(lease_s=lease_s)) as router,
+        _connected_agent(router) as publisher,
+    ):
+        before = _loads_received(router)
+        publisher.report_load(EngineLoad(0, 0, 0.0))  # the only probe
+        await asyncio.sleep(3 * lease_s)
+        assert _loads_received(router) - before >= 4  # the report, then the heartbeats
+        states = [(status.info.worker_id, status.state) for status in await router.index.workers()]
+        assert states == [("w1", WorkerState.LIVE)]
+        assert publisher.incarnations_started == 1

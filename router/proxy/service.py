@@ -425,8 +425,9 @@ class ProxyService:
         path = parsed.endpoint.value
         headers = {"content-type": "application/json"}
         failures: list[str] = []
-        for attempt, breakdown in enumerate(decision.ranked[: self.settings.max_attempts]):
-            candidate = decision.info(breakdown.worker_id)
+        ranked = decision.ranked
+        for attempt in range(min(len(ranked), self.settings.max_attempts)):
+            candidate = decision.info(ranked.worker_id(attempt))
             predicted = decision.predicted_tokens(candidate.worker_id)
             exchange = _Exchange(
                 worker_id=candidate.worker_id,

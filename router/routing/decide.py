@@ -55,6 +55,7 @@ class Decision:
     # believed cached there, and the part of them that the index vouched for.
     believed: npt.NDArray[np.int64]
     indexed: npt.NDArray[np.int64]
+    held: npt.NDArray[np.int64]  # believed's blocks of every tier, per candidate
     candidate_of_row: npt.NDArray[np.intp]  # roster row -> candidate row, -1: none
     keys: list[BlockKey]
     prompt_tokens: int  # the whole prompt's count, estimated while only its start is keyed
@@ -76,7 +77,7 @@ class Decision:
     def predicted_tokens(self, worker_id: str) -> int:
         """The cached prefix the router expects the engine to report for this request."""
         row = self._row(worker_id)
-        return 0 if row < 0 else int(self.believed[row].sum()) * self.block_size
+        return 0 if row < 0 else int(self.held[row]) * self.block_size
 
     def indexed_tokens(self, worker_id: str) -> int:
         """The part of the prediction the worker's own events vouched for (a predicted
@@ -91,14 +92,14 @@ class Decision:
     def longest_match(self) -> LongestMatch | None:
         """The longest prefix any candidate was believed to hold; None when nothing
         matched."""
-        held = self.believed.sum(axis=1)
+        held = self.held
         blocks = int(held.max()) if len(held) else 0
         if blocks == 0:
             return None
         return LongestMatch(
             key=self.keys[blocks - 1],
             tokens=blocks * self.block_size,
-            holder_eligible=bool(np.any(self.ranked.scores.eligible[held == blocks])),
+            holder_eligible=bool(self.ranked.scores.eligible[held == blocks].any()),
         )
 
     def rest_could_change_choice(self) -> bool:
@@ -110,8 +111,7 @@ class Decision:
             return False
         if not self.keys:  # no block of the start: anyone could hold the rest
             return True
-        held = self.believed.sum(axis=1)
-        holders = held >= len(self.keys)
+        holders = self.held >= len(self.keys)
         if not np.any(holders & self.ranked.scores.eligible):
             return False
         return not bool(holders[self.ranked.rows[0]])
@@ -207,8 +207,12 @@ class RoutingPlanner:
             whole = more_tokens_at_most == 0
             # Of a prompt's start every block is servable: its last token comes later.
             limit = servable_blocks(len(tokens), self.block_size) if whole else len(keys)
+            indexed = index_tiers.sum(axis=1)
             believed = believed_blocks(
-                index_tiers, _predicted(predicted, roster, candidate_of_row, len(rows)), limit
+                index_tiers,
+                indexed,
+                _predicted(predicted, roster, candidate_of_row, len(rows)),
+                limit,
             )
             facts.matched_tokens[:] = believed * self.block_size
             request = RequestFacts(
@@ -227,7 +231,8 @@ class RoutingPlanner:
             candidates=facts.worker_ids,
             roster=roster,
             believed=believed,
-            indexed=np.minimum(index_tiers.sum(axis=1), limit),
+            indexed=np.minimum(indexed, limit),
+            held=believed.sum(axis=1),
             candidate_of_row=candidate_of_row,
             keys=keys,
             prompt_tokens=len(tokens) + more_tokens,
@@ -301,7 +306,7 @@ def _routed_line(decision: Decision, worker_id: str, last_key: BlockKey | None) 
         f"tenant={b.tenant_penalty:.0f}"
         for b in decision.ranked[:_LOGGED_CANDIDATES]
     )
-    longest = int(decision.believed.sum(axis=1).max(initial=0))
+    longest = int(decision.held.max(initial=0))
     return (
         f"routed {decision.prompt_tokens} prompt tokens (prefix {_hex(last_key)}, longest "
         f"match ending at {_hex(decision.keys[longest - 1] if longest else None)}) to "
@@ -320,22 +325,31 @@ def _index_tiers(
     candidates: int,
 ) -> npt.NDArray[np.int64]:
     """The index's matched blocks per candidate and tier. (In a fleet whose workers
-    share a system prompt every worker matches: read in bulk, the mixed tiers apart.)"""
+    share a system prompt every worker matches: one pass over the matches, the device
+    tier set in bulk, the rare mixed tiers apart.)"""
     tiers = np.zeros((candidates, len(TIERS)), dtype=np.int64)
     if not matches:
         return tiers
-    found = list(matches.values())
     unknown = len(roster)
-    where = candidate_of_row[
-        np.fromiter((roster.position.get(m.worker_id, unknown) for m in found), np.intp, len(found))
-    ]
-    blocks = np.fromiter((m.blocks for m in found), np.int64, len(found))
-    device = np.fromiter((m.by_tier.get(Tier.DEVICE, 0) for m in found), np.int64, len(found))
+    position = roster.position
+    rows: list[int] = []
+    device: list[int] = []
+    mixed: list[PrefixMatch] = []
+    for match in matches.values():
+        on_device = match.by_tier.get(Tier.DEVICE, 0)
+        if on_device == match.blocks:
+            rows.append(position.get(match.worker_id, unknown))
+            device.append(on_device)
+        else:
+            mixed.append(match)
+    where = candidate_of_row[rows]
     kept = where >= 0
-    tiers[where[kept], 0] = device[kept]
-    for position in np.flatnonzero(kept & (device != blocks)):  # other tiers too: rare
-        for tier, count in found[position].by_tier.items():
-            tiers[where[position], tier - Tier.DEVICE] = count
+    tiers[where[kept], 0] = np.asarray(device, dtype=np.int64)[kept]
+    for match in mixed:
+        row = candidate_of_row[position.get(match.worker_id, unknown)]
+        if row >= 0:
+            for tier, count in match.by_tier.items():
+                tiers[row, tier - Tier.DEVICE] = count
     return tiers
 
 
@@ -355,17 +369,22 @@ def _predicted(
 
 
 def believed_blocks(
-    index_tiers: npt.NDArray[np.int64], predicted: npt.NDArray[np.int64], limit: int
+    index_tiers: npt.NDArray[np.int64],
+    indexed: npt.NDArray[np.int64],
+    predicted: npt.NDArray[np.int64],
+    limit: int,
 ) -> npt.NDArray[np.int64]:
     """Blocks per tier each worker is believed to hold (rows as the arguments'): the
-    index's match, extended on the device tier by a longer prediction, cut to the
-    `limit` the engine can serve, the slowest tiers giving way first."""
+    index's match (`indexed`: its blocks of every tier), extended on the device tier by
+    a longer prediction, cut to the `limit` the engine can serve, the slowest tiers
+    giving way first."""
+    longer = np.maximum(predicted - indexed, 0)
     tiers = index_tiers.copy()
-    held = tiers.sum(axis=1)
-    tiers[:, 0] += np.maximum(predicted - held, 0)
-    excess = np.maximum(np.maximum(held, predicted) - limit, 0)
-    if not excess.any():  # the usual case: nothing past what the engine can serve
+    tiers[:, 0] += longer
+    excess = indexed + longer - limit
+    if excess.max(initial=0) <= 0:  # the usual case: nothing past what the engine can serve
         return tiers
+    excess = np.maximum(excess, 0)
     for column in reversed(range(len(TIERS))):
         cut = np.minimum(excess, tiers[:, column])
         tiers[:, column] -= cut

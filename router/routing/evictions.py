@@ -68,13 +68,11 @@ class RecentEvictions:
     def shares(self, blocks: Column, as_of: Column, capacity_blocks: Column, now: float) -> Column:
         """share() of workers whose recorded() counts and capacities are columns."""
         shares = np.zeros(len(blocks))
-        if self.horizon_s <= 0:
+        if self.horizon_s <= 0 or not blocks.any():  # a fleet that never evicted: no work
             return shares
-        known = capacity_blocks > 0
-        age = np.maximum(0.0, now - as_of[known])
-        decayed = blocks[known] * np.exp(-age / self.horizon_s)
-        shares[known] = np.minimum(1.0, decayed / capacity_blocks[known])
-        return shares
+        decayed = blocks * np.exp(np.minimum(as_of - now, 0.0) / self.horizon_s)
+        np.divide(decayed, capacity_blocks, out=shares, where=capacity_blocks > 0)
+        return np.minimum(shares, 1.0, out=shares)
 
     def take_changed(self) -> set[str]:
         """The workers whose count was recorded or forgotten since the last call (one

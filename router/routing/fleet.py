@@ -220,10 +220,10 @@ class Fleet:
         `model` if given."""
         roster = self.roster
         rows = roster.rows(model)
-        routable = ~roster.held_back[rows] & (roster.unreachable_until[rows] <= self._clock())
+        held = roster.held_back[rows] | (roster.unreachable_until[rows] > self._clock())
         if self.registry_is_current():  # else the view's deaths are guesses (module doc)
-            routable &= ~roster.gone_in_view[rows]
-        return rows[routable]
+            held |= roster.gone_in_view[rows]
+        return rows[~held] if held.any() else rows
 
     def serving_rows(self, model: str) -> Rows:
         """The candidate_rows() of `model`; of any model if no worker is registered

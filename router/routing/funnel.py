@@ -14,14 +14,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
-class Stage(enum.Enum):
+# StrEnums, not Enums: the stages and losses key the dicts every answered request adds
+# up, and an Enum hashes in Python (its name), a StrEnum as its str does.
+class Stage(enum.StrEnum):
     PROMPT = "prompt"  # the prompt's tokens, as the router counted them
     ATTAINABLE = "attainable"  # the longest prefix any candidate worker held
     PREDICTED = "predicted"  # the prefix the worker it went to held
     ACHIEVED = "achieved"  # what that engine reported cached
 
 
-class Loss(enum.Enum):
+class Loss(enum.StrEnum):
     """Why a stage holds fewer tokens than the one before it."""
 
     # attainable, not predicted: a worker holding more was passed over ...

@@ -32,9 +32,9 @@ class Roster:
         for row, info in enumerate(infos):
             by_model.setdefault(info.model, []).append(row)
         self._rows_of_model = {
-            model: np.array(rows, dtype=np.intp) for model, rows in by_model.items()
+            model: _read_only(np.array(rows, dtype=np.intp)) for model, rows in by_model.items()
         }
-        self._all_rows = np.arange(count, dtype=np.intp)
+        self._all_rows = _read_only(np.arange(count, dtype=np.intp))
         # Each worker's longest prompt plus output; unknown (its engine does not say)
         # takes anything. A prompt over a worker's length is not routed there
         # (router/scoring/score.py eligible), so an agent that registers a short one
@@ -78,7 +78,8 @@ class Roster:
         return len(self.infos)
 
     def rows(self, model: str | None) -> Rows:
-        """The rows of the workers serving `model`; all rows for None."""
+        """The rows of the workers serving `model`; all rows for None. (Read-only: the
+        roster's own, handed out as they are.)"""
         if model is None:
             return self._all_rows
         return self._rows_of_model.get(model, self._all_rows[:0])
@@ -97,3 +98,8 @@ def _objects(values: Sequence[object]) -> npt.NDArray[np.object_]:
     column = np.empty(len(values), dtype=object)
     column[:] = values
     return column
+
+
+def _read_only(rows: Rows) -> Rows:
+    rows.flags.writeable = False
+    return rows

@@ -149,16 +149,16 @@ def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
     """The workers that can take the request: `dedicated` is a hard filter (only the
     tenant's own pool), and no worker takes a prompt over its max_model_len."""
     rows = len(facts.worker_ids)
-    if request.isolation != "dedicated":
-        allowed = np.ones(rows, dtype=np.bool_)
-    elif request.pool is None:
-        return np.zeros(rows, dtype=np.bool_)
-    else:
-        allowed = np.asarray(facts.pools == request.pool, dtype=np.bool_)
     if request.counted_as_engines:
         most = request.prompt_tokens_at_most
-        allowed &= facts.max_model_len >= (request.prompt_tokens if most is None else most)
-    return allowed
+        allowed = facts.max_model_len >= (request.prompt_tokens if most is None else most)
+    else:
+        allowed = np.ones(rows, dtype=np.bool_)
+    if request.isolation != "dedicated":
+        return allowed
+    if request.pool is None:
+        return np.zeros(rows, dtype=np.bool_)
+    return allowed & np.asarray(facts.pools == request.pool, dtype=np.bool_)
 
 
 def spill_excess(
@@ -243,6 +243,10 @@ class RankedWorkers(Sequence[ScoreBreakdown]):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def worker_id(self, position: int) -> str:
+        """The worker at `position`, without building its breakdown."""
+        return self.scores.worker_ids[int(self.rows[position])]
 
     @overload
     def __getitem__(self, position: int) -> ScoreBreakdown: ...

@@ -141,7 +141,7 @@ def believed(limit: int, *rows: tuple[dict[str, int], int]) -> list[dict[Tier, i
     predicted = np.array([blocks for _, blocks in rows], dtype=np.int64)
     return [
         {tier: int(count) for tier, count in zip(TIERS, row, strict=True) if count}
-        for row in believed_blocks(index_tiers, predicted, limit)
+        for row in believed_blocks(index_tiers, index_tiers.sum(axis=1), predicted, limit)
     ]
 
 

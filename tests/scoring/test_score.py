@@ -273,6 +273,9 @@ def test_the_deciding_factor_of_a_real_ranking() -> None:
     request = RequestFacts(prompt_tokens=2048)
     ranked = rank_workers(request, [worker("cold"), worker("hot", 1024)])
     assert [r.worker_id for r in ranked] == ["hot", "cold"]
+    scores = score_candidates(request, facts_of([worker("cold"), worker("hot", 1024)]), WEIGHTS)
+    columns = rank_by_score(scores, np.random.default_rng(0))
+    assert [columns.worker_id(position) for position in range(2)] == ["hot", "cold"]
     assert deciding_factor(ranked) == "cache"
 
 

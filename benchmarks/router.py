@@ -31,6 +31,12 @@ for latency (added latency = the proxied p50 minus the direct p50), then
 /proc/PID/stat) over the concurrent proxied run, per request, is its cost per request.
 On a small machine the four processes share the cores: the proxied throughput is the
 whole system's, the simulator and the load generator included.
+
+The floor. A fourth child, `benchmarks/bare_proxy.py`, passes the same requests through
+to the same simulator on the router's own server and client stack with nothing else
+(no routing, tokenising, accounting or metrics), measured the same way after the
+router: what it adds is what the stack costs, and what the router adds beyond it is
+kvplane's own work.
 """
 
 from __future__ import annotations
@@ -130,6 +136,11 @@ class ProxyFigures:
     requests_per_s: float
     router_cpu_ms_per_request: float
     engine_cpu_ms_per_request: float
+    # The floor: a bare pass-through on the router's server and client stack
+    # (benchmarks/bare_proxy.py), measured the same way.
+    bare_added_latency_p50_ms: float
+    bare_requests_per_s: float
+    bare_cpu_ms_per_request: float
     errors: int
     oversized: OversizedFigures | None = None
 
@@ -568,13 +579,23 @@ def measure_proxy(
                 None,
             )
         )  # fmt: skip
+        bare_url = f"http://127.0.0.1:{free_port()}"
+        bare = stack.enter_context(
+            spawn_kvplane(
+                ["--engine-url", sim.base_url, "--port", bare_url.rsplit(":", 1)[1]],
+                bare_url + "/healthz",
+                module="benchmarks.bare_proxy",
+            )
+        )
         _wait_routable(router_url)
         require_wiring(router_url, _ADMIN_TOKEN)  # BlindFleet: no figures from a blind router
         figures = asyncio.run(
             _proxy_runs(
                 sim.base_url,
                 router_url,
+                bare_url,
                 router.pid,
+                bare.pid,
                 sim.process.pid,
                 requests=requests,
                 concurrency=concurrency,
@@ -593,7 +614,9 @@ def measure_proxy(
 async def _proxy_runs(
     direct_url: str,
     router_url: str,
+    bare_url: str,
     router_pid: int,
+    bare_pid: int,
     engine_pid: int,
     *,
     requests: int,
@@ -612,17 +635,22 @@ async def _proxy_runs(
         errors += failed
         return seconds, latencies
 
-    for url in (direct_url, router_url):  # warm connections, caches and code paths
+    for url in (direct_url, router_url, bare_url):  # warm connections, caches, code paths
         await run(url, min(requests, 200), concurrency)
     _, direct_latencies = await run(direct_url, sequential, 1)
     _, proxied_latencies = await run(router_url, sequential, 1)
+    _, bare_latencies = await run(bare_url, sequential, 1)
     direct_s, _ = await run(direct_url, requests, concurrency)
     router_cpu, engine_cpu = _cpu_seconds(router_pid), _cpu_seconds(engine_pid)
     proxied_s, _ = await run(router_url, requests, concurrency)
     router_cpu = _cpu_seconds(router_pid) - router_cpu
     engine_cpu = _cpu_seconds(engine_pid) - engine_cpu
+    bare_cpu = _cpu_seconds(bare_pid)
+    bare_s, _ = await run(bare_url, requests, concurrency)
+    bare_cpu = _cpu_seconds(bare_pid) - bare_cpu
     direct_ms = statistics.median(direct_latencies) * 1000
     proxied_ms = statistics.median(proxied_latencies) * 1000
+    bare_ms = statistics.median(bare_latencies) * 1000
     return ProxyFigures(
         requests=requests,
         concurrency=concurrency,
@@ -633,6 +661,9 @@ async def _proxy_runs(
         requests_per_s=round(requests / proxied_s, 1),
         router_cpu_ms_per_request=round(router_cpu / requests * 1000, 3),
         engine_cpu_ms_per_request=round(engine_cpu / requests * 1000, 3),
+        bare_added_latency_p50_ms=round(bare_ms - direct_ms, 3),
+        bare_requests_per_s=round(requests / bare_s, 1),
+        bare_cpu_ms_per_request=round(bare_cpu / requests * 1000, 3),
         errors=errors,
     )
 
@@ -668,6 +699,14 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
             f"{proxy.direct_requests_per_s:,.0f} direct; router CPU "
             f"{proxy.router_cpu_ms_per_request:.2f} ms/request (engine "
             f"{proxy.engine_cpu_ms_per_request:.2f}); {proxy.errors} errors"
+        )
+        print(
+            f"proxy floor: a bare pass-through on the same server and client stack adds "
+            f"{proxy.bare_added_latency_p50_ms:.2f} ms and serves "
+            f"{proxy.bare_requests_per_s:,.0f} requests/s "
+            f"({proxy.bare_requests_per_s / proxy.direct_requests_per_s:.2f} of direct) "
+            f"with {proxy.bare_cpu_ms_per_request:.2f} ms of CPU a request; the router "
+            f"{proxy.requests_per_s / proxy.direct_requests_per_s:.2f} of direct"
         )
         if proxy.oversized is not None:
             big = proxy.oversized

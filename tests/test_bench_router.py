@@ -25,6 +25,9 @@ PROXY_FIELDS = {
     "requests_per_s",
     "direct_requests_per_s",
     "router_cpu_ms_per_request",
+    "bare_added_latency_p50_ms",
+    "bare_requests_per_s",
+    "bare_cpu_ms_per_request",
 }
 
 
@@ -45,6 +48,7 @@ def test_bench_router_writes_decisions_and_proxy_figures(
     printed = capsys.readouterr().out
     assert "decide p99" in printed
     assert "requests/s through the router" in printed
+    assert "a bare pass-through on the same server and client stack" in printed
 
     report = json.loads(report_path.read_text())
     rows = report["decisions"]
@@ -65,8 +69,15 @@ def test_bench_router_writes_decisions_and_proxy_figures(
     proxy = report["proxy"]
     assert proxy.keys() >= PROXY_FIELDS
     assert proxy["errors"] == 0
-    for field in ("requests_per_s", "direct_requests_per_s", "router_cpu_ms_per_request"):
+    for field in (
+        "requests_per_s",
+        "direct_requests_per_s",
+        "router_cpu_ms_per_request",
+        "bare_requests_per_s",
+    ):
         assert proxy[field] > 0, field
+    # CPU time comes in 10 ms ticks: 60 requests through the bare proxy may take none.
+    assert proxy["bare_cpu_ms_per_request"] >= 0
     # A difference of two medians: only its being a number is certain.
     assert isinstance(proxy["added_latency_p50_ms"], float)
     assert proxy["proxied_latency_p50_ms"] > 0

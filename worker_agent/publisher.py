@@ -82,6 +82,9 @@ class ControlPlanePublisher:
         self._identity = identity
         self._agent = agent
         self._limits = control_plane
+        # The largest batch, in events and blocks: this agent's own settings, or the
+        # smaller ones the control plane it registered with says it takes.
+        self._batch_limits = (control_plane.max_batch_events, control_plane.max_batch_blocks)
         token = control_plane.agent_token
         self._token = None if token is None else token.get_secret_value()
         self._snapshot = snapshot
@@ -311,6 +314,7 @@ class ControlPlanePublisher:
             self._renewed_at = time.monotonic()
             self._last_report = None  # the new stream hears the load at once
             self._defers_acks = reply.ack.defers_acks
+            self._batch_limits = _batch_limits(self._limits, reply.ack)
             if self._acked <= applied <= self._acked + len(self._unacked):
                 self._acknowledged(applied)  # those landed before the stream broke
                 self._sent = applied  # the rest go again, each asking for its Ack where
@@ -389,15 +393,23 @@ class ControlPlanePublisher:
         return _Batch(sequence, message, asks_ack)
 
     def _take_pending(self) -> list[KvEvent]:
-        """Everything pending, up to the control plane's batch limits."""
-        max_events, max_blocks = self._limits.max_batch_events, self._limits.max_batch_blocks
+        """Everything pending, up to the control plane's batch limits; an event with more
+        blocks than a whole batch may hold goes in pieces, its first one now."""
+        max_events, max_blocks = self._batch_limits
         events: list[KvEvent] = []
         blocks = 0
         while self._outbox and len(events) < max_events:
-            size = _blocks(self._outbox[0])
-            if events and blocks + size > max_blocks:
+            event = self._outbox[0]
+            size = _blocks(event)
+            if blocks + size <= max_blocks:
+                self._outbox.popleft()
+            elif events:
                 break
-            events.append(self._outbox.popleft())
+            else:
+                assert isinstance(event, BlocksStored | BlocksRemoved)  # it has blocks
+                event, self._outbox[0] = _split(event, max_blocks)
+                size = max_blocks
+            events.append(event)
             blocks += size
         self._outbox_blocks -= blocks
         return events
@@ -474,6 +486,33 @@ def _blocks(event: KvEvent) -> int:
     if isinstance(event, BlocksStored | BlocksRemoved):
         return len(event.keys)
     return 0
+
+
+def _split(event: BlocksStored | BlocksRemoved, blocks: int) -> tuple[KvEvent, KvEvent]:
+    """The event's first `blocks` blocks and the rest, as two events. A stored run splits
+    into two chained runs: the second's parent is the first's last block."""
+    if isinstance(event, BlocksRemoved):
+        return (
+            BlocksRemoved(event.keys[:blocks], event.tier),
+            BlocksRemoved(event.keys[blocks:], event.tier),
+        )
+    return (
+        BlocksStored(event.keys[:blocks], event.tier, event.first_position, event.parent_key),
+        BlocksStored(
+            event.keys[blocks:], event.tier, event.first_position + blocks, event.keys[blocks - 1]
+        ),
+    )
+
+
+def _batch_limits(own: ControlPlaneSettings, ack: pb.Ack) -> tuple[int, int]:
+    """(events, blocks) a batch may hold: this agent's limits, or the control plane's where
+    its Ack to the Register says smaller ones (0: it does not say)."""
+    events, blocks = own.max_batch_events, own.max_batch_blocks
+    if ack.max_batch_events:
+        events = min(events, ack.max_batch_events)
+    if ack.max_batch_blocks:
+        blocks = min(blocks, ack.max_batch_blocks)
+    return events, blocks
 
 
 def _cancelling() -> bool:

@@ -109,15 +109,26 @@ def _ending(reply: pb.ControlMessage | Rejection) -> Rejection:
 
 
 _MAX_LEASE_MS = 2**32 - 1  # Ack.lease_ms is a uint32
+_UINT32_MAX = 2**32 - 1  # as are the Ack's batch limits
 
 
 def _ack(sequence: int) -> pb.ControlMessage:
     return pb.ControlMessage(ack=pb.Ack(sequence=sequence))
 
 
-def _register_ack(applied: int, lease_s: float) -> pb.ControlMessage:
+def _register_ack(applied: int, lease_s: float, limits: Limits) -> pb.ControlMessage:
     lease_ms = min(round(lease_s * 1000), _MAX_LEASE_MS)
-    return pb.ControlMessage(ack=pb.Ack(sequence=applied, lease_ms=lease_ms, defers_acks=True))
+    return pb.ControlMessage(
+        ack=pb.Ack(
+            sequence=applied,
+            lease_ms=lease_ms,
+            defers_acks=True,
+            # An agent configured for larger batches than these would have every one
+            # refused, and start over for ever: it sizes its batches by them instead.
+            max_batch_events=min(limits.max_batch_events, _UINT32_MAX),
+            max_batch_blocks=min(limits.max_batch_blocks, _UINT32_MAX),
+        )
+    )
 
 
 class ControlPlaneService:
@@ -353,7 +364,7 @@ class _Stream:
         )
         # The lease, so that an agent whose load stands still heartbeats only as often
         # as it needs (each message costs both sides a wake-up).
-        return _register_ack(record.applied, self.service.lease_s)
+        return _register_ack(record.applied, self.service.lease_s, self.service.limits)
 
     async def _kv_events(self, message: pb.KvEvents, record: WorkerRecord) -> Reply:
         events = parse_kv_events(message, self.service.limits)

@@ -158,7 +158,7 @@ async def test_a_control_plane_that_does_not_defer_acks_is_asked_for_each(
     monkeypatch.setattr(
         control_plane_service,
         "_register_ack",
-        lambda applied, lease_s: pb.ControlMessage(ack=pb.Ack(sequence=applied)),
+        lambda applied, lease_s, limits: pb.ControlMessage(ack=pb.Ack(sequence=applied)),
     )
     chain = Chain()
     async with running_router(make_settings()) as router:

@@ -209,14 +209,18 @@ class Drain(_message.Message):
     def __init__(self) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("sequence", "lease_ms", "defers_acks")
+    __slots__ = ("sequence", "lease_ms", "defers_acks", "max_batch_events", "max_batch_blocks")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DEFERS_ACKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     lease_ms: int
     defers_acks: bool
-    def __init__(self, sequence: _Optional[int] = ..., lease_ms: _Optional[int] = ..., defers_acks: _Optional[bool] = ...) -> None: ...
+    max_batch_events: int
+    max_batch_blocks: int
+    def __init__(self, sequence: _Optional[int] = ..., lease_ms: _Optional[int] = ..., defers_acks: _Optional[bool] = ..., max_batch_events: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ("reason",)

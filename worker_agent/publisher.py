@@ -243,9 +243,11 @@ class ControlPlanePublisher:
                 continue
             if self._unacked:  # all sent, their Acks deferred
                 ack_s = self._ack_due - time.monotonic()
-                acks_first = renewal_s is None or ack_s <= renewal_s
-                timeout_s = ack_s if acks_first or renewal_s is None else renewal_s
-                if self._flush_wanted or (not await self._wait(timeout_s) and acks_first):
+                heartbeat_first = renewal_s is not None and renewal_s < ack_s
+                if heartbeat_first and not self._flush_wanted:
+                    await self._wait(renewal_s)
+                    continue
+                if self._flush_wanted or not await self._wait(ack_s):
                     self._flush_wanted = False
                     self._unacked.append(self._batch([], asks_ack=True))
                 continue

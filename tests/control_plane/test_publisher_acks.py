@@ -26,7 +26,7 @@ from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import RunningRouter, running_router
 from tests.control_plane.conftest import BLOCK_SIZE, MODEL, NAMESPACE, make_settings
 from tests.waiting import wait_until
-from worker_agent.events import EngineBlockHash, EngineBlocksStored
+from worker_agent.events import EngineBlockHash, EngineBlocksStored, EngineLoad
 from worker_agent.publisher import ControlPlanePublisher, WorkerIdentity
 from worker_agent.translate import BlockTranslator
 
@@ -149,6 +149,20 @@ async def test_a_quiet_agent_asks_for_the_acks_it_deferred(wire: Wire) -> None:
 
     assert [batch.ack_deferred for batch in wire.batches] == [True, True, True, False]
     assert not wire.batches[-1].events
+
+
+async def test_a_flush_does_not_wait_for_a_heartbeat_due_first(wire: Wire) -> None:
+    """A short lease and a long load interval: the lease's heartbeat comes due before
+    the deferred Acks' own time, and a flush asked for meanwhile goes at once."""
+    chain = Chain()
+    async with running_router(make_settings(lease_s=0.9)) as router:
+        publisher = _publisher(f"127.0.0.1:{router.grpc_port}", chain, load_interval_s=5.0)
+        async with _running(publisher):
+            publisher.report_load(EngineLoad(0, 0, 0.0))  # the heartbeat's load, 0.6 s on
+            await _steps(publisher, chain, wire, 1)
+            async with asyncio.timeout(2):  # well before the load interval's 5 s
+                await publisher.wait_flushed()
+            assert await chain.blocks_cached(router) == 1
 
 
 async def test_a_control_plane_that_does_not_defer_acks_is_asked_for_each(

@@ -400,7 +400,7 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
         body_for_engine(raw, parsed, None)
         route_us.append((time.perf_counter_ns() - started) / 1000)
         if start is not None and start.rest is not None:  # after the answer, as the proxy
-            planner.routed_rest(worker, MODEL, "", start.rest())
+            planner.routed_rest(decision, worker, start.rest())
         if not decision.index_answered or decision.matched(WORKER).get(Tier.DEVICE, 0) < (
             len(decision.keys) * 7 // 8
         ):

@@ -76,8 +76,7 @@ def test_bench_router_writes_decisions_and_proxy_figures(
         "bare_requests_per_s",
     ):
         assert proxy[field] > 0, field
-    # CPU time comes in 10 ms ticks: 60 requests through the bare proxy may take none.
-    assert proxy["bare_cpu_ms_per_request"] >= 0
+    # (Not the bare proxy's CPU: it comes in 10 ms ticks, and 60 requests may take none.)
     # A difference of two medians: only its being a number is certain.
     assert isinstance(proxy["added_latency_p50_ms"], float)
     assert proxy["proxied_latency_p50_ms"] > 0

@@ -132,7 +132,6 @@ class _Exchange:
     tenant: str
     decision: Decision  # for the funnel, read when the answer is settled
     dispatched_at: float  # on the router's clock, as evictions are recorded
-    cache_scope: str
     # The prompt's whole ids, where it was routed on its start: tokenised once the
     # answer is settled, for the count and the predicted entries (None: whole already).
     prompt_rest: Callable[[], Sequence[int]] | None
@@ -367,7 +366,7 @@ class ProxyService:
                 return self._no_worker(tenant)
             body = body_for_engine(raw, parsed, tenant.cache_salt)
             rest = None if start is None else start.rest
-            return await self._forward(request, parsed, tenant, decision, body, scope, rest)
+            return await self._forward(request, parsed, tenant, decision, body, rest)
 
     async def _tokenize(self, parsed: ParsedRequest, scope: str, limit: int) -> PromptStart | None:
         started = time.perf_counter()
@@ -419,7 +418,6 @@ class ProxyService:
         tenant: Tenant,
         decision: Decision,
         body: bytes,
-        cache_scope: str,
         prompt_rest: Callable[[], Sequence[int]] | None,
     ) -> Response:
         path = parsed.endpoint.value
@@ -446,7 +444,6 @@ class ProxyService:
                 tenant=tenant.name,
                 decision=decision,
                 dispatched_at=self.clock(),
-                cache_scope=cache_scope,
                 prompt_rest=prompt_rest,
             )
             self.planner.routed(decision, candidate.worker_id)
@@ -597,9 +594,7 @@ class ProxyService:
         if exchange.prompt_rest is not None and status < 400:  # routed on its start
             token_ids = exchange.prompt_rest()  # counted whole, for the comparisons below
             exchange.prompt_tokens = len(token_ids)
-            self.planner.routed_rest(
-                exchange.worker_id, exchange.model, exchange.cache_scope, token_ids
-            )
+            self.planner.routed_rest(exchange.decision, exchange.worker_id, token_ids)
         worker = exchange.worker_id
         if status < 400 and usage is not None:
             self._compare_token_counts(exchange, usage)

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.core.clock import Clock
-from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
+from kvplane.core.keys import BlockKey, KeyNamespace, chain_keys, root_key
 from kvplane.core.types import Tier, WorkerInfo
 from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
 from router.routing.fleet import Fleet
@@ -58,6 +58,7 @@ class Decision:
     held: npt.NDArray[np.int64]  # believed's blocks of every tier, per candidate
     candidate_of_row: npt.NDArray[np.intp]  # roster row -> candidate row, -1: none
     keys: list[BlockKey]
+    root: BlockKey  # of the keys' namespace: where their chain, and a rest's, starts
     prompt_tokens: int  # the whole prompt's count, estimated while only its start is keyed
     whole_prompt: bool  # False: `keys` are its start's; the rest is not tokenised yet
     block_size: int
@@ -162,8 +163,12 @@ class RoutingPlanner:
         self._next_lookup_probe = 0.0  # while the index is down: when to try it again
 
     def keys(self, model: str, cache_scope: str, tokens: Sequence[int]) -> list[BlockKey]:
-        namespace = KeyNamespace(model=model, block_size=self.block_size, cache_scope=cache_scope)
-        return block_keys(tokens, namespace)
+        return chain_keys(self._root(model, cache_scope), tokens, self.block_size)
+
+    def _root(self, model: str, cache_scope: str) -> BlockKey:
+        return root_key(
+            KeyNamespace(model=model, block_size=self.block_size, cache_scope=cache_scope)
+        )
 
     async def decide(
         self,
@@ -185,7 +190,8 @@ class RoutingPlanner:
         the costs count the estimate, max_model_len the most it can be."""
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.key") as span:
-            keys = self.keys(model, cache_scope, tokens)
+            root = self._root(model, cache_scope)
+            keys = chain_keys(root, tokens, self.block_size)
             span.set_attribute("kvplane.blocks", len(keys))
         # No worker at all: nothing to look up. (Working out which workers are routable
         # costs about as much as the lookup itself, and is done after it anyway.)
@@ -235,6 +241,7 @@ class RoutingPlanner:
             held=believed.sum(axis=1),
             candidate_of_row=candidate_of_row,
             keys=keys,
+            root=root,
             prompt_tokens=len(tokens) + more_tokens,
             whole_prompt=whole,
             block_size=self.block_size,
@@ -254,12 +261,15 @@ class RoutingPlanner:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _routed_line(decision, worker_id, servable[-1] if servable else None))
 
-    def routed_rest(
-        self, worker_id: str, model: str, cache_scope: str, token_ids: Sequence[int]
-    ) -> None:
-        """The whole prompt of a request routed on its start: predicted where it went."""
-        keys = self.keys(model, cache_scope, token_ids)
-        servable = keys[: servable_blocks(len(token_ids), self.block_size)]
+    def routed_rest(self, decision: Decision, worker_id: str, token_ids: Sequence[int]) -> None:
+        """The whole prompt (`token_ids`) of a request routed on its start (`decision`,
+        whose keys are the start's): its blocks past the start keyed on from the start's
+        chain, in its namespace, and the whole predicted where it went (the start's
+        blocks renewed)."""
+        start = decision.keys
+        parent = start[-1] if start else decision.root
+        rest = chain_keys(parent, token_ids[len(start) * self.block_size :], self.block_size)
+        servable = (start + rest)[: servable_blocks(len(token_ids), self.block_size)]
         self.predicted.record(worker_id, servable, self._clock())
 
     async def _lookup(

@@ -259,10 +259,28 @@ async def test_a_prompts_start_is_decided_on_with_its_rest_estimated() -> None:
     assert not decision.rest_could_change_choice()  # only w2 could hold more, and it leads
     planner.routed(decision, "w2")
     assert planner.predicted.match(decision.keys, time.monotonic()) == {"w2": 6}
-    planner.routed_rest("w2", MODEL, "", TOKENS)  # the whole prompt, once tokenised
+    planner.routed_rest(decision, "w2", TOKENS)  # the whole prompt, once tokenised
     assert planner.predicted.match(planner.keys(MODEL, "", TOKENS), time.monotonic()) == {
         "w2": servable_blocks(len(TOKENS), BLOCK_SIZE)
     }
+
+
+async def test_a_rest_is_keyed_in_its_starts_scope_when_the_start_has_no_whole_block() -> None:
+    planner = await make_planner()
+    decision = await planner.decide(
+        model=MODEL,
+        tenant=ACME,
+        cache_scope=ACME.cache_scope,
+        tokens=TOKENS[:3],  # under a block: no key of its own to chain the rest from
+        more_tokens=30,
+        more_tokens_at_most=120,
+    )
+    assert decision.keys == []
+    planner.routed_rest(decision, "w1", TOKENS)
+    whole = planner.keys(MODEL, ACME.cache_scope, TOKENS)
+    now = time.monotonic()
+    assert planner.predicted.match(whole, now) == {"w1": servable_blocks(len(TOKENS), BLOCK_SIZE)}
+    assert planner.predicted.match(planner.keys(MODEL, "", TOKENS), now) == {}  # not shared
 
 
 async def test_the_rest_matters_only_where_all_of_the_start_is_held() -> None:

@@ -246,8 +246,9 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--workload", help="a generated workload: shared-prefix, llmd-prefix, "
                         "multi-turn, agent-tree, multi-tenant")  # fmt: skip
     source.add_argument("--live", metavar="NAME",
-                        help="a workload of `kvplane bench live` (shared-N, multi-turn) on its "
-                        "fleet: 4 workers of 512 blocks of 16 tokens, max_num_seqs 16; "
+                        help="a workload of `kvplane bench live` (shared-N, multi-turn, "
+                        "agent-tree) on its fleet: 4 workers of 512 blocks of 16 tokens, "
+                        "max_num_seqs 16; "
                         "--workload-arg rate_per_s=15 duration_s=15 by default")  # fmt: skip
     parser.add_argument(
         "--workload-arg", type=workload_arg, action="append", default=[], metavar="KEY=VALUE",

@@ -13,6 +13,11 @@ this package's generators:
   24 output tokens; chats start at `rate_per_s / turns` (the rate counts requests) for
   `duration_s`, each turn sent an exponential think time (mean 1 s) after the previous
   turn's response ends (`multi_turn` with `closed_loop`).
+- `agent-tree`: trees of a 2,048-token trunk, 3 branches, depth 2 (13 requests), each
+  step its parent's prompt, its 24 output tokens and 64 new tokens, sent an exponential
+  step time (mean 0.2 s) after its parent's response ends; trees start at
+  `rate_per_s / 13` (the rate counts requests), as many as start in `duration_s` on
+  average (`agent_tree` with `closed_loop`).
 
 The live workloads are text, about 2.5 tokens a word with kvplane's tiny tokenizer;
 here lengths are exact token counts. The live system prompts of `shared-N` begin with
@@ -35,7 +40,7 @@ from typing import Any
 
 from simulations.engine.scheduler import SchedulerLimits
 from simulations.fleet.requests import Workload
-from simulations.fleet.workloads import multi_turn, shared_prefix
+from simulations.fleet.workloads import agent_tree, multi_turn, shared_prefix
 
 LIVE_ENGINES = 4
 LIVE_KV_BLOCKS = 512
@@ -64,6 +69,16 @@ MULTI_TURN_DEFAULTS: dict[str, Any] = {
     "think_time_s": 1.0,
 }
 
+AGENT_TREE_DEFAULTS: dict[str, Any] = {
+    "trunk_tokens": 2048,
+    "step_tokens": 64,
+    "branches": 3,
+    "depth": 2,
+    "output_tokens": 24,
+    "step_time_s": 0.2,
+}
+_NAMES = "shared-N, multi-turn, agent-tree"
+
 
 def live_capacity_tokens() -> int:
     """KV cache per engine, in tokens."""
@@ -82,16 +97,16 @@ def live_workload(
     seed: int = 0,
     **overrides: Any,
 ) -> Workload:
-    """The bake-off's workload `name` (`shared-N` or `multi-turn`) at `rate_per_s`
-    requests per second for `duration_s` seconds; `overrides` change any parameter of
-    the generator (e.g. `output_tokens`)."""
+    """The bake-off's workload `name` (`shared-N`, `multi-turn` or `agent-tree`) at
+    `rate_per_s` requests per second for `duration_s` seconds; `overrides` change any
+    parameter of the generator (e.g. `output_tokens`)."""
     if rate_per_s <= 0 or duration_s <= 0:
         raise ValueError("rate_per_s and duration_s must be positive")
     if name.startswith("shared-"):
         try:
             groups = int(name.removeprefix("shared-"))
         except ValueError:
-            raise ValueError(f"unknown live workload {name!r} (shared-N, multi-turn)") from None
+            raise ValueError(f"unknown live workload {name!r} ({_NAMES})") from None
         params = {**SHARED_DEFAULTS, "groups": groups, **overrides}
         workload = shared_prefix(
             **params,
@@ -110,6 +125,18 @@ def live_workload(
             closed_loop=True,
             seed=seed,
         )
+    elif name == "agent-tree":
+        params = {**AGENT_TREE_DEFAULTS, **overrides}
+        per_tree = sum(params["branches"] ** level for level in range(params["depth"] + 1))
+        tree_rate = rate_per_s / per_tree
+        workload = agent_tree(
+            **params,
+            trees=max(1, round(tree_rate * duration_s)),
+            rate_per_s=tree_rate,
+            block_tokens=LIVE_BLOCK_TOKENS,
+            closed_loop=True,
+            seed=seed,
+        )
     else:
-        raise ValueError(f"unknown live workload {name!r} (shared-N, multi-turn)")
+        raise ValueError(f"unknown live workload {name!r} ({_NAMES})")
     return dataclasses.replace(workload, name=f"live/{name}")

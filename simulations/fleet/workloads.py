@@ -529,13 +529,16 @@ def agent_tree(
     block_tokens: int = 64,
     seed: int = 0,
     step_time_s: float = 2.0,
+    closed_loop: bool = False,
 ) -> Workload:
     """Agent runs branching from a common trunk: a tree of requests per run.
 
     The root request is the trunk; each request above `depth` has `branches` children,
     each its parent's prompt + the parent's output + a new step. 1 + b + ... + b^depth
     requests per tree; children arrive an exponential step time (mean `step_time_s`)
-    after their parent; trees start as Poisson arrivals at `rate_per_s`.
+    after their parent's arrival (open loop), or with `closed_loop` after its response
+    ends, as an agent (and `kvplane bench live`) sends them; trees start as Poisson
+    arrivals at `rate_per_s`.
     """
     _positive(trees=trees, branches=branches, trunk_tokens=trunk_tokens)
     _positive(step_tokens=step_tokens, output_tokens=output_tokens, step_time_s=step_time_s)
@@ -546,17 +549,26 @@ def agent_tree(
     drafts: list[_Draft] = []
     for tree, start_s in enumerate(poisson_arrivals(rng, rate_per_s, trees)):
         trunk = PrefixChain.start(block_tokens).extend(f"{ns}/t{tree}/trunk", trunk_tokens)
-        level: list[tuple[str, PrefixChain, float]] = [(f"{ns}/t{tree}", trunk, start_s)]
-        drafts.append(_Draft(start_s, trunk.blocks(), trunk.tokens, output_tokens))
+        root = _Draft(start_s, trunk.blocks(), trunk.tokens, output_tokens)
+        level: list[tuple[str, PrefixChain, _Draft]] = [(f"{ns}/t{tree}", trunk, root)]
+        drafts.append(root)
         for _ in range(depth):
-            children: list[tuple[str, PrefixChain, float]] = []
-            for name, chain, t in level:
+            children: list[tuple[str, PrefixChain, _Draft]] = []
+            for name, chain, parent in level:
                 after = chain.extend(f"{name}/out", output_tokens)
                 for b in range(branches):
                     child = after.extend(f"{name}/{b}/step", step_tokens)
-                    child_t = t + rng.expovariate(1 / step_time_s)
-                    children.append((f"{name}/{b}", child, child_t))
-                    drafts.append(_Draft(child_t, child.blocks(), child.tokens, output_tokens))
+                    step_s = rng.expovariate(1 / step_time_s)
+                    draft = _Draft(
+                        parent.arrival_s + step_s,
+                        child.blocks(),
+                        child.tokens,
+                        output_tokens,
+                        parent=parent if closed_loop else None,
+                        after_s=step_s if closed_loop else 0.0,
+                    )
+                    children.append((f"{name}/{b}", child, draft))
+                    drafts.append(draft)
             level = children
     return _workload("agent-tree", block_tokens, drafts)
 

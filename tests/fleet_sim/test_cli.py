@@ -90,7 +90,7 @@ def test_a_model_and_gpu_time_the_steps(tmp_path: Path, capsys: pytest.CaptureFi
     [
         (["sim"], "give --trace FILE, --workload NAME or --live NAME"),
         (["sim", "--workload", "nope"], "unknown workload"),
-        (["sim", "--live", "agent-tree"], "unknown live workload"),
+        (["sim", "--live", "agent-trees"], "unknown live workload"),
         (["sim", "--live", "shared-2", "--time-scale", "0"], "--time-scale must be positive"),
         (
             ["sim", "--live", "shared-2", "--router-overhead-ms", "magic=3"],

@@ -55,6 +55,15 @@ def test_the_workloads_parameters_are_the_live_ones() -> None:
         "output_tokens": chat["max_tokens"],
         "think_time_s": chat["think_s"],
     } == live_shapes.MULTI_TURN_DEFAULTS
+    tree = defaults(live.agent_tree)
+    assert {
+        "trunk_tokens": tree["trunk_tokens"],
+        "step_tokens": tree["step_tokens"],
+        "branches": tree["branches"],
+        "depth": tree["depth"],
+        "output_tokens": tree["max_tokens"],
+        "step_time_s": tree["step_s"],
+    } == live_shapes.AGENT_TREE_DEFAULTS
 
 
 def test_shared_n_draws_one_of_n_system_prompts_per_request() -> None:
@@ -86,10 +95,37 @@ def test_multi_turn_is_closed_loop_and_its_rate_counts_requests() -> None:
     assert follower.after_s > 0
 
 
+def test_agent_trees_are_closed_loop_and_their_rate_counts_requests() -> None:
+    workload = live_workload("agent-tree", rate_per_s=13.0, duration_s=40.0, seed=2)
+    requests = workload.requests
+    assert workload.closed_loop
+    trunks = [r for r in requests if r.follows is None]
+    # Trees start at 13 / 13 = 1 a second; each has 1 + 3 + 9 requests.
+    assert len(trunks) == 40
+    assert len(requests) == 13 * len(trunks)
+    assert {r.prompt_tokens for r in trunks} == {2048}
+    by_id = {r.request_id: r for r in requests}
+    for request in requests:
+        if request.follows is None:
+            continue
+        parent = by_id[request.follows]
+        # A step is its parent's prompt, the parent's answer and its own new tokens,
+        # sent a step time after the parent's response ends.
+        assert request.prompt_tokens == parent.prompt_tokens + 24 + 64
+        whole = parent.prompt_tokens // workload.block_tokens  # the parent's whole blocks
+        assert request.blocks[:whole] == parent.blocks[:whole]
+        assert request.after_s > 0
+    depths = Counter(r.prompt_tokens for r in requests)
+    assert depths == {2048: 40, 2048 + 88: 120, 2048 + 2 * 88: 360}
+    # The live workload sends as many in the same span, on average.
+    live_requests = sum(13 for _ in live.agent_tree(13.0, 40.0, seed=2).conversations)
+    assert len(requests) == pytest.approx(live_requests, rel=0.35)
+
+
 def test_overrides_and_unknown_names() -> None:
     workload = live_workload("shared-2", rate_per_s=5.0, duration_s=4.0, output_tokens=4)
     assert {r.output_tokens for r in workload.requests} == {4}
-    for name in ("shared-x", "agent-tree"):
+    for name in ("shared-x", "agent-trees"):
         with pytest.raises(ValueError, match="unknown live workload"):
             live_workload(name)
     with pytest.raises(ValueError, match="positive"):

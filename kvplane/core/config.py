@@ -144,6 +144,11 @@ class ScoringSettings(_Section):
     spill_margin_requests: float = Field(default=4.0, ge=0)
     spill_load_ratio: float = Field(default=1.5, ge=1.0)
     spill_request_tokens: float = Field(default=256.0, ge=0)
+    # The most the spill adds to a worker's penalty: a request whose prefix is cached
+    # there and nowhere else by more than this stays (an agent's own long context,
+    # which moving would prefill again), while a chat with a short history of its own
+    # still moves. Chosen on `kvplane sim --live agent-tree` and `multi-turn`.
+    spill_max_tokens: float = Field(default=1536.0, ge=0)
     # Engines count only running requests' blocks as used, so a cache full of prefixes
     # reads as empty: a worker that evicted its whole cache within about this many
     # seconds is under full pressure too (0: off).

@@ -207,11 +207,12 @@ def score_candidates(
     saved = np.where(facts.suspect, 0.0, np.minimum(facts.matched_tokens @ values, prompt))
     load = facts.waiting_requests + facts.running_requests
     excess = spill_excess(load, allowed, facts.load_reported, weights)
+    spill = np.minimum(excess * weights.spill_request_tokens, weights.spill_max_tokens)
     queue = (
         facts.waiting_requests * weights.waiting_request_tokens
         + facts.running_requests * weights.running_request_tokens
         + facts.queued_prefill_tokens * weights.queued_prefill_weight
-        + excess * weights.spill_request_tokens
+        + spill
     )
     spilled = excess > 0
     start = weights.memory_pressure_start

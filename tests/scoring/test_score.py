@@ -105,6 +105,26 @@ def test_past_the_spill_gate_each_request_over_the_mean_costs_more() -> None:
     assert int(np.argmax(scores.total)) == 0
 
 
+def test_the_spill_never_costs_more_than_its_cap() -> None:
+    # An agent's step: its own ~2,100-token context is cached on the crowded worker only.
+    step = RequestFacts(prompt_tokens=2224)
+    idle = [worker(f"idle-{n}") for n in range(3)]
+    crowded = worker("crowded", 2160, running_requests=16)  # the mean 4: 12 over it
+    (penalised,) = [b for b in rank_workers(step, [crowded, *idle]) if b.worker_id == "crowded"]
+    assert penalised.spilled
+    assert penalised.queue_penalty == 16 * WEIGHTS.running_request_tokens + 1536
+    assert best(step, crowded, *idle) == "crowded"
+    # Uncapped, 12 requests over the mean (3,072 tokens) would have sent it to prefill again.
+    uncapped = WEIGHTS.model_copy(update={"spill_max_tokens": float("inf")})
+    scores = score_candidates(step, facts_of([crowded, *idle]), uncapped)
+    assert int(np.argmax(scores.total)) != 0
+    # A chat's turn, whose history of its own is short, still moves under the cap.
+    turn = RequestFacts(prompt_tokens=1600)
+    holder = worker("holder", 1536, running_requests=16)
+    others = [worker(f"other-{n}", 1024) for n in range(3)]
+    assert best(turn, holder, *others) != "holder"
+
+
 def test_the_spill_gate_counts_waiting_requests_and_opens_on_the_ratio_at_a_high_mean() -> None:
     request = RequestFacts(prompt_tokens=1152)
     cold = [worker(f"cold-{n}", running_requests=1) for n in range(3)]
@@ -115,7 +135,8 @@ def test_the_spill_gate_counts_waiting_requests_and_opens_on_the_ratio_at_a_high
     at_gate = rank_workers(request, [worker("hot", 1024, running_requests=30), *busy])
     (hot,) = [b for b in at_gate if b.worker_id == "hot"]
     assert hot.spilled
-    assert hot.queue_penalty == 30 * WEIGHTS.running_request_tokens + 15 * 256
+    # 15 requests over the mean (3,840 tokens), capped.
+    assert hot.queue_penalty == 30 * WEIGHTS.running_request_tokens + WEIGHTS.spill_max_tokens
     # Exactly at the gate (the mean 2, the margin's 6): not over it, not spilled.
     level = [worker(f"level-{n}", running_requests=1) for n in range(4)]
     on_gate = rank_workers(request, [worker("hot", 1024, running_requests=6), *level])

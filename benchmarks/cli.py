@@ -236,7 +236,9 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     live.add_argument(
         "--markdown", type=Path, help="also write a summary in Markdown (hit rate, TTFT p90)"
     )
-    live.add_argument("--logs", type=Path, help="keep every process's log under this folder")
+    live.add_argument("--logs", type=Path, help="keep every process's log under this folder, "
+                      "and each cell's requests (requests.jsonl: turn, TTFT, tokens; "
+                      "no text)")  # fmt: skip
     live.set_defaults(handler=_run_bench_live)
     return parser
 

@@ -10,6 +10,7 @@ process. A cell that fails says why in its result; the others go on.
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 import statistics
 import tempfile
@@ -143,6 +144,7 @@ def run_cell(
         }
         result.router_cpu_s = sum(result.cpu_s_by_process.values())
         _figures(result, outcomes, fleet, totals_before)
+        _write_requests(children.log_dir / REQUESTS_FILE, outcomes)
         if workload.tenants:
             result.unsalted_blocks = fleet.cache_scopes().get(UNSALTED_SCOPE, 0)
         result.evidence = deployment.in_play()
@@ -177,6 +179,18 @@ def _restarter(fleet: EngineFleet) -> Callable[[], Awaitable[None]]:
         await asyncio.to_thread(fleet.restart, 0)
 
     return restart
+
+
+REQUESTS_FILE = "requests.jsonl"
+"""Beside a cell's logs: one line per request (its turn, TTFT, tokens, when it was sent;
+never its text), to read a percentile's requests against the router's decisions."""
+
+
+def _write_requests(path: Path, outcomes: list[Outcome]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lines:
+        for outcome in outcomes:
+            lines.write(json.dumps(asdict(outcome)) + "\n")
 
 
 def _figures(

@@ -36,6 +36,7 @@ class Outcome:
     direct: bool = False  # sent to an engine, around the router
     error: str | None = None
     turn: int = 0  # 0: a conversation's first request; then its turn, or its depth in a tree
+    sent_at: float = 0.0  # the wall clock's (time.time()), as the processes' logs stamp lines
 
 
 class Traffic:
@@ -176,6 +177,7 @@ async def _send(
         # What a careful client of vLLM does to keep tenants apart in the engine's cache;
         # kvplane replaces it with the tenant's own salt.
         extra["cache_salt"] = f"salt-{tenant}"
+    sent_at = time.time()
     sent = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
@@ -197,13 +199,14 @@ async def _send(
             if chunk.usage is not None:
                 usage = chunk.usage
     except (TimeoutError, openai.APIError) as error:
-        return Outcome(ok=False, error=type(error).__name__), ""
+        return Outcome(ok=False, error=type(error).__name__, sent_at=sent_at), ""
     ended = time.perf_counter()
     outcome = Outcome(
         ok=first is not None,
         ttft_s=None if first is None else first - sent,
         latency_s=ended - sent,
         error=None if first is not None else "no content streamed",
+        sent_at=sent_at,
     )
     if usage is not None:
         outcome.prompt_tokens = usage.prompt_tokens

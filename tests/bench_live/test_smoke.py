@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.live.bakeoff import REQUESTS_FILE
 from benchmarks.live.routers import ROUTERS, peers_python
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +80,14 @@ def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
     assert (tmp_path / "live.png").stat().st_size > 0
     assert "hit %" in completed.stdout  # the table
     assert _processes_marked(logs) == []  # it stopped everything it started
+    # Each cell's requests beside its logs, one line each, to line up with the logs.
+    requests = sorted(logs.glob(f"*/{REQUESTS_FILE}"))
+    assert len(requests) == len(cells)
+    for path in requests:
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(lines) in {cell["requests"] for cell in cells}
+        assert all(line["ok"] and line["ttft_s"] > 0 and line["sent_at"] > 0 for line in lines)
+        assert {line["turn"] for line in lines} >= {0}
 
 
 def _processes_marked(logs: Path) -> list[str]:

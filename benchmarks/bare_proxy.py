@@ -5,8 +5,9 @@ It serves HTTP as the router does (uvicorn on uvloop, through kvplane.core.servi
 and sends each request on to one engine as the router does (one aiohttp session, its
 keep-alive pool, no cookie jar), with no routing, tokenising, accounting or metrics.
 What it adds to a request, against calling the engine directly, is what that stack
-costs; what the router adds beyond it is kvplane's own work. Answers come back whole
-(the benchmark's requests are not streamed); GET /healthz answers 200 once it serves.
+costs; what the router adds beyond it is kvplane's own work. Answers are relayed as the
+router relays them, each chunk sent on as it arrives (a streamed answer is a chunk a
+token); GET /healthz answers 200 once it serves.
 
     python -m benchmarks.bare_proxy --engine-url http://127.0.0.1:8000 --port 9000
 """
@@ -52,7 +53,12 @@ class BareProxy:
             data=bytes(body),
             headers={"content-type": "application/json"},
         ) as answer:
-            await _answer(send, answer.status, await answer.read())
+            kind = answer.headers.get("content-type", "application/json").encode()
+            headers = [(b"content-type", kind)]
+            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+            async for chunk in answer.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
 
 
 async def _answer(send: Send, status: int, body: bytes) -> None:

@@ -63,6 +63,8 @@ def _run_bench_router(args: argparse.Namespace) -> int:
         sequential=args.sequential,
         oversized=args.oversized,
         host_tier=args.host_tier,
+        streamed=args.streamed,
+        peer=not args.no_peer,
     )
 
 
@@ -179,6 +181,18 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         default=3,
         help="10 MB prompts sent after the proxy's runs: the router's CPU before it "
         "refuses one (0: skip)",
+    )
+    router_bench.add_argument(
+        "--streamed",
+        type=int,
+        default=400,
+        help="streamed chats a path, shaped as the bake-off's shared-prompt ones, to a "
+        "simulator that paces its tokens (0: skip)",
+    )
+    router_bench.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="leave out the peer (sglang-router cache_aware, from make peers-env)",
     )
     router_bench.add_argument(
         "--host-tier",

@@ -37,29 +37,56 @@ to the same simulator on the router's own server and client stack with nothing e
 (no routing, tokenising, accounting or metrics), measured the same way after the
 router: what it adds is what the stack costs, and what the router adds beyond it is
 kvplane's own work.
+
+The peer. Where `make peers-env` built the peers' environment, sglang-router's
+cache_aware policy (the peer with the least CPU a request in every bake-off) is a fifth
+child in front of the same simulator, measured the same way after the floor: the issue's
+ratios, kvplane's against the fastest peer's, come from one run on the same requests.
+
+Streamed chats. The requests above are short completions answered whole; the bake-off's
+are chats with a 2,048-token system prompt, streamed a token a chunk. `--streamed N`
+sends N such chats (streamed_chat_bodies) through each path in turn, to a simulator of
+its own whose timing is scaled to STREAM_TIME_SCALE, so that its tokens still come
+apart: the first chunk's latency one at a time, then throughput and CPU at
+STREAM_CONCURRENCY in flight. A relay's cost is mostly per chunk, which the short
+requests never show.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import json
 import os
 import platform
 import random
+import socket
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import h11
 import httpx2
 import msgspec
 import numpy as np
 
 from benchmarks.engine_sim import _load, _prompts
+from benchmarks.live.processes import Child, Children, wait_ready
+from benchmarks.live.routers import (
+    peer_ready,
+    peer_service_flags,
+    peer_version,
+    peers_python,
+    peers_venv,
+    sglang_router_argv,
+)
+from benchmarks.live.workloads import words
 from kvplane.core.config import ProxySettings, ScoringSettings
 from kvplane.core.keys import BlockKey
 from kvplane.core.serving import free_port, freeze_startup_heap
@@ -98,6 +125,19 @@ VOCAB = 512  # the default tokenizer's
 LEASE_S = 3600.0
 WARM_UP = 20
 SIM_MODEL = "kvplane-tiny"  # the simulator's default model name
+# The peer with the least CPU a request in every bake-off (docs/benchmarks.md).
+PEER_FAMILY = "sglang-router"
+PEER_POLICY = "cache_aware"
+PEER = f"{PEER_FAMILY} {PEER_POLICY}"
+# Streamed chats shaped as the bake-off's shared-prompt workloads send them
+# (benchmarks/live/workloads.py), to a simulator whose timing is scaled down: its steps
+# still come apart, each token a chunk of its own, at a rate that keeps the run short.
+STREAM_TIME_SCALE = 0.25
+STREAM_SYSTEM_PROMPTS = 4
+STREAM_SYSTEM_TOKENS = 2_048
+STREAM_QUESTION_TOKENS = 128
+STREAM_MAX_TOKENS = 16
+STREAM_CONCURRENCY = 8
 _TEXT = (
     "The cache remembers what the model has already read, so a request that starts the "
     "same way as an earlier one can skip the work of reading that part again. A router "
@@ -143,6 +183,44 @@ class ProxyFigures:
     bare_cpu_ms_per_request: float
     errors: int
     oversized: OversizedFigures | None = None
+    peer: PeerFigures | None = None  # the same requests through the fastest peer
+
+
+@dataclass(frozen=True)
+class PeerFigures:
+    """The proxy's figures for a peer router in front of the same simulator, measured
+    the same way in the same run (its CPU: its process and every descendant)."""
+
+    name: str
+    version: str
+    added_latency_p50_ms: float
+    requests_per_s: float
+    cpu_ms_per_request: float
+
+
+@dataclass(frozen=True)
+class StreamedPath:
+    """One way to the engine for the streamed chats: `direct`, `kvplane`, `bare` (the
+    floor) or a peer's name."""
+
+    name: str
+    first_chunk_p50_ms: float  # one request at a time, from the request sent
+    answer_p50_ms: float  # the same requests, to the answer's end
+    requests_per_s: float  # `concurrency` at a time
+    cpu_ms_per_request: float | None  # None: direct (the engine's own is not the path's)
+
+
+@dataclass(frozen=True)
+class StreamedFigures:
+    """Streamed chats as the bake-off's shared-prompt workloads send them (see
+    measure_streamed), through each path in turn."""
+
+    requests: int
+    concurrency: int
+    sequential: int
+    events_per_answer: float  # server-sent events in an answer: the chunks relayed
+    paths: list[StreamedPath]
+    errors: int
 
 
 @dataclass(frozen=True)
@@ -545,9 +623,31 @@ def measure_oversized(router_url: str, router_pid: int, count: int) -> Oversized
     )
 
 
-def measure_proxy(
-    requests: int, concurrency: int, sequential: int, seed: int, oversized: int = 0
-) -> ProxyFigures:
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+    version: str
+    url: str
+    child: Child
+
+
+@dataclass(frozen=True)
+class _ProxyPaths:
+    """The processes of a proxy measurement: the simulator, and the ways to it."""
+
+    engine_url: str
+    engine_pid: int
+    router_url: str
+    router_pid: int
+    bare_url: str
+    bare_pid: int
+    peer: _Peer | None
+
+
+@contextmanager
+def _proxy_paths(sim_flags: Sequence[str], with_peer: bool) -> Iterator[_ProxyPaths]:
+    """An engine simulator started with `sim_flags`, a kvplane router and its agent, the
+    bare pass-through and (`with_peer`) the peer, all in front of it; gone on exit."""
     events, replay = free_port(), free_port()
     grpc_port, http_port = free_port(), free_port()
     router_url = f"http://127.0.0.1:{http_port}"
@@ -560,7 +660,7 @@ def measure_proxy(
     quiet = ("--log-level", "WARNING")
     with ExitStack() as stack:
         sim = stack.enter_context(
-            spawn_engine_sim("--time-scale", "0", "--kv-events-config", kv_config, *quiet)
+            spawn_engine_sim(*sim_flags, "--kv-events-config", kv_config, *quiet)
         )
         router = stack.enter_context(
             spawn_kvplane(
@@ -587,16 +687,45 @@ def measure_proxy(
                 module="benchmarks.bare_proxy",
             )
         )
+        peer = stack.enter_context(_spawn_peer(sim.base_url)) if with_peer else None
         _wait_routable(router_url)
         require_wiring(router_url, _ADMIN_TOKEN)  # BlindFleet: no figures from a blind router
+        yield _ProxyPaths(
+            sim.base_url, sim.process.pid, router_url, router.pid, bare_url, bare.pid, peer
+        )
+
+
+@contextmanager
+def _spawn_peer(engine_url: str) -> Iterator[_Peer]:
+    """The peer router in front of the simulator, ready once it counts it healthy."""
+    with tempfile.TemporaryDirectory(prefix="kvplane-bench-peer-") as logs:
+        children = Children(Path(logs))
+        try:
+            port = free_port()
+            argv = [
+                *sglang_router_argv(PEER_POLICY, port, [engine_url]),
+                *peer_service_flags(free_port()),
+            ]
+            child = children.launch(PEER_FAMILY, argv)
+            url = f"http://127.0.0.1:{port}"
+            wait_ready([(child, url + "/readiness")], ready=peer_ready(1))
+            yield _Peer(PEER, peer_version(PEER_FAMILY), url, child)
+        finally:
+            children.stop_all()
+
+
+def measure_proxy(
+    requests: int,
+    concurrency: int,
+    sequential: int,
+    seed: int,
+    oversized: int = 0,
+    with_peer: bool = False,
+) -> ProxyFigures:
+    with _proxy_paths(("--time-scale", "0"), with_peer) as paths:
         figures = asyncio.run(
             _proxy_runs(
-                sim.base_url,
-                router_url,
-                bare_url,
-                router.pid,
-                bare.pid,
-                sim.process.pid,
+                paths,
                 requests=requests,
                 concurrency=concurrency,
                 sequential=sequential,
@@ -605,19 +734,14 @@ def measure_proxy(
         )
         if oversized > 0:
             figures = replace(
-                figures, oversized=measure_oversized(router_url, router.pid, oversized)
+                figures, oversized=measure_oversized(paths.router_url, paths.router_pid, oversized)
             )
         return figures
     raise AssertionError("unreachable")  # for mypy: ExitStack may swallow exceptions
 
 
 async def _proxy_runs(
-    direct_url: str,
-    router_url: str,
-    bare_url: str,
-    router_pid: int,
-    bare_pid: int,
-    engine_pid: int,
+    paths: _ProxyPaths,
     *,
     requests: int,
     concurrency: int,
@@ -635,22 +759,38 @@ async def _proxy_runs(
         errors += failed
         return seconds, latencies
 
-    for url in (direct_url, router_url, bare_url):  # warm connections, caches, code paths
-        await run(url, min(requests, 200), concurrency)
-    _, direct_latencies = await run(direct_url, sequential, 1)
-    _, proxied_latencies = await run(router_url, sequential, 1)
-    _, bare_latencies = await run(bare_url, sequential, 1)
-    direct_s, _ = await run(direct_url, requests, concurrency)
-    router_cpu, engine_cpu = _cpu_seconds(router_pid), _cpu_seconds(engine_pid)
-    proxied_s, _ = await run(router_url, requests, concurrency)
-    router_cpu = _cpu_seconds(router_pid) - router_cpu
-    engine_cpu = _cpu_seconds(engine_pid) - engine_cpu
-    bare_cpu = _cpu_seconds(bare_pid)
-    bare_s, _ = await run(bare_url, requests, concurrency)
-    bare_cpu = _cpu_seconds(bare_pid) - bare_cpu
+    peer_url = None if paths.peer is None else paths.peer.url
+    urls = (paths.engine_url, paths.router_url, paths.bare_url, peer_url)
+    for url in urls:  # warm connections, caches, code paths
+        if url is not None:
+            await run(url, min(requests, 200), concurrency)
+    _, direct_latencies = await run(paths.engine_url, sequential, 1)
+    _, proxied_latencies = await run(paths.router_url, sequential, 1)
+    _, bare_latencies = await run(paths.bare_url, sequential, 1)
+    direct_s, _ = await run(paths.engine_url, requests, concurrency)
+    router_cpu, engine_cpu = _cpu_seconds(paths.router_pid), _cpu_seconds(paths.engine_pid)
+    proxied_s, _ = await run(paths.router_url, requests, concurrency)
+    router_cpu = _cpu_seconds(paths.router_pid) - router_cpu
+    engine_cpu = _cpu_seconds(paths.engine_pid) - engine_cpu
+    bare_cpu = _cpu_seconds(paths.bare_pid)
+    bare_s, _ = await run(paths.bare_url, requests, concurrency)
+    bare_cpu = _cpu_seconds(paths.bare_pid) - bare_cpu
     direct_ms = statistics.median(direct_latencies) * 1000
     proxied_ms = statistics.median(proxied_latencies) * 1000
     bare_ms = statistics.median(bare_latencies) * 1000
+    peer = None
+    if paths.peer is not None:
+        _, peer_latencies = await run(paths.peer.url, sequential, 1)
+        peer_cpu = paths.peer.child.cpu_seconds()
+        peer_s, _ = await run(paths.peer.url, requests, concurrency)
+        peer_cpu = paths.peer.child.cpu_seconds() - peer_cpu
+        peer = PeerFigures(
+            name=paths.peer.name,
+            version=paths.peer.version,
+            added_latency_p50_ms=round(statistics.median(peer_latencies) * 1000 - direct_ms, 3),
+            requests_per_s=round(requests / peer_s, 1),
+            cpu_ms_per_request=round(peer_cpu / requests * 1000, 3),
+        )
     return ProxyFigures(
         requests=requests,
         concurrency=concurrency,
@@ -665,13 +805,174 @@ async def _proxy_runs(
         bare_requests_per_s=round(requests / bare_s, 1),
         bare_cpu_ms_per_request=round(bare_cpu / requests * 1000, 3),
         errors=errors,
+        peer=peer,
     )
+
+
+# -- streamed chats ------------------------------------------------------------------
+
+
+def streamed_chat_bodies(path: str, count: int) -> list[bytes]:
+    """`count` streamed chats as the bake-off's shared-prompt workloads send them: one of
+    STREAM_SYSTEM_PROMPTS system prompts, then a question of their own (its text keyed on
+    `path`, so that no path is sent a prompt another path made the engine cache, nor one
+    the router tokenised before)."""
+    systems = [
+        words(f"bench-router-system-{number}", STREAM_SYSTEM_TOKENS)
+        for number in range(STREAM_SYSTEM_PROMPTS)
+    ]
+    return [
+        msgspec.json.encode(
+            {
+                "model": SIM_MODEL,
+                "messages": [
+                    {"role": "system", "content": systems[number % STREAM_SYSTEM_PROMPTS]},
+                    {
+                        "role": "user",
+                        "content": words(f"bench-router-{path}-{number}", STREAM_QUESTION_TOKENS),
+                    },
+                ],
+                "max_tokens": STREAM_MAX_TOKENS,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+        for number in range(count)
+    ]
+
+
+def measure_streamed(
+    requests: int, concurrency: int, sequential: int, with_peer: bool = False
+) -> StreamedFigures:
+    """Streamed chats through each path to a simulator that paces its answers
+    (STREAM_TIME_SCALE of its default timing: each token a chunk of its own, as an
+    engine sends them): the first chunk's latency one request at a time, then
+    `concurrency` at a time for throughput and CPU. Each path is sent its own questions
+    after the same system prompts (streamed_chat_bodies), each warmed first."""
+    with _proxy_paths(("--time-scale", str(STREAM_TIME_SCALE)), with_peer) as paths:
+        return asyncio.run(_streamed_runs(paths, requests, concurrency, sequential))
+    raise AssertionError("unreachable")  # for mypy: ExitStack may swallow exceptions
+
+
+async def _streamed_runs(
+    paths: _ProxyPaths, requests: int, concurrency: int, sequential: int
+) -> StreamedFigures:
+    ways: list[tuple[str, str, Callable[[], float] | None]] = [
+        ("direct", paths.engine_url, None),
+        ("kvplane", paths.router_url, functools.partial(_cpu_seconds, paths.router_pid)),
+        ("bare", paths.bare_url, functools.partial(_cpu_seconds, paths.bare_pid)),
+    ]
+    if paths.peer is not None:
+        ways.append((paths.peer.name, paths.peer.url, paths.peer.child.cpu_seconds))
+    measured = []
+    errors = events = answers = 0
+    for name, url, cpu_seconds in ways:
+        warm = streamed_chat_bodies(f"{name}-warm", min(requests, 50))
+        await _stream_load(url, warm, concurrency)
+        one_at_a_time = await _stream_load(url, streamed_chat_bodies(f"{name}-one", sequential), 1)
+        cpu_before = None if cpu_seconds is None else cpu_seconds()
+        loaded = await _stream_load(url, streamed_chat_bodies(name, requests), concurrency)
+        cpu = None if cpu_seconds is None or cpu_before is None else cpu_seconds() - cpu_before
+        errors += one_at_a_time.errors + loaded.errors
+        events += loaded.events
+        answers += requests
+        measured.append(
+            StreamedPath(
+                name=name,
+                first_chunk_p50_ms=round(statistics.median(one_at_a_time.first_chunks) * 1000, 3),
+                answer_p50_ms=round(statistics.median(one_at_a_time.answers) * 1000, 3),
+                requests_per_s=round(requests / loaded.seconds, 1),
+                cpu_ms_per_request=None if cpu is None else round(cpu / requests * 1000, 3),
+            )
+        )
+    return StreamedFigures(
+        requests=requests,
+        concurrency=concurrency,
+        sequential=sequential,
+        events_per_answer=round(events / max(1, answers), 1),
+        paths=measured,
+        errors=errors,
+    )
+
+
+@dataclass(slots=True)
+class _StreamLoad:
+    seconds: float = 0.0
+    first_chunks: list[float] = field(default_factory=list)
+    answers: list[float] = field(default_factory=list)
+    events: int = 0  # server-sent events over every answer
+    errors: int = 0
+
+
+async def _stream_load(base_url: str, bodies: Sequence[bytes], concurrency: int) -> _StreamLoad:
+    """POST each body to /v1/chat/completions over `concurrency` keep-alive connections
+    (h11, as _load does) and time each answer's first chunk and its end."""
+    url = httpx2.URL(base_url)
+    host, port = url.host, url.port or 80
+    pending = iter(bodies)
+    load = _StreamLoad()
+
+    async def connection() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        http = h11.Connection(h11.CLIENT)
+        try:
+            for body in pending:
+                headers = [
+                    ("Host", host),
+                    ("Content-Type", "application/json"),
+                    ("Content-Length", str(len(body))),
+                ]
+                request = h11.Request(method="POST", target="/v1/chat/completions", headers=headers)
+                sent = time.perf_counter()
+                writer.write(
+                    (http.send(request) or b"")
+                    + (http.send(h11.Data(data=body)) or b"")
+                    + (http.send(h11.EndOfMessage()) or b"")
+                )
+                status, first, events = await _read_stream(http, reader)
+                load.answers.append(time.perf_counter() - sent)
+                load.first_chunks.append(first - sent)
+                load.events += events
+                load.errors += status != 200
+                http.start_next_cycle()
+        finally:
+            writer.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(connection() for _ in range(concurrency)))
+    load.seconds = time.perf_counter() - started
+    return load
+
+
+async def _read_stream(
+    http: h11.Connection, reader: asyncio.StreamReader
+) -> tuple[int, float, int]:
+    """The answer's status, when its first body bytes came, and its server-sent events."""
+    status, first, events = 0, 0.0, 0
+    while True:
+        event = http.next_event()
+        if event is h11.NEED_DATA:
+            http.receive_data(await reader.read(65536))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            first = first or time.perf_counter()
+            events += bytes(event.data).count(b"data: ")
+        elif isinstance(event, h11.EndOfMessage):
+            return status, first, events
+        elif isinstance(event, h11.ConnectionClosed):
+            raise ConnectionError("the server closed the connection")
 
 
 # -- the report --------------------------------------------------------------------
 
 
-def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -> None:
+def _print_table(
+    decisions: list[DecisionFigures],
+    proxy: ProxyFigures | None,
+    streamed: StreamedFigures | None = None,
+) -> None:
     if decisions:
         print(
             f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
@@ -708,6 +1009,16 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
             f"with {proxy.bare_cpu_ms_per_request:.2f} ms of CPU a request; the router "
             f"{proxy.requests_per_s / proxy.direct_requests_per_s:.2f} of direct"
         )
+        if proxy.peer is not None:
+            peer = proxy.peer
+            print(
+                f"proxy peer: {peer.name} {peer.version} adds {peer.added_latency_p50_ms:.2f} ms "
+                f"and serves {peer.requests_per_s:,.0f} requests/s "
+                f"({peer.requests_per_s / proxy.direct_requests_per_s:.2f} of direct) with "
+                f"{peer.cpu_ms_per_request:.2f} ms of CPU a request; kvplane / peer: added "
+                f"latency {_ratio(proxy.added_latency_p50_ms, peer.added_latency_p50_ms)}, "
+                f"CPU {_ratio(proxy.router_cpu_ms_per_request, peer.cpu_ms_per_request)}"
+            )
         if proxy.oversized is not None:
             big = proxy.oversized
             print(
@@ -715,6 +1026,30 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
                 f"{sorted(set(big.statuses))}: router CPU {big.router_cpu_ms_per_request:,.1f} "
                 f"ms and {big.seconds_per_request:.3f} s each"
             )
+
+
+def _print_streamed(streamed: StreamedFigures) -> None:
+    print(
+        f"streamed chats: {streamed.requests:,} a path, {streamed.concurrency} in flight "
+        f"({streamed.sequential} one at a time), {streamed.events_per_answer:.1f} events an "
+        f"answer, {streamed.errors} errors"
+    )
+    print(
+        f"{'path':<28} {'first chunk p50':>15} {'added':>8} {'answer p50':>11} "
+        f"{'requests/s':>11} {'CPU a request':>14}"
+    )
+    direct = streamed.paths[0]
+    for path in streamed.paths:
+        added = path.first_chunk_p50_ms - direct.first_chunk_p50_ms
+        cpu = "" if path.cpu_ms_per_request is None else f"{path.cpu_ms_per_request:.2f} ms"
+        print(
+            f"{path.name:<28} {path.first_chunk_p50_ms:>12.2f} ms {added:>5.2f} ms "
+            f"{path.answer_p50_ms:>8.2f} ms {path.requests_per_s:>11,.1f} {cpu:>14}"
+        )
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs > 0 else "n/a"
 
 
 def run_router_benchmark(
@@ -730,6 +1065,8 @@ def run_router_benchmark(
     sequential: int,
     oversized: int = 0,
     host_tier: bool = False,
+    streamed: int = 0,
+    peer: bool = True,
     seed: int = 1,
 ) -> int:
     unknown = set(backends) - {"memory", "redis"}
@@ -744,10 +1081,22 @@ def run_router_benchmark(
         host_tier=host_tier,
         seed=seed,
     )
+    with_peer = peer and (requests > 0 or streamed > 0) and peers_python().exists()
+    if peer and not with_peer and (requests > 0 or streamed > 0):
+        print(f"no peer measured: its environment {peers_venv()}/ is missing (make peers-env)")
     proxy = (
-        measure_proxy(requests, concurrency, sequential, seed, oversized) if requests > 0 else None
+        measure_proxy(requests, concurrency, sequential, seed, oversized, with_peer)
+        if requests > 0
+        else None
+    )
+    stream_figures = (
+        measure_streamed(streamed, STREAM_CONCURRENCY, max(1, streamed // 4), with_peer)
+        if streamed > 0
+        else None
     )
     _print_table(rows, proxy)
+    if stream_figures is not None:
+        _print_streamed(stream_figures)
     if json_path is not None:
         report = {
             "machine": {
@@ -758,7 +1107,11 @@ def run_router_benchmark(
             "host_tier": host_tier,
             "decisions": [asdict(row) for row in rows],
             "proxy": None if proxy is None else asdict(proxy),
+            "streamed": None if stream_figures is None else asdict(stream_figures),
         }
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {json_path}")
-    return 0 if proxy is None or proxy.errors == 0 else 1
+    failed = (proxy is not None and proxy.errors > 0) or (
+        stream_figures is not None and stream_figures.errors > 0
+    )
+    return 1 if failed else 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.router import PEER, STREAM_MAX_TOKENS
 from kvplane.cli import main
 
 DECISION_FIELDS = {
@@ -41,7 +42,7 @@ def test_bench_router_writes_decisions_and_proxy_figures(
             "--index", "memory,redis", "--redis-url", redis_url,
             "--prompt-tokens", "64,256", "--workers", "3",
             "--decisions", "20", "--requests", "60", "--concurrency", "4",
-            "--sequential", "10",
+            "--sequential", "10", "--streamed", "24",
         ]
     )  # fmt: skip
     assert status == 0
@@ -49,6 +50,7 @@ def test_bench_router_writes_decisions_and_proxy_figures(
     assert "decide p99" in printed
     assert "requests/s through the router" in printed
     assert "a bare pass-through on the same server and client stack" in printed
+    assert "streamed chats: 24 a path" in printed
 
     report = json.loads(report_path.read_text())
     rows = report["decisions"]
@@ -81,3 +83,23 @@ def test_bench_router_writes_decisions_and_proxy_figures(
     assert isinstance(proxy["added_latency_p50_ms"], float)
     assert proxy["proxied_latency_p50_ms"] > 0
     assert proxy["direct_latency_p50_ms"] > 0
+    # The peer, from `make peers-env` (which `make test` builds), in the same run.
+    peer = proxy["peer"]
+    assert peer["name"] == PEER
+    assert peer["version"] not in ("", "unknown")
+    assert peer["requests_per_s"] > 0
+
+    streamed = report["streamed"]
+    assert streamed["errors"] == 0
+    assert streamed["requests"] == 24
+    assert [path["name"] for path in streamed["paths"]] == ["direct", "kvplane", "bare", PEER]
+    # Each token its own event, as engines stream them (then usage and [DONE]): the
+    # relays were measured on chunks, not on whole answers.
+    assert streamed["events_per_answer"] >= STREAM_MAX_TOKENS
+    for path in streamed["paths"]:
+        assert path["first_chunk_p50_ms"] > 0, path["name"]
+        assert path["answer_p50_ms"] >= path["first_chunk_p50_ms"], path["name"]
+        assert path["requests_per_s"] > 0, path["name"]
+    direct, through_kvplane = streamed["paths"][0], streamed["paths"][1]
+    assert direct["cpu_ms_per_request"] is None  # the engine's own CPU is no path's
+    assert through_kvplane["cpu_ms_per_request"] > 0

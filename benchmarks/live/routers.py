@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
-from benchmarks.live.processes import Child, Children, StartFailed, wait_ready
+from benchmarks.live.processes import Child, Children, Ready, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
 from router.check import require_wiring
@@ -306,21 +306,11 @@ def _peer_starter(
         launched = []
         for number in range(1, replicas + 1):
             port, metrics_port = free_port(), free_port()
-            # Every peer here serves Prometheus metrics, on 0.0.0.0:29000 unless told.
-            argv = [
-                *command.argv(port, fleet),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                "--log-level", command.log_level,
-            ]  # fmt: skip
+            flags = peer_service_flags(metrics_port, command.log_level)
+            argv = [*command.argv(port, fleet), *flags]
             child = children.launch(f"{spec.family}-{number}", argv, command.env(fleet))
             launched.append((child, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"))
-        expected = len(fleet.engines)
-
-        def ready(response: httpx2.Response) -> bool:
-            if response.status_code != 200:
-                return False
-            return not command.counts_workers or response.json().get("healthy_workers") == expected
-
+        ready = peer_ready(len(fleet.engines) if command.counts_workers else None)
         wait_ready(((child, url + command.ready_path) for child, url, _ in launched), ready=ready)
         return Deployment(
             [url + "/v1" for _, url, _ in launched],
@@ -329,6 +319,26 @@ def _peer_starter(
         )
 
     return start
+
+
+def peer_service_flags(metrics_port: int, log_level: str = "warn") -> list[str]:
+    """A peer's own flags: every peer here serves Prometheus metrics, on 0.0.0.0:29000
+    unless told."""
+    return [
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--log-level", log_level,
+    ]  # fmt: skip
+
+
+def peer_ready(workers: int | None) -> Ready:
+    """A peer's readiness answer: 200, and with `workers`, that many counted healthy."""
+
+    def ready(response: httpx2.Response) -> bool:
+        if response.status_code != 200:
+            return False
+        return workers is None or response.json().get("healthy_workers") == workers
+
+    return ready
 
 
 # What a peer's metrics say about its cache-aware machinery (events received, token ids
@@ -377,14 +387,18 @@ def _smg_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
 
 def _sglang_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
     def argv(port: int, fleet: EngineFleet) -> list[str]:
-        return [
-            str(peers_python()), "-m", "sglang_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *fleet.urls,
-            "--policy", policy,
-        ]  # fmt: skip
+        return sglang_router_argv(policy, port, fleet.urls)
 
     return argv
+
+
+def sglang_router_argv(policy: str, port: int, worker_urls: Sequence[str]) -> list[str]:
+    return [
+        str(peers_python()), "-m", "sglang_router.launch_router",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *worker_urls,
+        "--policy", policy,
+    ]  # fmt: skip
 
 
 def _vllm_router_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:

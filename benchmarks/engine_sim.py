@@ -17,6 +17,7 @@ import random
 import socket
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,59 +86,94 @@ async def _load(
     httpx spends 2 to 6 ms of CPU per request here, more than the simulator itself, and
     on a 2-core machine the benchmark would measure its own client.
     """
-    url = httpx2.URL(base_url)
-    host, port = url.host, url.port or 80
     named = {} if model is None else {"model": model}
-    bodies = iter(
+    bodies = [
         json.dumps({**named, "prompt": prompt, "max_tokens": max_tokens}).encode()
         for prompt in prompts
-    )
+    ]
     latencies: list[float] = []
     errors = 0
 
-    async def connection() -> None:
+    def answered(sent_at: float, answer: Answer) -> None:
         nonlocal errors
+        latencies.append(time.perf_counter() - sent_at)
+        errors += answer.status != 200
+
+    seconds = await post_all(base_url, "/v1/completions", bodies, concurrency, answered)
+    return seconds, latencies, errors
+
+
+async def post_all(
+    base_url: str,
+    target: str,
+    bodies: Iterable[bytes],
+    concurrency: int,
+    answered: Callable[[float, Answer], None],
+) -> float:
+    """POST each body to `target` over `concurrency` keep-alive connections, calling
+    `answered(sent_at, answer)` as each answer ends; the seconds it all took."""
+    url = httpx2.URL(base_url)
+    host, port = url.host, url.port or 80
+    pending = iter(bodies)
+
+    async def connection() -> None:
         reader, writer = await asyncio.open_connection(host, port)
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         http = h11.Connection(h11.CLIENT)
         try:
-            for body in bodies:
-                start = time.perf_counter()
-                headers = [
-                    ("Host", host),
-                    ("Content-Type", "application/json"),
-                    ("Content-Length", str(len(body))),
-                ]
-                request = h11.Request(method="POST", target="/v1/completions", headers=headers)
-                writer.write(
-                    (http.send(request) or b"")
-                    + (http.send(h11.Data(data=body)) or b"")
-                    + (http.send(h11.EndOfMessage()) or b"")
-                )
-                status = await _read_response(http, reader)
-                latencies.append(time.perf_counter() - start)
-                errors += status != 200
+            for body in pending:
+                sent_at = time.perf_counter()
+                _post(writer, http, host, target, body)
+                answered(sent_at, await _read_answer(http, reader))
                 http.start_next_cycle()
         finally:
             writer.close()
 
     start = time.perf_counter()
     await asyncio.gather(*(connection() for _ in range(concurrency)))
-    return time.perf_counter() - start, latencies, errors
+    return time.perf_counter() - start
 
 
-async def _read_response(http: h11.Connection, reader: asyncio.StreamReader) -> int:
-    status = 0
+def _post(
+    writer: asyncio.StreamWriter, http: h11.Connection, host: str, target: str, body: bytes
+) -> None:
+    """Write one JSON POST on a kept-alive connection, in a single write."""
+    headers = [
+        ("Host", host),
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(body))),
+    ]
+    request = h11.Request(method="POST", target=target, headers=headers)
+    writer.write(
+        (http.send(request) or b"")
+        + (http.send(h11.Data(data=body)) or b"")
+        + (http.send(h11.EndOfMessage()) or b"")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    first_body_at: float  # time.perf_counter() when its first body bytes came; 0: none
+    events: int  # the server-sent events in it
+
+
+async def _read_answer(http: h11.Connection, reader: asyncio.StreamReader) -> Answer:
+    """Read one answer to its end."""
+    status, first, events = 0, 0.0, 0
     while True:
         event = http.next_event()
         if event is h11.NEED_DATA:
             http.receive_data(await reader.read(65536))
         elif isinstance(event, h11.Response):
             status = event.status_code
+        elif isinstance(event, h11.Data):
+            first = first or time.perf_counter()
+            events += bytes(event.data).count(b"data: ")
         elif isinstance(event, h11.EndOfMessage):
-            return status
+            return Answer(status, first, events)
         elif isinstance(event, h11.ConnectionClosed):
-            raise ConnectionError("the simulator closed the connection")
+            raise ConnectionError("the server closed the connection")
 
 
 def measure(requests: int, concurrency: int, max_tokens: int, seed: int) -> EngineSimFigures:

@@ -61,7 +61,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -71,12 +70,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import h11
 import httpx2
 import msgspec
 import numpy as np
 
-from benchmarks.engine_sim import _load, _prompts
+from benchmarks.engine_sim import Answer, _load, _prompts, post_all
 from benchmarks.live.processes import Child, Children, wait_ready
 from benchmarks.live.routers import (
     peer_ready,
@@ -907,62 +905,16 @@ class _StreamLoad:
 async def _stream_load(base_url: str, bodies: Sequence[bytes], concurrency: int) -> _StreamLoad:
     """POST each body to /v1/chat/completions over `concurrency` keep-alive connections
     (h11, as _load does) and time each answer's first chunk and its end."""
-    url = httpx2.URL(base_url)
-    host, port = url.host, url.port or 80
-    pending = iter(bodies)
     load = _StreamLoad()
 
-    async def connection() -> None:
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        http = h11.Connection(h11.CLIENT)
-        try:
-            for body in pending:
-                headers = [
-                    ("Host", host),
-                    ("Content-Type", "application/json"),
-                    ("Content-Length", str(len(body))),
-                ]
-                request = h11.Request(method="POST", target="/v1/chat/completions", headers=headers)
-                sent = time.perf_counter()
-                writer.write(
-                    (http.send(request) or b"")
-                    + (http.send(h11.Data(data=body)) or b"")
-                    + (http.send(h11.EndOfMessage()) or b"")
-                )
-                status, first, events = await _read_stream(http, reader)
-                load.answers.append(time.perf_counter() - sent)
-                load.first_chunks.append(first - sent)
-                load.events += events
-                load.errors += status != 200
-                http.start_next_cycle()
-        finally:
-            writer.close()
+    def answered(sent_at: float, answer: Answer) -> None:
+        load.answers.append(time.perf_counter() - sent_at)
+        load.first_chunks.append(answer.first_body_at - sent_at)
+        load.events += answer.events
+        load.errors += answer.status != 200
 
-    started = time.perf_counter()
-    await asyncio.gather(*(connection() for _ in range(concurrency)))
-    load.seconds = time.perf_counter() - started
+    load.seconds = await post_all(base_url, "/v1/chat/completions", bodies, concurrency, answered)
     return load
-
-
-async def _read_stream(
-    http: h11.Connection, reader: asyncio.StreamReader
-) -> tuple[int, float, int]:
-    """The answer's status, when its first body bytes came, and its server-sent events."""
-    status, first, events = 0, 0.0, 0
-    while True:
-        event = http.next_event()
-        if event is h11.NEED_DATA:
-            http.receive_data(await reader.read(65536))
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            first = first or time.perf_counter()
-            events += bytes(event.data).count(b"data: ")
-        elif isinstance(event, h11.EndOfMessage):
-            return status, first, events
-        elif isinstance(event, h11.ConnectionClosed):
-            raise ConnectionError("the server closed the connection")
 
 
 # -- the report --------------------------------------------------------------------

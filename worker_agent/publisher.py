@@ -40,6 +40,10 @@ from worker_agent.events import EngineLoad
 
 log = logging.getLogger(__name__)
 
+REJECT_WAIT_S = 0.5
+"""After a failed write, how long the stream may take to end for its Reject to be read
+(an ended call ends at once; this bounds one still open)."""
+
 
 class PublisherRejected(Exception):
     """The control plane refuses this agent's configuration; retrying cannot help."""
@@ -189,7 +193,18 @@ class ControlPlanePublisher:
             address = self._addresses[self._next_address]
             try:
                 async with self._channel(address) as channel:
-                    await self._serve(AgentStream(channel, token=self._token))
+                    stream = AgentStream(channel, token=self._token)
+                    try:
+                        await self._serve(stream)
+                    except (PublisherRejected, StreamClosed):
+                        raise
+                    except Exception:
+                        # A write after the control plane ended the stream fails with no
+                        # word of why; the Reject it wrote first says it, if it came.
+                        reject = await stream.unread_reject(REJECT_WAIT_S)
+                        if reject is not None:
+                            self._rejected(reject)  # raises
+                        raise
             except PublisherRejected:
                 raise
             except Exception as error:  # grpc raises several kinds; the agent must go on

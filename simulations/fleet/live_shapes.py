@@ -36,6 +36,8 @@ engine has the request; kvplane's round-robin runs in kvplane's proxy.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from simulations.engine.scheduler import SchedulerLimits
@@ -107,6 +109,7 @@ def live_workload(
             groups = int(name.removeprefix("shared-"))
         except ValueError:
             raise ValueError(f"unknown live workload {name!r} ({_NAMES})") from None
+        _check_overrides(name, shared_prefix, overrides, fixed={"groups", *_ALWAYS_FIXED})
         params = {**SHARED_DEFAULTS, "groups": groups, **overrides}
         workload = shared_prefix(
             **params,
@@ -116,6 +119,7 @@ def live_workload(
             seed=seed,
         )
     elif name == "multi-turn":
+        _check_overrides(name, multi_turn, overrides, fixed={"closed_loop", *_ALWAYS_FIXED})
         params = {**MULTI_TURN_DEFAULTS, **overrides}
         workload = multi_turn(
             **params,
@@ -126,6 +130,8 @@ def live_workload(
             seed=seed,
         )
     elif name == "agent-tree":
+        fixed = {"trees", "closed_loop", *_ALWAYS_FIXED}
+        _check_overrides(name, agent_tree, overrides, fixed=fixed)
         params = {**AGENT_TREE_DEFAULTS, **overrides}
         per_tree = sum(params["branches"] ** level for level in range(params["depth"] + 1))
         tree_rate = rate_per_s / per_tree
@@ -140,3 +146,22 @@ def live_workload(
     else:
         raise ValueError(f"unknown live workload {name!r} ({_NAMES})")
     return dataclasses.replace(workload, name=f"live/{name}")
+
+
+# What every live shape sets itself: the bake-off's block size, and the arrivals that
+# live_workload's own arguments give.
+_ALWAYS_FIXED = frozenset({"block_tokens", "rate_per_s", "duration_s", "seed"})
+
+
+def _check_overrides(
+    name: str, generator: Callable[..., Workload], overrides: Mapping[str, Any], fixed: set[str]
+) -> None:
+    """ValueError naming the `overrides` that `generator` does not take, or that the
+    live shape `name` sets itself (`fixed`)."""
+    taken = set(inspect.signature(generator).parameters) - fixed
+    refused = sorted(set(overrides) - taken)
+    if refused:
+        raise ValueError(
+            f"live workload {name!r}: cannot set {', '.join(refused)} "
+            f"(it takes {', '.join(sorted(taken))})"
+        )

@@ -132,6 +132,23 @@ def test_overrides_and_unknown_names() -> None:
         live_workload("shared-2", rate_per_s=0.0)
 
 
+@pytest.mark.parametrize(
+    ("name", "argument"),
+    [
+        ("shared-2", "block_tokens"),  # the bake-off's block size, set by every shape
+        ("shared-2", "groups"),  # the name's
+        ("multi-turn", "closed_loop"),  # turns follow their answers, as live
+        ("agent-tree", "trees"),  # from the rate and the duration
+        ("multi-turn", "no_such_parameter"),
+    ],
+)
+def test_an_override_the_shape_does_not_take_is_named(name: str, argument: str) -> None:
+    # It used to reach the generator as a second value, or as an unknown keyword, and
+    # come out as Python's TypeError about a function the user never called.
+    with pytest.raises(ValueError, match=f"live workload '{name}': cannot set {argument} "):
+        live_workload(name, **{argument: 1})
+
+
 def test_the_live_router_overheads_name_simulated_policies() -> None:
     assert set(live_shapes.LIVE_ROUTER_OVERHEAD_MS) <= set(POLICIES)
     # kvplane's Python proxy costs more than the Rust peers (bench live's CPU ms/req).

@@ -39,9 +39,10 @@ router: what it adds is what the stack costs, and what the router adds beyond it
 kvplane's own work.
 
 The peer. Where `make peers-env` built the peers' environment, sglang-router's
-cache_aware policy (the peer with the least CPU a request in every bake-off) is a fifth
-child in front of the same simulator, measured the same way after the floor: the issue's
-ratios, kvplane's against the fastest peer's, come from one run on the same requests.
+cache_aware policy (of the cache-aware peers, the least CPU a request in every
+bake-off) is a fifth child in front of the same simulator, measured the same way after
+the floor: the issue's ratios, kvplane's against the fastest peer's, come from one run
+on the same requests.
 
 Streamed chats. The requests above are short completions answered whole; the bake-off's
 are chats with a 2,048-token system prompt, streamed a token a chunk. `--streamed N`
@@ -123,7 +124,7 @@ VOCAB = 512  # the default tokenizer's
 LEASE_S = 3600.0
 WARM_UP = 20
 SIM_MODEL = "kvplane-tiny"  # the simulator's default model name
-# The peer with the least CPU a request in every bake-off (docs/benchmarks.md).
+# Of the cache-aware peers, the least CPU a request in every bake-off (docs/benchmarks.md).
 PEER_FAMILY = "sglang-router"
 PEER_POLICY = "cache_aware"
 PEER = f"{PEER_FAMILY} {PEER_POLICY}"

@@ -24,7 +24,7 @@ class StreamClosed(Exception):
 class AgentStream:
     """One open Connect call. Replies come in the order of the messages they answer.
 
-    Replies are read as they come, from the first message sent on, whether or not
+    Replies are read as they come, from the call's start, whether or not
     anything waits for one: the control plane ends a stream by writing a Reject and
     closing the call, and a write after that fails with gRPC's bare INTERNAL, the Reject
     and its reason lost with the call, unless it was already read (`unread_reject`)."""
@@ -41,17 +41,13 @@ class AgentStream:
         metadata = None if token is None else (("authorization", f"Bearer {token}"),)
         self.call: Call = connect(metadata=metadata)
         self._replies: asyncio.Queue[pb.ControlMessage | None] = asyncio.Queue()
-        self._reader: asyncio.Task[None] | None = None
         self._read_error: BaseException | None = None  # what ended the reading, if not EOF
+        self._reader = asyncio.ensure_future(self._read_replies())
 
     async def send(self, message: pb.AgentMessage) -> None:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read_replies())
         await self.call.write(message)
 
     async def reply(self) -> pb.ControlMessage:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read_replies())
         message = await self._replies.get()
         if message is None:
             self._replies.put_nowait(None)  # the end, for whoever reads next
@@ -67,10 +63,9 @@ class AgentStream:
     async def unread_reject(self, wait_s: float) -> pb.Reject | None:
         """The Reject among the replies nobody has read, waiting up to `wait_s` for the
         stream to end (an ended call ends its reading at once); None if there is none."""
-        if self._reader is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await asyncio.shield(self._reader)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(self._reader)
         while not self._replies.empty():
             message = self._replies.get_nowait()
             if message is not None and message.WhichOneof("body") == "reject":
@@ -81,8 +76,7 @@ class AgentStream:
         """Half-close (the agent is done) and wait for the control plane to end the call."""
         await self.call.done_writing()
         await self.call.code()
-        if self._reader is not None:
-            await self._reader
+        await self._reader
 
     async def _read_replies(self) -> None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,30 +41,37 @@ def test_the_fleet_is_the_live_one() -> None:
     assert PROFILES["default"].duration_s == live_shapes.LIVE_DURATION_S
 
 
-def test_the_workloads_parameters_are_the_live_ones() -> None:
-    shared = defaults(live.shared_prompts)
-    assert {
-        "system_tokens": shared["system_tokens"],
-        "question_tokens": shared["question_tokens"],
-        "output_tokens": shared["max_tokens"],
-    } == live_shapes.SHARED_DEFAULTS
-    chat = defaults(live.multi_turn)
-    assert {
-        "turns": chat["turns"],
-        "system_tokens": chat["system_tokens"],
-        "turn_tokens": chat["user_tokens"],
-        "output_tokens": chat["max_tokens"],
-        "think_time_s": chat["think_s"],
-    } == live_shapes.MULTI_TURN_DEFAULTS
-    tree = defaults(live.agent_tree)
-    assert {
-        "trunk_tokens": tree["trunk_tokens"],
-        "step_tokens": tree["step_tokens"],
-        "branches": tree["branches"],
-        "depth": tree["depth"],
-        "output_tokens": tree["max_tokens"],
-        "step_time_s": tree["step_s"],
-    } == live_shapes.AGENT_TREE_DEFAULTS
+@pytest.mark.parametrize(
+    ("live_generator", "live_names", "simulated"),
+    [
+        (
+            live.shared_prompts,
+            {"system_tokens": "system_tokens", "question_tokens": "question_tokens",
+             "output_tokens": "max_tokens"},
+            live_shapes.SHARED_DEFAULTS,
+        ),
+        (
+            live.multi_turn,
+            {"turns": "turns", "system_tokens": "system_tokens", "turn_tokens": "user_tokens",
+             "output_tokens": "max_tokens", "think_time_s": "think_s"},
+            live_shapes.MULTI_TURN_DEFAULTS,
+        ),
+        (
+            live.agent_tree,
+            {"trunk_tokens": "trunk_tokens", "step_tokens": "step_tokens",
+             "branches": "branches", "depth": "depth", "output_tokens": "max_tokens",
+             "step_time_s": "step_s"},
+            live_shapes.AGENT_TREE_DEFAULTS,
+        ),
+    ],
+)  # fmt: skip
+def test_the_workloads_parameters_are_the_live_ones(
+    live_generator: Callable[..., object], live_names: dict[str, str], simulated: dict[str, Any]
+) -> None:
+    """Each simulated default equals the bake-off's parameter of the same meaning (named
+    `live_names[ours]` there)."""
+    live_defaults = defaults(live_generator)
+    assert {ours: live_defaults[theirs] for ours, theirs in live_names.items()} == simulated
 
 
 def test_shared_n_draws_one_of_n_system_prompts_per_request() -> None:

@@ -35,8 +35,8 @@ import zmq
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
 from kvplane.core.serving import cancel_task, free_port, run_service
-from simulations.engine.block_pool import BlocksStored as EngineStored
-from simulations.engine.kv_events import EventEncoder, WireFormat
+from simulations.engine_sim.block_pool import BlocksStored as EngineStored
+from simulations.engine_sim.kv_events import EventEncoder, WireFormat
 from simulations.processes import spawn_kvplane
 from worker_agent.agent import tune_garbage_collector
 from worker_agent.engines.vllm import VllmAdapter

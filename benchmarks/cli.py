@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from simulations.fleet.cli import workload_arg
+from simulations.fleet_sim.cli import workload_arg
 
 
 def _run_bench_index(args: argparse.Namespace) -> int:

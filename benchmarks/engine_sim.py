@@ -24,7 +24,7 @@ from pathlib import Path
 import h11
 import httpx2
 
-from simulations.engine.process import spawn_engine_sim
+from simulations.engine_sim.process import spawn_engine_sim
 
 _WORDS = [
     "cache",

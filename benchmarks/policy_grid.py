@@ -18,14 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvplane.core.config import ScoringSettings
-from simulations.engine.timing import TimingModel
-from simulations.fleet.policies import POLICIES
-from simulations.fleet.report import PolicyFigures
-from simulations.fleet.requests import Workload
-from simulations.fleet.roofline import read_roofline_timing
-from simulations.fleet.run import compare
-from simulations.fleet.simulator import FleetConfig
-from simulations.fleet.workloads import WORKLOADS, load_trace
+from simulations.engine_sim.timing import TimingModel
+from simulations.fleet_sim.policies import POLICIES
+from simulations.fleet_sim.report import PolicyFigures
+from simulations.fleet_sim.requests import Workload
+from simulations.fleet_sim.roofline import read_roofline_timing
+from simulations.fleet_sim.run import compare
+from simulations.fleet_sim.simulator import FleetConfig
+from simulations.fleet_sim.workloads import WORKLOADS, load_trace
 from simulations.reporting import format_table
 
 _ROOT = Path(__file__).resolve().parents[1]

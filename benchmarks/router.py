@@ -103,12 +103,12 @@ from router.proxy.tokens import CHECKED_FIRST_USES, PromptTokens
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
-from router.routing.fleet import Fleet
+from router.routing.pool import WorkerPool
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import configured_policy
 from router.tenants import ANONYMOUS_TENANT
 from router.tracing import SPANLESS
-from simulations.engine.process import spawn_engine_sim
+from simulations.engine_sim.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
 from simulations.reporting import percentile
 
@@ -291,13 +291,13 @@ def worker_holdings(
         yield info, events
 
 
-def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
+def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, WorkerPool]:
     """A RoutingPlanner wired as router/app.py wires it (its index instrumented), with
     default settings."""
     proxy = ProxySettings()
     tracer = SPANLESS
     index = InstrumentedIndex(backend, RouterMetrics(), tracer)
-    fleet = Fleet(
+    pool = WorkerPool(
         index,
         WorkerView(),
         evictions=RecentEvictions(ScoringSettings().eviction_horizon_s),
@@ -306,7 +306,7 @@ def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
     )
     planner = RoutingPlanner(
         index=index,
-        fleet=fleet,
+        pool=pool,
         predicted=PredictedPrefixes(proxy.predicted_ttl_s),
         policy=configured_policy(ScoringSettings()),
         block_size=BLOCK_SIZE,
@@ -314,7 +314,7 @@ def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, Fleet]:
         tracer=tracer,
         rng=np.random.default_rng(0),
     )
-    return planner, fleet
+    return planner, pool
 
 
 async def _timed_us(call: Callable[[], Awaitable[object]], repeats: int) -> list[float]:
@@ -339,15 +339,15 @@ class DecisionCase:
 async def measure_decisions(
     index: LocationIndex, index_name: str, case: DecisionCase
 ) -> DecisionFigures:
-    """Fill `index` with the case's fleet, then time the planner's decisions."""
-    planner, fleet = _planner(index)
+    """Fill `index` with the case's pool, then time the planner's decisions."""
+    planner, pool = _planner(index)
     prompts = bench_prompts(case.prompt_tokens, case.seed)
     prompt_keys = [planner.keys(MODEL, "", tokens) for tokens in prompts]
     holdings = worker_holdings(prompt_keys, case.workers, case.seed, host_tier=case.host_tier)
     for info, events in holdings:
         await index.register(info, LEASE_S)
         await index.apply(info.worker_id, info.incarnation, events)
-    await fleet.refresh()
+    await pool.refresh()
     entries = (await index.stats()).entries
     # As the router does once started: what set-up built stays out of the collector's
     # reach, so its full collections cost what a serving router's do.
@@ -432,7 +432,7 @@ def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
 async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures:
     prompt_tokens_of = PromptTokens(ProxySettings())
     index = MemoryLocationIndex()
-    planner, fleet = _planner(index)
+    planner, pool = _planner(index)
     repeats = max(10, 200_000 // prompt_tokens)
     history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 
@@ -488,7 +488,7 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     await index.register(WorkerInfo(WORKER, 1, "http://127.0.0.1:1", MODEL, BLOCK_SIZE), LEASE_S)
     held = planner.keys(MODEL, "", await prompt_tokens_of.of(chat(""), "") or [])
     await index.apply(WORKER, 1, _runs(held, Tier.DEVICE, 0, None))
-    await fleet.refresh()
+    await pool.refresh()
     await _timed_us(fresh, 3)  # warm-up
     await _timed_us(repeated, 3)
     # Past the first uses, which are compared with whole tokenisation: the steady state.

@@ -11,9 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos.fleet import ChaosFleet
 from chaos.report import markdown
 from chaos.scenarios import FULL, SCENARIOS, SHORT, run_suite
+from chaos.stack import ChaosStack
 
 HEADER = """# Reliability: the chaos report
 
@@ -59,7 +59,7 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"unknown scenarios: {', '.join(sorted(only - {n for n, _, _ in SCENARIOS}))}")
         return 2
     with tempfile.TemporaryDirectory(prefix="kvplane-chaos-") as work:
-        fleet = ChaosFleet(Path(args.work_dir or work))
+        fleet = ChaosStack(Path(args.work_dir or work))
         started = time.monotonic()
         try:
             await fleet.start()

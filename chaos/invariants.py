@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import httpx2
 import redis.asyncio as aioredis
 
-from chaos.fleet import (
+from chaos.stack import (
     ADMIN_HEADERS,
     MODEL,
     REDIS_PREFIX,
-    ChaosFleet,
+    ChaosStack,
     Router,
     Worker,
     process_resources,
@@ -43,7 +43,7 @@ class IndexComparison:
         return self.missing == 0 and self.stale == 0
 
 
-async def engine_keys(fleet: ChaosFleet, worker: Worker) -> set[BlockKey]:
+async def engine_keys(fleet: ChaosStack, worker: Worker) -> set[BlockKey]:
     """The router's keys for every block the engine holds."""
     body = await fleet.engine_blocks(worker, prefixes=True)
     keys = set()
@@ -54,7 +54,7 @@ async def engine_keys(fleet: ChaosFleet, worker: Worker) -> set[BlockKey]:
     return keys
 
 
-async def index_keys(fleet: ChaosFleet, worker: Worker) -> set[int]:
+async def index_keys(fleet: ChaosStack, worker: Worker) -> set[int]:
     """The keys the index serves for the worker (none unless it is live)."""
     state, _ = await fleet.state_of(worker)
     if state != "live":
@@ -76,7 +76,7 @@ async def index_keys(fleet: ChaosFleet, worker: Worker) -> set[int]:
     }
 
 
-async def compare_index(fleet: ChaosFleet) -> list[IndexComparison]:
+async def compare_index(fleet: ChaosStack) -> list[IndexComparison]:
     comparisons = []
     for worker in fleet.workers:
         engine, index = await engine_keys(fleet, worker), await index_keys(fleet, worker)
@@ -87,7 +87,7 @@ async def compare_index(fleet: ChaosFleet) -> list[IndexComparison]:
 
 
 async def index_converges(
-    fleet: ChaosFleet, timeout_s: float
+    fleet: ChaosStack, timeout_s: float
 ) -> tuple[float, list[IndexComparison]]:
     """Seconds until the index equals every engine's block set (load stopped), and the
     last comparison (with what still differs if it never did)."""
@@ -111,10 +111,10 @@ class CrossScopeLedger:
     def __init__(self) -> None:
         self._banked: dict[str, int] = {}
 
-    async def current(self, fleet: ChaosFleet, worker: Worker) -> int:
+    async def current(self, fleet: ChaosStack, worker: Worker) -> int:
         return int((await fleet.engine_blocks(worker))["cross_scope_hits"])
 
-    async def bank(self, fleet: ChaosFleet, worker: Worker) -> None:
+    async def bank(self, fleet: ChaosStack, worker: Worker) -> None:
         """Before the engine's counter goes (a kill, a restart)."""
         try:
             count = await self.current(fleet, worker)
@@ -122,13 +122,13 @@ class CrossScopeLedger:
             return  # already gone: what it had counted is lost, and will be reported as such
         self._banked[worker.worker_id] = self._banked.get(worker.worker_id, 0) + count
 
-    async def total(self, fleet: ChaosFleet) -> int:
+    async def total(self, fleet: ChaosStack) -> int:
         live = 0
         for worker in fleet.workers:
             live += await self.current(fleet, worker)
         return sum(self._banked.values()) + live
 
-    async def scopes_seen(self, fleet: ChaosFleet) -> int:
+    async def scopes_seen(self, fleet: ChaosStack) -> int:
         """Distinct cache scopes in the engines now: more than one, or the check is idle."""
         scopes = set()
         for worker in fleet.workers:
@@ -143,7 +143,7 @@ class RouterResources:
     tasks: int
 
 
-async def router_resources(fleet: ChaosFleet, router: Router) -> RouterResources:
+async def router_resources(fleet: ChaosStack, router: Router) -> RouterResources:
     rss, fds = process_resources(router.child.pid)
     text = (await fleet.http.get(router.url + "/metrics", headers=ADMIN_HEADERS)).text
     tasks = total(metric_samples(text, ("kvplane_event_loop_tasks",)), "kvplane_event_loop_tasks")

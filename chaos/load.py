@@ -30,7 +30,7 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from chaos.fleet import MODEL, TENANT_KEYS
+from chaos.stack import MODEL, TENANT_KEYS
 
 CLIENT_TIMEOUT_S = 20.0
 

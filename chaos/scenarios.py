@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import httpx2
 
-from chaos.fleet import ADMIN_HEADERS, MODEL, TENANT_KEYS, ChaosFleet, Worker
 from chaos.invariants import (
     CrossScopeLedger,
     IndexComparison,
@@ -31,6 +30,7 @@ from chaos.invariants import (
     router_resources,
 )
 from chaos.load import LoadGenerator, Outcome, prompt
+from chaos.stack import ADMIN_HEADERS, MODEL, TENANT_KEYS, ChaosStack, Worker
 from chaos.tcp_proxy import Mode
 
 
@@ -82,7 +82,7 @@ class ScenarioResult:
 
 @dataclass
 class Chaos:
-    fleet: ChaosFleet
+    fleet: ChaosStack
     load: LoadGenerator
     ledger: CrossScopeLedger
     profile: Profile
@@ -409,7 +409,7 @@ async def slow_and_vanishing_clients(chaos: Chaos) -> Measured:
     return measured
 
 
-def _idle(fleet: ChaosFleet) -> Callable[[], Awaitable[bool]]:
+def _idle(fleet: ChaosStack) -> Callable[[], Awaitable[bool]]:
     async def idle() -> bool:
         running = [await fleet.engine_running(worker) for worker in fleet.workers]
         in_flight = 0
@@ -548,7 +548,7 @@ async def run_scenario(chaos: Chaos, name: str, fault: str, act: Fault) -> Scena
 
 
 async def run_suite(
-    fleet: ChaosFleet,
+    fleet: ChaosStack,
     profile: Profile,
     only: set[str] | None = None,
     log: Callable[[str], None] = print,

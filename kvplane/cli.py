@@ -49,15 +49,15 @@ TOOLS: dict[str, Tool] = {
         "three simulated engines behind the router: kvplane against round-robin",
     ),
     "engine-sim": Tool(
-        "simulations.engine.cli", "main", "a vLLM-compatible engine simulator (no GPU)"
+        "simulations.engine_sim.cli", "main", "a vLLM-compatible engine simulator (no GPU)"
     ),
     "sim": Tool(
-        "simulations.fleet.cli",
+        "simulations.fleet_sim.cli",
         "sim_main",
         "compare routing policies on a simulated fleet, in simulated time",
     ),
     "plan": Tool(
-        "simulations.fleet.cli",
+        "simulations.fleet_sim.cli",
         "plan_main",
         "KV cache per replica and the fleet's concurrency, from a model's config",
     ),

@@ -42,7 +42,7 @@ from router.auth import AdminToken
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi
-from router.fleet_page import fleet_page_routes
+from router.fleet_api.page import fleet_page_routes
 from router.http import create_http_app
 from router.index import open_index
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
@@ -55,11 +55,11 @@ from router.routes import HotPaths
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
 from router.routing.evictions import RecentEvictions
-from router.routing.fleet import Fleet
 from router.routing.funnel import CacheFunnel
 from router.routing.hot_prefixes import HotPrefixes
+from router.routing.pool import WorkerPool
 from router.routing.predicted import PredictedPrefixes
-from router.routing.sight import FleetSight, Sight
+from router.routing.sight import Sight, WiringSight
 from router.routing.token_agreement import TokenCountAgreement
 from router.routing.wiring import is_blind
 from router.scoring.policy import configured_policy
@@ -88,7 +88,7 @@ class RunningRouter:
     index: LocationIndex
     workers: WorkerView
     metrics: RouterMetrics
-    fleet: Fleet
+    pool: WorkerPool
     planner: RoutingPlanner
     tenants: TenantDirectory
     draining: asyncio.Event  # set: /readyz fails, and the router is about to stop
@@ -145,7 +145,7 @@ async def running_router(
             on_suspect=lambda worker_id: metrics.worker_suspicions.labels(worker=worker_id).inc(),
         )
         evictions = RecentEvictions(settings.scoring.eviction_horizon_s)
-        fleet = Fleet(
+        pool = WorkerPool(
             index,
             view,
             evictions=evictions,
@@ -157,10 +157,10 @@ async def running_router(
         funnel = CacheFunnel()
         metrics.funnel.source = functools.partial(_funnel_samples, funnel)
         hot_prefixes = HotPrefixes()
-        sight = FleetSight(view, accuracy, agreement, cp.block_size)
+        sight = WiringSight(view, accuracy, agreement, cp.block_size)
         planner = RoutingPlanner(
             index=index,
-            fleet=fleet,
+            pool=pool,
             predicted=predicted,
             policy=configured_policy(settings.scoring),
             block_size=cp.block_size,
@@ -171,19 +171,19 @@ async def running_router(
         with contextlib.suppress(LocationIndexError):  # the index is down: the tasks below retry
             async with index_deadline(proxy_settings.index_timeout_s * 4):
                 tenants.apply_generations(await index.scope_generations())
-                await fleet.refresh()
+                await pool.refresh()
         reaper = asyncio.create_task(
             reap_forever(
                 index,
                 view,
                 cp.lease_s,
                 clock,
-                after_sweep=functools.partial(_forget_the_gone, fleet, agreement, funnel, metrics),
+                after_sweep=functools.partial(_forget_the_gone, pool, agreement, funnel, metrics),
             )
         )
         stack.push_async_callback(cancel_task, reaper)
         refresher = asyncio.create_task(
-            fleet.refresh_forever(REGISTRY_REFRESH_S, proxy_settings.index_timeout_s * 4)
+            pool.refresh_forever(REGISTRY_REFRESH_S, proxy_settings.index_timeout_s * 4)
         )
         stack.push_async_callback(cancel_task, refresher)
         generations = asyncio.create_task(follow_scope_generations(index, tenants))
@@ -193,7 +193,7 @@ async def running_router(
         proxy = ProxyService(
             settings=proxy_settings,
             tenants=tenants,
-            fleet=fleet,
+            pool=pool,
             planner=planner,
             accuracy=accuracy,
             agreement=agreement,
@@ -211,7 +211,7 @@ async def running_router(
             admin_token=None if admin_token is None else admin_token.get_secret_value(),
             index=index,
             view=view,
-            fleet=fleet,
+            pool=pool,
             planner=planner,
             accuracy=accuracy,
             tenants=tenants,
@@ -238,19 +238,19 @@ async def running_router(
         draining = asyncio.Event()
 
         def see_routable() -> Sight:
-            candidates = [c.info for c in fleet.candidates()]
+            candidates = [c.info for c in pool.candidates()]
             return sight.see(candidates, {info.worker_id for info in candidates})
 
         def before_scrape() -> None:
             metrics.set_routing_view(
-                degraded=not (planner.index_answering and fleet.registry_is_current()),
+                degraded=not (planner.index_answering and pool.registry_is_current()),
                 suspect_workers=len(accuracy.suspects()),
                 credit_withdrawn=accuracy.withdrawn(),
                 loads=(
                     WorkerLoadSample(
                         c.worker_id, c.traffic.in_flight, c.traffic.prefill_tokens, c.load
                     )
-                    for c in fleet.candidates()
+                    for c in pool.candidates()
                 ),
             )
             seen = see_routable()
@@ -342,7 +342,7 @@ async def running_router(
             index=index,
             workers=view,
             metrics=metrics,
-            fleet=fleet,
+            pool=pool,
             planner=planner,
             tenants=tenants,
             draining=draining,
@@ -441,9 +441,9 @@ async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, cloc
 
 
 def _forget_the_gone(
-    fleet: Fleet, agreement: TokenCountAgreement, funnel: CacheFunnel, metrics: RouterMetrics
+    pool: WorkerPool, agreement: TokenCountAgreement, funnel: CacheFunnel, metrics: RouterMetrics
 ) -> None:
-    statuses = fleet.statuses()
+    statuses = pool.statuses()
     # Token counts of workers that are gone, or restarted, tell nothing now.
     agreement.retain((s.info.worker_id, s.info.incarnation) for s in statuses)
     workers = {s.info.worker_id for s in statuses}

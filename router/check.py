@@ -7,7 +7,7 @@ router's own keys), pass or fail, with the fix. Plain text or JSON; the exit sta
 0 when no check failed (some may be unknown: not proven either way yet, which the text
 counts), 1 when one failed, 2 when the router could not be asked.
 
-The router does the work (`POST /fleet/check`, router/fleet_api.py); this only calls it.
+The router does the work (`POST /fleet/check`, router/fleet_api/api.py); this only calls it.
 The admin token comes from KVPLANE_HTTP__ADMIN_TOKEN (a secret: never a flag).
 """
 
@@ -26,7 +26,7 @@ from typing import IO, TextIO
 
 from pydantic import ValidationError
 
-from router.fleet_models import FleetCheck
+from router.fleet_api.models import FleetCheck
 
 TOKEN_VARIABLE = "KVPLANE_HTTP__ADMIN_TOKEN"
 EXIT_PASSED, EXIT_FAILED, EXIT_UNASKED = 0, 1, 2

@@ -38,7 +38,7 @@ from kvplane.core.logsetup import configure_logging
 from router.app import running_router
 from router.check import BlindFleet, require_wiring
 from router.tenants import api_key_digest
-from simulations.local_fleet import local_workers
+from simulations.local_workers import local_workers
 from simulations.reporting import format_table, percentile
 
 MODEL = "kvplane-tiny"
@@ -128,7 +128,7 @@ async def _fleet(policy: str) -> AsyncIterator[str]:
         local_workers(WORKERS, grpc_port=router.grpc_port, sim_options=SIM_OPTIONS) as workers,
     ):
         deadline = time.monotonic() + 10
-        while len(router.fleet.candidates(MODEL)) < len(workers):
+        while len(router.pool.candidates(MODEL)) < len(workers):
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers did not register with the router")
             await asyncio.sleep(0.05)

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.live.client import Outcome, Traffic, run_workload
-from benchmarks.live.fleet import (
+from benchmarks.live.engines import (
     MODEL,
     UNSALTED_SCOPE,
-    EngineFleet,
+    EngineShape,
     EngineTotals,
-    FleetShape,
+    RunningEngines,
     hit_rate,
     start_engines,
 )
@@ -95,7 +95,7 @@ class CellResult:
 
 
 def run_cell(
-    cell: Cell, *, duration_s: float, trace: Path, log_root: Path, shape: FleetShape
+    cell: Cell, *, duration_s: float, trace: Path, log_root: Path, shape: EngineShape
 ) -> CellResult:
     spec = cell.router
     result = CellResult(
@@ -156,14 +156,14 @@ def run_cell(
 
 
 def _start(
-    cell: Cell, workload: Workload, children: Children, shape: FleetShape
-) -> tuple[EngineFleet, Deployment]:
+    cell: Cell, workload: Workload, children: Children, shape: EngineShape
+) -> tuple[RunningEngines, Deployment]:
     """The cell's engines and router, started once more if the first start fails: a
     start is not a measurement, and starts have failed for reasons of the machine's, not
     the router's (a port picked free and bound by another process a moment later; a
     peer's first start on a fresh machine taking over a minute to report ready)."""
 
-    def start() -> tuple[EngineFleet, Deployment]:
+    def start() -> tuple[RunningEngines, Deployment]:
         fleet = start_engines(children, shape)
         return fleet, cell.router.start(cell.router, fleet, children, cell.replicas, workload)
 
@@ -174,7 +174,7 @@ def _start(
         return start()
 
 
-def _restarter(fleet: EngineFleet) -> Callable[[], Awaitable[None]]:
+def _restarter(fleet: RunningEngines) -> Callable[[], Awaitable[None]]:
     async def restart() -> None:
         await asyncio.to_thread(fleet.restart, 0)
 
@@ -196,7 +196,7 @@ def _write_requests(path: Path, outcomes: list[Outcome]) -> None:
 def _figures(
     result: CellResult,
     outcomes: list[Outcome],
-    fleet: EngineFleet,
+    fleet: RunningEngines,
     before: dict[str, EngineTotals],
 ) -> None:
     result.requests = len(outcomes)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
-from benchmarks.live.fleet import FleetShape
+from benchmarks.live.engines import EngineShape
 from benchmarks.live.grid import LONGER_WORKLOADS, PROFILES, Cell, cells, select, traffic_seconds
 from benchmarks.live.report import (
     read_json,
@@ -103,7 +103,7 @@ def run_live_benchmark(
     chosen_keys = {cell.key for cell in chosen}
     elsewhere = [result for result in previous if result.key not in chosen_keys]
     logs = log_dir or default_log_root()
-    shape = FleetShape()
+    shape = EngineShape()
     print(
         f"kvplane bench live ({profile.name}): {len(to_run)} cells to run"
         + (f" ({len(done)} kept from {json_path})" if done else "")

@@ -1,5 +1,5 @@
 """The routers of the bake-off: kvplane and the real peers, each started from its own
-code in front of an `EngineFleet`.
+code in front of an `RunningEngines`.
 
 Peers come from PyPI into an environment of their own (`make peers-env`), never the
 product's dependencies; each is started with its documented command line, its own
@@ -28,7 +28,7 @@ import httpx2
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.live.fleet import BLOCK_SIZE, MODEL, EngineFleet
+from benchmarks.live.engines import BLOCK_SIZE, MODEL, RunningEngines
 from benchmarks.live.processes import Child, Children, Ready, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
@@ -66,7 +66,7 @@ class RouterSpec:
     name: str  # as the table shows it: "family policy"
     family: str  # kvplane, smg, sglang-router, vllm-router
     policy: str
-    start: Callable[[RouterSpec, EngineFleet, Children, int, Workload], Deployment] = field(
+    start: Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment] = field(
         compare=False, repr=False
     )
 
@@ -115,7 +115,7 @@ _LOG_LEVEL = () if "KVPLANE_LOGGING__LEVEL" in os.environ else ("--log-level", "
 
 
 def _start_kvplane(
-    spec: RouterSpec, fleet: EngineFleet, children: Children, replicas: int, workload: Workload
+    spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
 ) -> Deployment:
     env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
     flags = ["--policy", spec.policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
@@ -288,8 +288,8 @@ class PeerCommand:
     """How one peer starts: its command line for a port and the fleet, its extra
     environment, and the path that answers 200 once it routes."""
 
-    argv: Callable[[int, EngineFleet], list[str]]  # (HTTP port, fleet)
-    env: Callable[[EngineFleet], dict[str, str]] = lambda fleet: {}
+    argv: Callable[[int, RunningEngines], list[str]]  # (HTTP port, fleet)
+    env: Callable[[RunningEngines], dict[str, str]] = lambda fleet: {}
     # smg's and sglang-router's /readiness turns 200 once one worker is registered, and
     # a worker they could not reach is left out: wait until every engine is counted.
     ready_path: str = "/readiness"
@@ -299,9 +299,13 @@ class PeerCommand:
 
 def _peer_starter(
     command: PeerCommand,
-) -> Callable[[RouterSpec, EngineFleet, Children, int, Workload], Deployment]:
+) -> Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment]:
     def start(
-        spec: RouterSpec, fleet: EngineFleet, children: Children, replicas: int, workload: Workload
+        spec: RouterSpec,
+        fleet: RunningEngines,
+        children: Children,
+        replicas: int,
+        workload: Workload,
     ) -> Deployment:
         launched = []
         for number in range(1, replicas + 1):
@@ -373,8 +377,8 @@ def _metric_totals(metrics_url: str, keep: Callable[[str], bool]) -> dict[str, A
     return totals
 
 
-def _smg_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
-    def argv(port: int, fleet: EngineFleet) -> list[str]:
+def _smg_argv(policy: str) -> Callable[[int, RunningEngines], list[str]]:
+    def argv(port: int, fleet: RunningEngines) -> list[str]:
         return [
             str(peers_python()), "-m", "smg", "launch",
             "--host", "127.0.0.1", "--port", str(port),
@@ -385,8 +389,8 @@ def _smg_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
     return argv
 
 
-def _sglang_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
-    def argv(port: int, fleet: EngineFleet) -> list[str]:
+def _sglang_argv(policy: str) -> Callable[[int, RunningEngines], list[str]]:
+    def argv(port: int, fleet: RunningEngines) -> list[str]:
         return sglang_router_argv(policy, port, fleet.urls)
 
     return argv
@@ -401,8 +405,8 @@ def sglang_router_argv(policy: str, port: int, worker_urls: Sequence[str]) -> li
     ]  # fmt: skip
 
 
-def _vllm_router_argv(policy: str) -> Callable[[int, EngineFleet], list[str]]:
-    def argv(port: int, fleet: EngineFleet) -> list[str]:
+def _vllm_router_argv(policy: str) -> Callable[[int, RunningEngines], list[str]]:
+    def argv(port: int, fleet: RunningEngines) -> list[str]:
         command = [
             str(peers_venv() / "bin" / "vllm-router"),
             "--host", "127.0.0.1", "--port", str(port),

@@ -15,7 +15,7 @@ response and the child's text: a multi-turn chat is a chain, an agent run a tree
 single request a conversation of one step. Conversations start open-loop (on a
 schedule, whatever the routers do); steps within one follow their responses.
 
-Workloads (the shapes of `simulations/fleet/workloads.py`, scaled for a small machine):
+Workloads (the shapes of `simulations/fleet_sim/workloads.py`, scaled for a small machine):
 - `shared-N`: N system prompts shared by groups of requests, each with its own
   question; Poisson arrivals. The shape of SGLang's `generated-shared-prefix` benchmark
   (2,048-token system prompts, 128-token questions), the one its cache-aware router was

@@ -78,7 +78,7 @@ class WorkerView:
     overwrite what a newer one did meanwhile.
 
     The workers whose record changed in a way routing reads (incarnation, state, load)
-    are noted until `take_changed()`: the router's Fleet re-reads only those."""
+    are noted until `take_changed()`: the router's WorkerPool re-reads only those."""
 
     def __init__(self) -> None:
         self._records: dict[str, WorkerRecord] = {}

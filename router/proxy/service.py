@@ -63,9 +63,9 @@ from router.proxy.upstream import (
 from router.routes import HotRoute
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision, RoutingPlanner
-from router.routing.fleet import Fleet, Ticket
 from router.routing.funnel import CacheFunnel, funnel_step
 from router.routing.hot_prefixes import HotPrefixes
+from router.routing.pool import Ticket, WorkerPool
 from router.routing.token_agreement import TokenCountAgreement
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
@@ -237,7 +237,7 @@ class ProxyService:
         *,
         settings: ProxySettings,
         tenants: TenantDirectory,
-        fleet: Fleet,
+        pool: WorkerPool,
         planner: RoutingPlanner,
         accuracy: PredictionAccuracy,
         agreement: TokenCountAgreement,
@@ -255,7 +255,7 @@ class ProxyService:
         self.hot_prefixes = hot_prefixes
         self.clock = clock  # the router's, on which evictions are recorded
         self.tenants = tenants
-        self.fleet = fleet
+        self.pool = pool
         self.planner = planner
         self.accuracy = accuracy
         self.agreement = agreement
@@ -273,7 +273,7 @@ class ProxyService:
 
     def routes(self) -> list[APIRoute]:
         async def models() -> ModelList:
-            return ModelList(data=[ModelCard(id=model) for model in self.fleet.models()])
+            return ModelList(data=[ModelCard(id=model) for model in self.pool.models()])
 
         return [
             self._generation(Endpoint.COMPLETIONS, CompletionRequest, "a completion"),
@@ -383,7 +383,7 @@ class ProxyService:
         otherwise than this router (another tokenizer): the router's count would refuse
         prompts the engines take."""
         miscounted = self._counts_otherwise(model)
-        engines = None if miscounted else self.fleet.roster.longest_model_len(model)
+        engines = None if miscounted else self.pool.roster.longest_model_len(model)
         cap = self.settings.max_prompt_tokens
         return PromptLength(cap if engines is None else min(engines, cap), not miscounted)
 
@@ -401,7 +401,7 @@ class ProxyService:
         self._count("no_worker")
         message = (
             f"no live worker in tenant {tenant.name!r}'s pool"
-            if tenant.isolation == "dedicated" and self.fleet.candidates()
+            if tenant.isolation == "dedicated" and self.pool.candidates()
             else "no live worker can take the request now"
         )
         return error_response(
@@ -434,7 +434,7 @@ class ProxyService:
                 predicted_tokens=predicted,
                 indexed_tokens=decision.indexed_tokens(candidate.worker_id),
                 prompt_tokens=decision.prompt_tokens,
-                ticket=self.fleet.sent(
+                ticket=self.pool.sent(
                     candidate.worker_id,
                     tenant.name,
                     max(0, decision.prompt_tokens - predicted),
@@ -464,7 +464,7 @@ class ProxyService:
                 failures.append(f"{candidate.worker_id}: {failure.reason}")
                 continue
             except NoFreeConnection:
-                self.fleet.finished(exchange.ticket)
+                self.pool.finished(exchange.ticket)
                 self.planner.predicted.removed(exchange.worker_id, decision.keys)
                 self._count("router_busy")
                 log.warning("no free upstream connection (proxy.max_connections is reached)")
@@ -475,11 +475,11 @@ class ProxyService:
                     headers={"retry-after": str(self.settings.retry_after_s)},
                 )
             except ClientGone:
-                self.fleet.finished(exchange.ticket)
+                self.pool.finished(exchange.ticket)
                 self._count("client_disconnected", candidate.worker_id)
                 return Response(status_code=499)
             except BaseException:  # cancelled (the server stopping): release the ticket
-                self.fleet.finished(exchange.ticket)
+                self.pool.finished(exchange.ticket)
                 raise
             if parsed.stream:  # a non-streamed answer's first byte is its last
                 self.metrics.first_byte_seconds.observe(first_byte_s)
@@ -524,7 +524,7 @@ class ProxyService:
         """The engine's answer up to its first byte; for a non-streamed request, all of
         it (nothing has reached the client yet, so a break is still a failed attempt)."""
         answer = await self.upstream.send(url, body, headers, self.settings.first_byte_timeout_s)
-        self.fleet.first_byte(exchange.ticket)
+        self.pool.first_byte(exchange.ticket)
         if stream:
             return answer, None
         try:
@@ -538,10 +538,10 @@ class ProxyService:
         return answer, b"".join(chunks)
 
     def _abandoned(self, exchange: _Exchange, decision: Decision, failure: AttemptFailed) -> None:
-        self.fleet.finished(exchange.ticket)
+        self.pool.finished(exchange.ticket)
         self.planner.predicted.removed(exchange.worker_id, decision.keys)
         if failure.refused:
-            self.fleet.unreachable(exchange.worker_id)
+            self.pool.unreachable(exchange.worker_id)
         self.metrics.failovers.labels(
             worker=exchange.worker_id, reason="refused" if failure.refused else "failed"
         ).inc()
@@ -587,7 +587,7 @@ class ProxyService:
             self._settled(relay.exchange, relay.outcome, relay.usage.usage(), relay.answer.status)
 
     def _settled(self, exchange: _Exchange, outcome: str, usage: Usage | None, status: int) -> None:
-        self.fleet.finished(exchange.ticket)
+        self.pool.finished(exchange.ticket)
         if status >= 400:  # the engine refused the request (a 4xx) or failed it
             outcome = "engine_refused" if status < 500 else "engine_error"
         self._count(outcome, exchange.worker_id)
@@ -639,7 +639,7 @@ class ProxyService:
         longest = decision.longest_match()
         if longest is not None:
             self.hot_prefixes.matched(exchange.tenant, longest.key, longest.tokens)
-        evicted_at = self.fleet.evictions.recorded(worker)[1]
+        evicted_at = self.pool.evictions.recorded(worker)[1]
         step = funnel_step(
             prompt_tokens=exchange.prompt_tokens,
             attainable_tokens=0 if longest is None else longest.tokens,

@@ -120,7 +120,7 @@ class PredictionAccuracy:
 
     def take_changed(self) -> set[str]:
         """The workers whose suspicion may have changed since the last call (one reader
-        only): the router's Fleet keeps it as a column and re-reads only those.
+        only): the router's WorkerPool keeps it as a column and re-reads only those.
         Withdrawals that have run out are ended here."""
         if self._withdrawn_until:  # almost always empty: this runs before every decision
             now = self._clock()

@@ -21,7 +21,7 @@ from kvplane.core.clock import Clock
 from kvplane.core.keys import BlockKey, KeyNamespace, chain_keys, root_key
 from kvplane.core.types import Tier, WorkerInfo
 from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
-from router.routing.fleet import Fleet
+from router.routing.pool import WorkerPool
 from router.routing.predicted import PredictedPrefixes
 from router.routing.roster import Roster
 from router.scoring.policy import RoutingPolicy
@@ -141,7 +141,7 @@ class RoutingPlanner:
         self,
         *,
         index: LocationIndex,
-        fleet: Fleet,
+        pool: WorkerPool,
         predicted: PredictedPrefixes,
         policy: RoutingPolicy,
         block_size: int,
@@ -151,7 +151,7 @@ class RoutingPlanner:
         clock: Clock = time.monotonic,
     ) -> None:
         self.index = index
-        self.fleet = fleet
+        self.pool = pool
         self.predicted = predicted
         self.policy = policy
         self.block_size = block_size
@@ -195,14 +195,14 @@ class RoutingPlanner:
             span.set_attribute("kvplane.blocks", len(keys))
         # No worker at all: nothing to look up. (Working out which workers are routable
         # costs about as much as the lookup itself, and is done after it anyway.)
-        index_matches, answered = await self._lookup(keys, wanted=len(self.fleet.roster) > 0)
+        index_matches, answered = await self._lookup(keys, wanted=len(self.pool.roster) > 0)
         with self.tracer.start_as_current_span("kvplane.score") as span:
             span.set_attribute("kvplane.index_answered", answered)
             now = self._clock()
-            roster = self.fleet.roster  # (after the lookup's await: the current one)
-            rows = self.fleet.serving_rows(model)
+            roster = self.pool.roster  # (after the lookup's await: the current one)
+            rows = self.pool.serving_rows(model)
             private = tenant.isolation == "private"  # only they pay for others' company
-            facts = self.fleet.facts(roster, rows, tenant.name if private else None, now)
+            facts = self.pool.facts(roster, rows, tenant.name if private else None, now)
             self.predicted.prune(now)
             predicted = self.predicted.match(keys, now) if len(rows) else {}
             # Where each roster row sits among the candidates; -1: not one (and the

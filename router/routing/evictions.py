@@ -42,7 +42,7 @@ def capacity_in_router_blocks(
 
 class RecentEvictions:
     """Workers whose count changed are noted until `take_changed()`: the router's
-    Fleet keeps the counts as columns (`recorded()`) and re-reads only those; `shares()`
+    WorkerPool keeps the counts as columns (`recorded()`) and re-reads only those; `shares()`
     reads such columns."""
 
     def __init__(self, horizon_s: float) -> None:

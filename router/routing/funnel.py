@@ -106,7 +106,7 @@ class FunnelTotals:
 
 
 class CacheFunnel:
-    """Totals since start per (model, tenant), and per worker while it is in the fleet:
+    """Totals since start per (model, tenant), and per worker while it is in the pool:
     models are the workers' registered ones and tenants the configured ones, so the keys
     stay few."""
 

@@ -1,5 +1,5 @@
 """The registered live workers as columns: what routing reads of each, one row per
-worker, in a fixed order until the registry changes (router/routing/fleet.py builds a
+worker, in a fixed order until the registry changes (router/routing/pool.py builds a
 new roster then, and keeps the rows current as reports, traffic and events arrive).
 
 A decision reads a thousand workers' rows in a few numpy operations; a row is written
@@ -53,7 +53,7 @@ class Roster:
         def flags() -> npt.NDArray[np.bool_]:
             return np.zeros(count, dtype=np.bool_)
 
-        # Whether requests may go there (see Fleet.candidate_rows).
+        # Whether requests may go there (see WorkerPool.candidate_rows).
         self.held_back = flags()  # drained by an operator, or its engine is down
         self.gone_in_view = flags()  # this router saw it die or begin draining
         self.unreachable_until = zeros()

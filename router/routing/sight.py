@@ -27,7 +27,7 @@ class Sight:
     routing: dict[str, RoutingMode]  # by model, over the routable workers
 
 
-class FleetSight:
+class WiringSight:
     def __init__(
         self,
         view: WorkerView,

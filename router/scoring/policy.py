@@ -1,6 +1,6 @@
 """Routing policies: what turns the facts of one request and its candidate workers into
 a ranking. The router's planner (router/routing/decide.py) and the fleet simulator
-(simulations/fleet/policies.py) both hold one, gather the facts their own way, and act
+(simulations/fleet_sim/policies.py) both hold one, gather the facts their own way, and act
 on the ranking themselves.
 
 A policy only decides (as the WorkerSelector of NVIDIA Dynamo's KV router): it reads

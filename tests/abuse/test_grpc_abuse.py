@@ -39,7 +39,7 @@ from kvplane.wire.stream import CONNECT_METHOD, AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import running_router
 from router.index.base import PrefixMatch, WorkerState
-from simulations.local_fleet import local_workers
+from simulations.local_workers import local_workers
 from tests.abuse.conftest import PROBE_PROMPTS, SIM_OPTIONS, block_keys, prime, still_serves
 from tests.proxy.conftest import MODEL, RoutedFleet, router_settings
 from tests.waiting import wait_until
@@ -104,7 +104,7 @@ async def ingest(redis_url: str) -> AsyncIterator[Ingest]:
         grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel,
     ):
         await wait_until(
-            "both workers are routable", lambda: len(router.fleet.candidates(MODEL)) == 2
+            "both workers are routable", lambda: len(router.pool.candidates(MODEL)) == 2
         )
         fleet = RoutedFleet(router, workers)
         await prime(fleet)

@@ -219,7 +219,7 @@ async def test_bad_input_gets_a_clear_error_and_changes_nothing(
         )
     assert_clear_error(response, abuse.status, abuse.says)
     assert Before(await index_picture(fleet.router), salts(fleet)) == before
-    assert not fleet.router.fleet.drained
+    assert not fleet.router.pool.drained
     await still_serves(fleet)
 
 

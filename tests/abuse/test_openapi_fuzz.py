@@ -191,7 +191,7 @@ async def test_generated_requests_get_documented_answers_and_change_nothing(
     # was reset, dropped or drained.
     assert after.lookups["globex"] == fuzzed.before.lookups["globex"]
     assert [w[:3] for w in after.workers] == [w[:3] for w in fuzzed.before.workers]
-    assert not fleet.router.fleet.drained
+    assert not fleet.router.pool.drained
     async with fleet.openai("globex") as client:
         chat = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Still there?"}], max_tokens=3

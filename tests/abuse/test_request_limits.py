@@ -75,7 +75,7 @@ def complete(prompt: str, **extra: object) -> dict[str, object]:
 
 
 async def test_the_agents_register_their_engines_max_model_len(fleet: RoutedFleet) -> None:
-    assert fleet.router.fleet.roster.longest_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
+    assert fleet.router.pool.roster.longest_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
 
 
 async def test_a_prompt_over_the_models_length_is_refused_before_any_engine(
@@ -109,7 +109,7 @@ async def test_an_engine_that_takes_short_prompts_gets_only_those() -> None:
     # model's cap stays the longest engine's, and longer prompts avoid that one only.
     short = {"worker-3": {"max_model_len": 64}}
     async with routed_fleet(3, sim_options=SIM_OPTIONS, worker_sim_options=short) as fleet:
-        assert fleet.router.fleet.roster.longest_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
+        assert fleet.router.pool.roster.longest_model_len(MODEL) == SIM_OPTIONS["max_model_len"]
         tenant = fleet.router.tenants.authenticate(auth("acme")["authorization"])
         assert tenant is not None
         for length, takers in ((64, {"worker-1", "worker-2", "worker-3"}), (65, None)):
@@ -179,7 +179,7 @@ async def test_no_agent_lifts_the_configured_cap() -> None:
     huge = {"worker-2": {"max_model_len": 1 << 30}}
     settings = router_settings(proxy={"max_prompt_tokens": 600})
     async with routed_fleet(2, settings, sim_options=SIM_OPTIONS, worker_sim_options=huge) as fleet:
-        assert fleet.router.fleet.roster.longest_model_len(MODEL) == 1 << 30
+        assert fleet.router.pool.roster.longest_model_len(MODEL) == 1 << 30
         prompt = "a prompt past the router's own cap, block after block " * 80
         assert len(load_tokenizer().completion_tokens(prompt)) > 600
         async with fleet.http() as http:

@@ -25,8 +25,8 @@ from kvplane.core.worker_credentials import worker_token
 from kvplane.wire.codec import events_message, load_message, register_message
 from kvplane.wire.stream import AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
-from simulations.engine.app import running_engine_sim
-from simulations.engine.config import EngineSimConfig
+from simulations.engine_sim.app import running_engine_sim
+from simulations.engine_sim.config import EngineSimConfig
 from tests.abuse.conftest import ADMIN, auth, block_keys, still_serves
 from tests.proxy.conftest import MODEL, RoutedFleet, routed_fleet, router_settings
 from tests.proxy.test_failures import sample_sum
@@ -162,7 +162,7 @@ async def test_a_worker_claiming_blocks_it_does_not_hold_loses_its_cache_credit(
             def routable() -> bool:
                 return any(
                     c.info.worker_id == "mallory" and c.info.incarnation == info.incarnation
-                    for c in fleet.router.fleet.candidates()
+                    for c in fleet.router.pool.candidates()
                 )
 
             await wait_until("mallory's new incarnation is a candidate", routable)

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from chaos.fleet import ChaosFleet
 from chaos.load import Outcome
 from chaos.report import markdown
 from chaos.scenarios import SCENARIOS, SHORT, run_suite
+from chaos.stack import ChaosStack
 
 
 @pytest.mark.timeout(900)
 async def test_every_fault_keeps_every_promise(tmp_path: Path) -> None:
-    fleet = ChaosFleet(tmp_path)
+    fleet = ChaosStack(tmp_path)
     try:
         await fleet.start()
         results = await run_suite(fleet, SHORT)

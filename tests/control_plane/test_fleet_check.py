@@ -77,7 +77,7 @@ async def fleet_check() -> AsyncIterator[dict[str, dict[str, Any]]]:
             )
             await stream.send(load_message(0, 0, 0.0, wiring=FLOWING))
             streams.append(stream)
-        await router.fleet.refresh()
+        await router.pool.refresh()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as http:
             answer = await http.post(
                 "/fleet/check", params={"wait_s": 0.5}, headers=ADMIN, timeout=30

@@ -50,7 +50,7 @@ async def test_device_removals_count_as_evictions_until_the_cache_is_cleared(
     router: RunningRouter, channel: grpc.aio.Channel
 ) -> None:
     def evicted_share() -> float:
-        return router.fleet.evictions.share("w1", capacity_blocks=8, now=time.monotonic())
+        return router.pool.evictions.share("w1", capacity_blocks=8, now=time.monotonic())
 
     stream = AgentStream(channel)
     await stream.request(register_message(worker(kv_capacity_blocks=8)))

@@ -11,8 +11,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from simulations.engine.app import RunningEngineSim, running_engine_sim
-from simulations.engine.config import EngineSimConfig, KVEventsConfig
+from simulations.engine_sim.app import RunningEngineSim, running_engine_sim
+from simulations.engine_sim.config import EngineSimConfig, KVEventsConfig
 
 EVENTS = KVEventsConfig(
     enable_kv_cache_events=True,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvplane.core.tokenizer import load_tokenizer
-from simulations.engine.timing import StepWork, TimingModel, step_seconds
+from simulations.engine_sim.timing import StepWork, TimingModel, step_seconds
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 

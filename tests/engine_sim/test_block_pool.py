@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from simulations.engine.block_hash import (
+from simulations.engine_sim.block_hash import (
     BlockHasher,
     block_extra_keys,
     hash_block,
     none_hash,
     wire_hash,
 )
-from simulations.engine.block_pool import (
+from simulations.engine_sim.block_pool import (
     AllBlocksCleared,
     BlockPool,
     BlockRemoved,
     BlocksStored,
     OutOfBlocks,
 )
-from simulations.engine.kv_cache_manager import KVCacheManager
-from simulations.engine.request import SimRequest
+from simulations.engine_sim.kv_cache_manager import KVCacheManager
+from simulations.engine_sim.request import SimRequest
 
 BLOCK = 4
 ROOT = none_hash()

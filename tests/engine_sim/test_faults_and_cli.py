@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from kvplane.cli import main
-from simulations.engine.config import EngineSimConfig
-from simulations.engine.process import spawn_engine_sim
+from simulations.engine_sim.config import EngineSimConfig
+from simulations.engine_sim.process import spawn_engine_sim
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 

@@ -9,7 +9,7 @@ import httpx
 import msgspec
 import pytest
 
-from simulations.engine.config import KVEventsConfig
+from simulations.engine_sim.config import KVEventsConfig
 from tests.engine_sim.conftest import END, EVENTS, decode_payload, engine_sim, replay, subscribed
 
 PROMPT = "Each block of sixteen tokens gets a key that depends on every token before it. " * 3

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from simulations.engine.block_hash import none_hash
-from simulations.engine.block_pool import BlockPool
-from simulations.engine.kv_cache_manager import KVCacheManager
-from simulations.engine.request import RequestStatus, SimRequest
-from simulations.engine.scheduler import (
+from simulations.engine_sim.block_hash import none_hash
+from simulations.engine_sim.block_pool import BlockPool
+from simulations.engine_sim.kv_cache_manager import KVCacheManager
+from simulations.engine_sim.request import RequestStatus, SimRequest
+from simulations.engine_sim.scheduler import (
     RequestTooLarge,
     Scheduler,
     SchedulerLimits,
     sampler_over,
 )
-from simulations.engine.timing import StepWork, TimingModel, step_seconds
+from simulations.engine_sim.timing import StepWork, TimingModel, step_seconds
 
 BLOCK = 4
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from simulations.fleet.bounds import infinite_cache_hit_rate, pooled_cache_hit_rate
-from simulations.fleet.requests import TraceRequest, Workload
-from simulations.fleet.workloads import load_mooncake, multi_turn, shared_prefix
+from simulations.fleet_sim.bounds import infinite_cache_hit_rate, pooled_cache_hit_rate
+from simulations.fleet_sim.requests import TraceRequest, Workload
+from simulations.fleet_sim.workloads import load_mooncake, multi_turn, shared_prefix
 
 TRACES = Path(__file__).resolve().parents[2] / "simulations" / "traces"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.cli import main
-from simulations.fleet.policies import POLICIES
+from simulations.fleet_sim.policies import POLICIES
 
 TRACE = Path(__file__).resolve().parents[2] / "simulations" / "traces" / "mooncake"
 MODELS = Path(__file__).resolve().parents[2] / "simulations" / "models"

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from benchmarks.live import workloads as live
-from benchmarks.live.fleet import BLOCK_SIZE, FleetShape
+from benchmarks.live.engines import BLOCK_SIZE, EngineShape
 from benchmarks.live.grid import LOADS, PROFILES
-from simulations.engine.scheduler import SchedulerLimits
-from simulations.fleet import live_shapes
-from simulations.fleet.live_shapes import live_workload
-from simulations.fleet.policies import POLICIES
+from simulations.engine_sim.scheduler import SchedulerLimits
+from simulations.fleet_sim import live_shapes
+from simulations.fleet_sim.live_shapes import live_workload
+from simulations.fleet_sim.policies import POLICIES
 
 
 def defaults(function: Any) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def defaults(function: Any) -> dict[str, Any]:
 
 
 def test_the_fleet_is_the_live_one() -> None:
-    shape = FleetShape()
+    shape = EngineShape()
     assert shape.engines == live_shapes.LIVE_ENGINES
     assert shape.kv_blocks == live_shapes.LIVE_KV_BLOCKS
     assert shape.max_num_seqs == live_shapes.LIVE_MAX_NUM_SEQS

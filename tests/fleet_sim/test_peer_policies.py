@@ -9,18 +9,18 @@ from typing import Literal
 
 import pytest
 
-from simulations.fleet.peer_policies import (
+from simulations.fleet_sim.peer_policies import (
     DynamoPolicy,
     LlmdPolicy,
     SglangCacheAwarePolicy,
     VllmRouterCacheAwarePolicy,
 )
-from simulations.fleet.policies import POLICIES, Policy, make_policy
-from simulations.fleet.requests import TraceRequest
-from simulations.fleet.router_view import LoadReport, RouterView
-from simulations.fleet.simulator import FleetConfig, RunRecord, simulate
-from simulations.fleet.worker import WorkerLoad
-from simulations.fleet.workloads import shared_prefix
+from simulations.fleet_sim.policies import POLICIES, Policy, make_policy
+from simulations.fleet_sim.requests import TraceRequest
+from simulations.fleet_sim.router_view import LoadReport, RouterView
+from simulations.fleet_sim.simulator import FleetConfig, RunRecord, simulate
+from simulations.fleet_sim.worker import WorkerLoad
+from simulations.fleet_sim.workloads import shared_prefix
 
 BT = 64  # tokens per block
 

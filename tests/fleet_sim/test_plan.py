@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.cli import main
-from simulations.fleet.plan import Replica, model_shape, plan
+from simulations.fleet_sim.plan import Replica, model_shape, plan
 
 LLAMA_8B = {
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from benchmarks.policy_grid import GRID, Series, _verdict, run_policy_grid
-from simulations.fleet.policies import POLICIES
-from simulations.fleet.report import PolicyFigures
+from simulations.fleet_sim.policies import POLICIES
+from simulations.fleet_sim.report import PolicyFigures
 
 
 def _figures(ttft_p90_s: float) -> PolicyFigures:

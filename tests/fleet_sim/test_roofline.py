@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from simulations.engine.timing import StepWork, step_seconds
-from simulations.fleet.roofline import (
+from simulations.engine_sim.timing import StepWork, step_seconds
+from simulations.fleet_sim.roofline import (
     GPUS,
     Efficiency,
     decoder_size,

@@ -9,11 +9,11 @@ from collections import Counter
 import pytest
 
 from router.scoring.policy import KvplaneScoring, RoundRobin
-from simulations.fleet.policies import RouterPolicy, make_policy
-from simulations.fleet.report import figures
-from simulations.fleet.requests import TraceRequest, Workload
-from simulations.fleet.simulator import FleetConfig, RunRecord, simulate
-from simulations.fleet.workloads import multi_turn, shared_prefix
+from simulations.fleet_sim.policies import RouterPolicy, make_policy
+from simulations.fleet_sim.report import figures
+from simulations.fleet_sim.requests import TraceRequest, Workload
+from simulations.fleet_sim.simulator import FleetConfig, RunRecord, simulate
+from simulations.fleet_sim.workloads import multi_turn, shared_prefix
 
 # 64 blocks of 64 tokens per worker: room for about three of the eight prefix groups.
 SMALL = FleetConfig(workers=4, capacity_tokens=4096)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from simulations.fleet.requests import Workload
-from simulations.fleet.workloads import (
+from simulations.fleet_sim.requests import Workload
+from simulations.fleet_sim.workloads import (
     WORKLOADS,
     PrefixChain,
     agent_tree,

@@ -22,7 +22,7 @@ from kvplane.core.config import (
 )
 from router.app import RunningRouter, running_router
 from router.tenants import api_key_digest
-from simulations.local_fleet import LocalWorker, local_workers
+from simulations.local_workers import LocalWorker, local_workers
 from tests.waiting import wait_until
 
 MODEL = "kvplane-tiny"
@@ -102,7 +102,7 @@ async def routed_fleet(
     ):
 
         def all_routable() -> bool:
-            return len(router.fleet.candidates(MODEL)) == count
+            return len(router.pool.candidates(MODEL)) == count
 
         await wait_until("every worker is routable", all_routable)
         yield RoutedFleet(router, workers)

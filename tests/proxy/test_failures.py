@@ -36,7 +36,7 @@ from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter, running_router
 from router.index.base import PrefixMatch, WorkerState
 from router.index.memory import MemoryLocationIndex
-from simulations.engine.process import spawn_engine_sim
+from simulations.engine_sim.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
 from tests.proxy.conftest import (
     ADMIN,
@@ -116,7 +116,7 @@ async def worker_processes(
 
 
 def candidate_ids(router: RunningRouter) -> set[str]:
-    return {candidate.worker_id for candidate in router.fleet.candidates(MODEL)}
+    return {candidate.worker_id for candidate in router.pool.candidates(MODEL)}
 
 
 def acme_salt(router: RunningRouter) -> str:
@@ -195,10 +195,10 @@ async def wait_cancelled_everywhere(fleet: RoutedFleet) -> None:
     await wait_until("the engine dropped the request", engine_idle, 3)
     await wait_until(
         "the router's traffic to the worker is back to 0",
-        lambda: fleet.router.fleet.traffic(worker.worker_id).in_flight == 0,
+        lambda: fleet.router.pool.traffic(worker.worker_id).in_flight == 0,
         3,
     )
-    traffic = fleet.router.fleet.traffic(worker.worker_id)
+    traffic = fleet.router.pool.traffic(worker.worker_id)
     assert (traffic.prefilling, traffic.prefill_tokens, dict(traffic.by_tenant)) == (0, 0, {})
 
 
@@ -221,7 +221,7 @@ async def test_a_worker_dying_before_its_first_byte_costs_no_request() -> None:
         assert doomed.sim.poll() is not None  # it did die
         after = await router_metric(fleet, "kvplane_failovers_total", worker=DOOMED)
         assert after >= before + 1
-        status = fleet.router.fleet.status(DOOMED)
+        status = fleet.router.pool.status(DOOMED)
         assert status is not None
         assert status.state is WorkerState.LIVE
 
@@ -306,7 +306,7 @@ async def test_a_killed_worker_loses_its_traffic_at_once_and_its_place_within_it
         assert time.monotonic() - killed_at > lease_s / 2  # requests did meet the dead worker
 
         def not_live_in_registry() -> bool:
-            status = router.fleet.status(DOOMED)  # re-read from the index every 0.25 s
+            status = router.pool.status(DOOMED)  # re-read from the index every 0.25 s
             return status is None or status.state is not WorkerState.LIVE
 
         await wait_until("the registry no longer has it live", not_live_in_registry, 1)
@@ -430,7 +430,7 @@ async def test_a_client_leaving_mid_stream_cancels_the_engine_request() -> None:
                 if events == 3:
                     break
             assert await engine_busy(worker.base_url) == 1
-            assert fleet.router.fleet.traffic(worker.worker_id).in_flight == 1
+            assert fleet.router.pool.traffic(worker.worker_id).in_flight == 1
         # Leaving the block closes the connection with the answer unread.
         await wait_cancelled_everywhere(fleet)
         gone = await router_metric(
@@ -448,7 +448,7 @@ async def test_a_client_leaving_before_the_first_byte_cancels_the_engine_request
             "the engine is generating", lambda: len(worker.sim.engine.scheduler.running) == 1
         )
         assert await engine_busy(worker.base_url) == 1
-        assert fleet.router.fleet.traffic(worker.worker_id).in_flight == 1
+        assert fleet.router.pool.traffic(worker.worker_id).in_flight == 1
         assert not request.done()  # nothing came back yet
         request.cancel()  # closes the client's connection
         await asyncio.gather(request, return_exceptions=True)

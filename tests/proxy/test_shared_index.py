@@ -10,7 +10,7 @@ import httpx
 
 from kvplane.core.config import IndexSettings
 from router.app import RunningRouter, running_router
-from simulations.local_fleet import local_workers
+from simulations.local_workers import local_workers
 from tests.proxy.conftest import MODEL, TENANT_KEYS, router_settings
 from tests.waiting import wait_until
 
@@ -29,7 +29,7 @@ async def _complete(client: httpx.AsyncClient, base_url: str) -> httpx.Response:
 
 
 def _routable(router: RunningRouter, workers: int) -> Callable[[], bool]:
-    return lambda: len(router.fleet.candidates(MODEL)) == workers
+    return lambda: len(router.pool.candidates(MODEL)) == workers
 
 
 async def test_a_second_router_routes_on_what_agents_told_the_first(redis_url: str) -> None:

@@ -133,7 +133,7 @@ def test_a_worker_that_keeps_turning_suspect_loses_its_credit_for_a_while() -> N
     assert "w1" in accuracy.suspects()
     assert not accuracy.is_suspect("w2", 1)  # other workers keep theirs
     clock.advance(600)
-    assert accuracy.take_changed() == {"w1"}  # the Fleet re-reads its row
+    assert accuracy.take_changed() == {"w1"}  # the WorkerPool re-reads its row
     assert not accuracy.is_suspect("w1", 9)
     assert accuracy.withdrawn() == set()
     # It starts over: one more suspicion is not a withdrawal.

@@ -32,7 +32,7 @@ from router.routing.decide import (
     servable_blocks,
 )
 from router.routing.evictions import RecentEvictions
-from router.routing.fleet import Fleet
+from router.routing.pool import WorkerPool
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import KvplaneScoring, RoundRobin, RoutingPolicy
 from router.scoring.score import TIERS
@@ -92,7 +92,7 @@ async def make_planner(
         )
         await index.register(info, lease_s=60.0)
         view.registered(info, stream=1, now=clock(), lease_s=60.0)
-    fleet = Fleet(
+    pool = WorkerPool(
         index,
         view,
         evictions=RecentEvictions(WEIGHTS.eviction_horizon_s),
@@ -100,10 +100,10 @@ async def make_planner(
         unreachable_backoff_s=1.0,
         clock=clock,
     )
-    await fleet.refresh()
+    await pool.refresh()
     return RoutingPlanner(
         index=index,
-        fleet=fleet,
+        pool=pool,
         predicted=PredictedPrefixes(ttl_s=30.0),
         policy=policy or KvplaneScoring(WEIGHTS),
         block_size=BLOCK_SIZE,
@@ -295,7 +295,7 @@ async def test_a_busy_worker_holding_the_whole_start_could_overtake_with_its_res
     planner = await make_planner(workers=["w1", "w2"])
     await store(planner, "w1", 6)
     for _ in range(4):
-        planner.fleet.sent("w1", "other", prefill_tokens=512)
+        planner.pool.sent("w1", "other", prefill_tokens=512)
     decision = await _decide_on_start(planner)
     assert decision.ranked[0].worker_id == "w2"  # w1 holds it all, but is busy
     assert decision.rest_could_change_choice()
@@ -329,7 +329,7 @@ async def test_route_prompt_decides_on_the_whole_where_the_rest_could_change_it(
     planner = await make_planner(workers=["w1", "w2"])
     await store(planner, "w1", 8)  # all of the start, and the rest's blocks too
     for _ in range(4):
-        planner.fleet.sent("w1", "other", prefill_tokens=512)
+        planner.pool.sent("w1", "other", prefill_tokens=512)
     rests: list[int] = []
     decision, start = await route_prompt(
         planner, _CHAT, ANONYMOUS_TENANT, "", _start_of_tokens(rests), True
@@ -421,7 +421,7 @@ async def test_a_suspect_workers_match_saves_nothing() -> None:
     planner = await make_planner(suspect_after_misses=2)
     await store(planner, "w2", 8)
     for _ in range(2):
-        planner.fleet.accuracy.observe("w2", 1, predicted_tokens=32, reported_tokens=0)
+        planner.pool.accuracy.observe("w2", 1, predicted_tokens=32, reported_tokens=0)
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
@@ -435,7 +435,7 @@ async def test_this_routers_traffic_counts_as_load() -> None:
     planner = await make_planner(workers=["w1", "w2"])
     await store(planner, "w1", 1)
     for _ in range(2):
-        planner.fleet.sent("w1", "other", prefill_tokens=512)
+        planner.pool.sent("w1", "other", prefill_tokens=512)
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
@@ -450,7 +450,7 @@ async def test_this_routers_traffic_counts_as_load() -> None:
 async def test_a_worker_evicting_its_cache_pays_for_the_new_tokens_sent_there() -> None:
     clock = ManualClock()
     planner = await make_planner(workers=["w1", "w2"], clock=clock)
-    planner.fleet.evictions.record("w1", CAPACITY_BLOCKS // 2, clock())
+    planner.pool.evictions.record("w1", CAPACITY_BLOCKS // 2, clock())
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )
@@ -469,11 +469,11 @@ async def test_requests_sent_since_the_last_load_report_add_to_its_queue() -> No
     clock = ManualClock(10.0)
     view = WorkerView()
     planner = await make_planner(workers=["w1"], view=view, clock=clock)
-    planner.fleet.sent("w1", "other", prefill_tokens=0)  # counted in the report already
+    planner.pool.sent("w1", "other", prefill_tokens=0)  # counted in the report already
     clock.now = 11.0
     view.load("w1", 1, LoadReport(running=1, waiting=2, kv_usage=0.0, timestamp_ms=0), 11.0)
     clock.now = 12.0
-    planner.fleet.sent("w1", "other", prefill_tokens=0)  # sent after the report arrived
+    planner.pool.sent("w1", "other", prefill_tokens=0)  # sent after the report arrived
     decision = await planner.decide(
         model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=TOKENS
     )

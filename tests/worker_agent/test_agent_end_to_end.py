@@ -30,10 +30,10 @@ from kvplane.core.keys import KeyNamespace, block_keys
 from kvplane.core.serving import cancel_task, free_port
 from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter, running_router
-from simulations.engine.app import RunningEngineSim
-from simulations.engine.block_hash import BlockHasher
-from simulations.engine.config import KVEventsConfig
-from simulations.engine.protocol import VLLM_VERSION
+from simulations.engine_sim.app import RunningEngineSim
+from simulations.engine_sim.block_hash import BlockHasher
+from simulations.engine_sim.config import KVEventsConfig
+from simulations.engine_sim.protocol import VLLM_VERSION
 from tests.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from simulations.engine.app import cache_config_labels
-from simulations.engine.config import EngineSimConfig
-from simulations.engine.metrics import EngineMetrics
+from simulations.engine_sim.app import cache_config_labels
+from simulations.engine_sim.config import EngineSimConfig
+from simulations.engine_sim.metrics import EngineMetrics
 from worker_agent.engines.base import release_of
 from worker_agent.engines.sglang import SglangAdapter
 from worker_agent.engines.vllm import VllmAdapter

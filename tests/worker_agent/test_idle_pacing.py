@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvplane.core.config import ControlPlaneSettings, IndexSettings
 from kvplane.core.serving import cancel_task, free_port
 from router.app import RunningRouter, running_router
-from simulations.local_fleet import local_worker
+from simulations.local_workers import local_worker
 from tests.engine_sim.conftest import engine_sim
 from tests.proxy.conftest import ADMIN_TOKEN, router_settings
 from tests.waiting import wait_until
@@ -49,7 +49,7 @@ async def test_an_idle_engines_metrics_are_read_less_often_and_its_heartbeats_go
         ) as worker,
         httpx.AsyncClient(timeout=5) as client,
     ):
-        await wait_until("the worker is routable", lambda: len(router.fleet.candidates()) == 1)
+        await wait_until("the worker is routable", lambda: len(router.pool.candidates()) == 1)
 
         async def over(seconds: float) -> tuple[int, float]:
             """The metrics reads and the load reports received meanwhile."""
@@ -79,7 +79,7 @@ async def test_an_idle_engines_metrics_are_read_less_often_and_its_heartbeats_go
         busy_reads, _ = await over(2.0)
         await traffic
         assert busy_reads > 2 * idle_reads  # events end the wait: the load interval
-        assert len(router.fleet.candidates()) == 1
+        assert len(router.pool.candidates()) == 1
 
 
 async def _reports(router: RunningRouter) -> float:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import msgspec
 
-from simulations.engine.block_hash import block_extra_keys, hash_block, none_hash, wire_hash
-from simulations.engine.block_pool import AllBlocksCleared, BlockRemoved, BlocksStored
-from simulations.engine.kv_events import EventEncoder, WireFormat
+from simulations.engine_sim.block_hash import block_extra_keys, hash_block, none_hash, wire_hash
+from simulations.engine_sim.block_pool import AllBlocksCleared, BlockRemoved, BlocksStored
+from simulations.engine_sim.kv_events import EventEncoder, WireFormat
 
 HERE = Path(__file__).parent
 BLOCK_SIZE = 4

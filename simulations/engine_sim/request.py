@@ -1,0 +1,78 @@
+"""One request as the engine sees it: token ids in, token ids out, and its progress."""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import InitVar, dataclass, field
+
+from simulations.engine_sim.block_hash import BlockHasher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    block_size: InitVar[int]
+    hash_root: InitVar[bytes]
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    sampling_seed: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when first scheduled (usage.cached_tokens).
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    hasher: BlockHasher = field(init=False)
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self, block_size: int, hash_root: bytes) -> None:
+        self.hasher = BlockHasher(block_size, hash_root, self.lora_name, self.cache_salt)
+        self.hasher.update(self.prompt_token_ids)
+        self.rng = random.Random(self.sampling_seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def block_digests(self) -> list[bytes]:
+        return self.hasher.digests
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_tokens
+
+    @property
+    def scope(self) -> str:
+        """Which cache scope the request's blocks belong to (LoRA and salt)."""
+        return f"{self.lora_name or ''}/{self.cache_salt or ''}"
+
+    def block_extra_keys(self, index: int) -> tuple[str, ...] | None:
+        return self.hasher.extra_keys(index)
+
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return (prompt + self.output_token_ids)[start:stop]
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.num_tokens % self.hasher.block_size == 0:
+            self.hasher.update(self.prompt_token_ids + self.output_token_ids)

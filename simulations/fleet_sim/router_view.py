@@ -1,0 +1,80 @@
+"""What a simulated router knows, and when: the blocks each worker's events reported
+(delivered `event_delay_s` after the engine step that produced them), each worker's
+last load report (taken every `load_interval_s`, delivered `load_delay_s` later), and
+its own traffic (requests sent, before their first token, finished), which it knows at
+once. Policies decide from this view only, never from the workers themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
+
+from simulations.fleet_sim.worker import WorkerLoad
+
+
+def leading_matches(held: Container[int], blocks: Sequence[int]) -> int:
+    """How many of `blocks`, from the first, are all in `held`."""
+    matched = 0
+    for block in blocks:
+        if block not in held:
+            break
+        matched += 1
+    return matched
+
+
+@dataclass(slots=True)
+class WorkerTraffic:
+    in_flight: int = 0
+    prefilling: dict[int, tuple[float, int]] = field(default_factory=dict)  # id: (sent, tokens)
+    prefill_tokens: int = 0
+
+
+@dataclass(slots=True)
+class LoadReport:
+    load: WorkerLoad
+    taken_at: float
+
+
+class RouterView:
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.cached: list[set[int]] = [set() for _ in range(workers)]
+        self.reports: list[LoadReport | None] = [None] * workers
+        self.traffic = [WorkerTraffic() for _ in range(workers)]
+
+    def matched_blocks(self, worker: int, blocks: Sequence[int]) -> int:
+        """The request's longest prefix the worker's events reported as cached."""
+        return leading_matches(self.cached[worker], blocks)
+
+    # -- deliveries ----------------------------------------------------------------
+
+    def events(
+        self, worker: int, stored: Sequence[int], removed: Sequence[int], cleared: bool
+    ) -> None:
+        cached = self.cached[worker]
+        if cleared:
+            cached.clear()
+        cached.difference_update(removed)
+        cached.update(stored)
+
+    def report(self, worker: int, report: LoadReport) -> None:
+        self.reports[worker] = report
+
+    # -- this router's own traffic ---------------------------------------------------
+
+    def sent(self, worker: int, request_id: int, now: float, uncached_tokens: int) -> None:
+        traffic = self.traffic[worker]
+        traffic.in_flight += 1
+        traffic.prefilling[request_id] = (now, uncached_tokens)
+        traffic.prefill_tokens += uncached_tokens
+
+    def first_token(self, worker: int, request_id: int) -> None:
+        traffic = self.traffic[worker]
+        entry = traffic.prefilling.pop(request_id, None)
+        if entry is not None:
+            traffic.prefill_tokens -= entry[1]
+
+    def finished(self, worker: int, request_id: int) -> None:
+        self.first_token(worker, request_id)
+        self.traffic[worker].in_flight -= 1

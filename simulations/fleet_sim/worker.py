@@ -1,0 +1,254 @@
+"""One simulated engine replica, driven in simulated time: the engine simulator's block
+pool, cache manager, scheduler and timing model, unchanged.
+
+Token by token a long trace would take hours of Python, so a run of decode steps in
+which nothing can change (nobody waiting, nobody needing a new block, nobody finishing,
+no arrival due) is taken as one macro step: its duration is the sum of the timing
+model's step durations, its effect k tokens for every running request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from simulations.engine_sim.block_pool import BlockPool, BlockRemoved, BlocksStored, CacheEvent
+from simulations.engine_sim.kv_cache_manager import KVCacheManager
+from simulations.engine_sim.request import RequestStatus
+from simulations.engine_sim.scheduler import (
+    RequestProgress,
+    ScheduledStep,
+    Scheduler,
+    SchedulerLimits,
+)
+from simulations.engine_sim.timing import StepWork, TimingModel, step_seconds
+from simulations.fleet_sim.requests import TraceRequest
+
+_UNBOUNDED_STEPS = 1 << 30
+
+
+def block_digest(block_id: int) -> bytes:
+    return block_id.to_bytes(16, "little", signed=True)
+
+
+def block_id(digest: bytes) -> int:
+    return int.from_bytes(digest, "little", signed=True)
+
+
+class FleetRequest:
+    """A trace request as the engine's scheduler sees it: prompt blocks by id, output
+    counted but never materialised."""
+
+    __slots__ = (
+        "_digests",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_count",
+        "request_id",
+        "status",
+        "trace",
+        "worker",
+    )
+
+    def __init__(self, trace: TraceRequest, block_tokens: int, worker: int) -> None:
+        self.trace = trace
+        self.worker = worker
+        self.request_id = str(trace.request_id)
+        self.max_tokens = max(1, trace.output_tokens)
+        self.output_count = 0
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        # Only full prompt blocks can be cached (the last one is usually partial).
+        full = trace.prompt_tokens // block_tokens
+        self._digests = [block_digest(block) for block in trace.blocks[:full]]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.trace.prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.trace.prompt_tokens + self.output_count
+
+    @property
+    def block_digests(self) -> Sequence[bytes]:
+        return self._digests
+
+    @property
+    def lora_name(self) -> str | None:
+        return None
+
+    @property
+    def scope(self) -> str:
+        return self.trace.tenant
+
+    @property
+    def is_finished(self) -> bool:
+        return self.output_count >= self.max_tokens
+
+    def token_ids_between(self, start: int, stop: int) -> Sequence[int]:
+        return ()
+
+    def block_extra_keys(self, index: int) -> tuple[str, ...] | None:
+        return None
+
+    def append_output(self, token_id: int) -> None:
+        self.output_count += 1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    waiting: int
+    running: int
+    kv_usage: float
+
+
+@dataclass(slots=True)
+class _MacroStep:
+    steps: int
+    requests: list[FleetRequest]
+
+
+class SimWorker:
+    def __init__(
+        self,
+        index: int,
+        *,
+        capacity_tokens: int,
+        block_tokens: int,
+        timing: TimingModel,
+        limits: SchedulerLimits,
+        macro_steps: bool = True,
+    ) -> None:
+        self.index = index
+        self.macro_steps = macro_steps  # off: every step one at a time (tests compare)
+        self.timing = timing
+        self.pool = BlockPool(max(1, capacity_tokens // block_tokens))
+        self.kv_cache = KVCacheManager(self.pool, block_tokens)
+        self.scheduler: Scheduler[FleetRequest] = Scheduler(self.kv_cache, limits, _no_token)
+        self.busy = False
+        self._step: ScheduledStep[FleetRequest] | _MacroStep | None = None
+        self.computed_tokens = 0  # prefill and decode tokens computed: the worker's work
+
+    def add(self, request: FleetRequest) -> None:
+        self.scheduler.add(request)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_usage=self.pool.usage,
+        )
+
+    def start_step(self, now: float, horizon: float) -> float | None:
+        """Begin the next step; its end time, or None when there is nothing to do.
+        A macro step does not run past `horizon` (the next arrival anywhere)."""
+        macro = self._macro_step(horizon - now) if self.macro_steps else None
+        if macro is not None:
+            self._step = macro
+            duration = _decode_seconds(self.timing, macro.requests, macro.steps)
+        else:
+            step = self.scheduler.schedule()
+            if step.is_empty:
+                self._step, self.busy = None, False
+                return None
+            self._step = step
+            duration = step_seconds(self.timing, step.work)
+        self.busy = True
+        return now + duration
+
+    def finish_step(self) -> list[RequestProgress[FleetRequest]]:
+        step, self._step = self._step, None
+        if isinstance(step, _MacroStep):
+            return self._finish_macro(step)
+        assert step is not None
+        self.computed_tokens += sum(step.tokens.values())
+        return self.scheduler.finish_step(step)
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        return self.pool.take_events()
+
+    def _macro_step(self, seconds_left: float) -> _MacroStep | None:
+        scheduler = self.scheduler
+        running = scheduler.running
+        if scheduler.waiting or not running:
+            return None
+        steps = None
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1 or (
+                request.num_computed_tokens < request.num_prompt_tokens
+            ):
+                return None  # still reading its prompt
+            room = self.kv_cache.held_tokens(request) - request.num_computed_tokens
+            left = request.max_tokens - request.output_count
+            fit = min(room, left)
+            steps = fit if steps is None else min(steps, fit)
+        assert steps is not None
+        steps = min(steps, _steps_within(self.timing, running, seconds_left))
+        if steps < 2:
+            return None
+        return _MacroStep(steps, list(running))
+
+    def _finish_macro(self, macro: _MacroStep) -> list[RequestProgress[FleetRequest]]:
+        progress = []
+        scheduler = self.scheduler
+        for request in macro.requests:
+            request.num_computed_tokens += macro.steps
+            request.output_count += macro.steps
+            finished = request.is_finished
+            if finished:
+                scheduler.running.remove(request)
+                self.kv_cache.free(request)
+                request.status = RequestStatus.FINISHED
+            progress.append(RequestProgress(request, 0, finished))
+        self.computed_tokens += macro.steps * len(macro.requests)
+        return progress
+
+
+def _no_token(request: FleetRequest) -> int:
+    return 0
+
+
+def _decode_seconds(timing: TimingModel, running: Sequence[FleetRequest], steps: int) -> float:
+    """The timing model's duration of `steps` decode steps of `running`: each step
+    attends over one more token per request than the one before."""
+    context = sum(request.num_tokens for request in running)
+    batch = len(running)
+    per_step = step_seconds(timing, StepWork(0, batch, context))
+    growth = step_seconds(timing, StepWork(0, batch, context + batch)) - per_step
+    return steps * per_step + growth * steps * (steps - 1) / 2
+
+
+def _steps_within(timing: TimingModel, running: Sequence[FleetRequest], seconds: float) -> int:
+    """How many decode steps end within `seconds` (at least one)."""
+    first = _decode_seconds(timing, running, 1)
+    if first <= 0 or math.isinf(seconds):
+        return _UNBOUNDED_STEPS
+    low, high = 1, max(1, int(seconds / first) + 1)
+    while low < high:  # the largest count that fits, by bisection
+        middle = (low + high + 1) // 2
+        if _decode_seconds(timing, running, middle) <= seconds:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def stored_and_removed(events: Sequence[CacheEvent]) -> tuple[list[int], list[int], bool]:
+    """Block ids stored and removed, and whether the cache was cleared."""
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared = False
+    for event in events:
+        if isinstance(event, BlocksStored):
+            stored.extend(block_id(digest) for digest in event.digests)
+        elif isinstance(event, BlockRemoved):
+            removed.append(block_id(event.digest))
+        else:
+            cleared = True
+    return stored, removed, cleared

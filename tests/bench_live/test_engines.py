@@ -1,0 +1,65 @@
+"""The bake-off's engines as real processes: counters survive a restart (the report
+reads them after it), and a request's cache salt shows as its blocks' scope (how the
+report tells that a router dropped the tenants' salts)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from benchmarks.live.engines import (
+    MODEL,
+    UNSALTED_SCOPE,
+    EngineShape,
+    RunningEngines,
+    start_engines,
+)
+from benchmarks.live.processes import Children
+from benchmarks.live.workloads import words
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[RunningEngines]:
+    children = Children(tmp_path)
+    try:
+        yield start_engines(children, EngineShape(engines=1, kv_blocks=64))
+    finally:
+        children.stop_all()
+
+
+def _chat(fleet: RunningEngines, text: str, cache_salt: str | None = None) -> None:
+    body: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    httpx2.post(f"{fleet.urls[0]}/v1/chat/completions", json=body, timeout=30).raise_for_status()
+
+
+def test_counters_are_banked_across_a_restart(fleet: RunningEngines) -> None:
+    prompt = words("fleet-test", 200)
+    _chat(fleet, prompt)
+    _chat(fleet, prompt)  # a hit
+    before = fleet.totals()["engine-1"]
+    assert before.requests == 2
+    assert 0 < before.hit_tokens < before.queried_tokens
+    fleet.restart(0)
+    _chat(fleet, prompt)  # a miss: the cache went with the restart
+    after = fleet.totals()["engine-1"]
+    assert after.requests == 3
+    assert after.hit_tokens == before.hit_tokens
+    assert after.queried_tokens > before.queried_tokens
+
+
+def test_salted_and_unsalted_blocks_are_told_apart(fleet: RunningEngines) -> None:
+    _chat(fleet, words("salted", 100), cache_salt="salt-tenant0")
+    scopes = fleet.cache_scopes()
+    assert scopes[UNSALTED_SCOPE] == 0
+    assert sum(scopes.values()) > 0
+    _chat(fleet, words("unsalted", 100))
+    assert fleet.cache_scopes()[UNSALTED_SCOPE] > 0

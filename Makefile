@@ -33,12 +33,9 @@ CHROMIUM := /usr/bin/chromium /usr/bin/chromedriver
 
 .PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm chromium screenshots
 
-# xxHash's header for the native modules (setup.py): Debian's libxxhash-dev, unpacked
-# into .tools/ when the system has no header of its own.
-XXHASH_HEADER := $(if $(wildcard /usr/include/xxhash.h),,$(TOOLS)/xxhash/usr/include/xxhash.h)
-NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c router/index/*.c)
+NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c kvplane/core/*.h router/index/*.c)
 
-$(STAMP): pyproject.toml $(NATIVE_SOURCES) $(XXHASH_HEADER)
+$(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[sim,test]'
@@ -51,12 +48,6 @@ demo: $(STAMP)
 ## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
 ## the real peer routers in `kvplane bench live --quick`).
 test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) $(CHROMIUM) lint typecheck unit
-
-$(TOOLS)/xxhash/usr/include/xxhash.h:
-	rm -rf $(TOOLS)/xxhash && mkdir -p $(TOOLS)/xxhash
-	cd $(TOOLS)/xxhash && (apt-get download libxxhash-dev || (apt-get update -qq \
-	  && apt-get download libxxhash-dev)) && dpkg -x libxxhash-dev_*.deb . && rm libxxhash-dev_*.deb
-	test -f $@
 
 ## helm, in .tools/ (tests/deploy renders and lints the chart with it).
 helm: $(HELM)

@@ -84,8 +84,14 @@ def _run_bench_policies(args: argparse.Namespace) -> int:
 
 
 def _run_bench_live(args: argparse.Namespace) -> int:
-    from benchmarks.live.main import run_live_benchmark
+    from benchmarks.live.main import render_live_json, run_live_benchmark
 
+    if args.from_json is not None:
+        if args.json is not None or args.resume:
+            print("kvplane bench live: --from-json runs nothing: no --json, no --resume",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        return render_live_json(args.from_json, markdown_path=args.markdown, plot_path=args.plot)
     profile = "quick" if args.quick else "full" if args.full else "default"
     return run_live_benchmark(
         profile_name=profile,
@@ -245,6 +251,13 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="keep the whole points that the --json file already holds; run the rest",
+    )
+    live.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="run nothing: print the tables and standings of the run this JSON holds, and "
+        "write --markdown and --plot from it",
     )
     live.add_argument("--plot", type=Path, help="also draw them in this PNG")
     live.add_argument(

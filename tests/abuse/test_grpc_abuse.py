@@ -11,7 +11,7 @@ the legitimate agents' streams still apply batches (a new prompt's blocks reach 
 index) while the proxy still serves.
 
 The same refusals against a bare router (no agents, the in-memory index) one message
-at a time are in tests/control_plane/test_stream.py and test_auth.py; pure validation
+at a time are in tests/router/control_plane/test_stream.py and test_auth.py; pure validation
 in tests/wire/test_codec.py.
 """
 
@@ -41,7 +41,7 @@ from router.app import running_router
 from router.index.base import PrefixMatch, WorkerState
 from simulations.local_workers import local_workers
 from tests.abuse.conftest import PROBE_PROMPTS, SIM_OPTIONS, block_keys, prime, still_serves
-from tests.proxy.conftest import MODEL, RoutedFleet, router_settings
+from tests.router.proxy.conftest import MODEL, RoutedFleet, router_settings
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

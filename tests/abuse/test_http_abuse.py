@@ -4,11 +4,11 @@ tenant's cache salt) changes, and the fleet serves a normal request afterwards, 
 blocks reach the index.
 
 Already covered elsewhere, and not repeated here: parse_body's refusals one by one
-(tests/proxy/test_bodies.py); broken JSON and a missing model over HTTP, a wrong key
+(tests/router/proxy/test_bodies.py); broken JSON and a missing model over HTTP, a wrong key
 through the official client, a body over the limit with a Content-Length, a tenant's
 key on GET /fleet/workers, a tenant's key asking for another tenant's scope on
-/fleet/tenant/locality, the admin port (tests/proxy/test_routing.py); no live worker
-and an unknown model (tests/proxy/test_failures.py).
+/fleet/tenant/locality, the admin port (tests/router/proxy/test_routing.py); no live worker
+and an unknown model (tests/router/proxy/test_failures.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ from tests.abuse.conftest import (
     still_serves,
     wait_indexed,
 )
-from tests.proxy.conftest import ADMIN_TOKEN, MODEL, RoutedFleet, routed_fleet, router_settings
+from tests.router.proxy.conftest import (
+    ADMIN_TOKEN,
+    MODEL,
+    RoutedFleet,
+    routed_fleet,
+    router_settings,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -47,9 +47,9 @@ from tests.abuse.conftest import (
     prime,
     still_serves,
 )
-from tests.proxy.conftest import MODEL, RoutedFleet, routed_fleet, router_settings
+from tests.router.proxy.conftest import MODEL, RoutedFleet, routed_fleet, router_settings
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 EXAMPLES = 25  # per operation, of valid and of invalid requests
 WRONG_CREDENTIALS_EXAMPLES = 8

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvplane.cli import main
-from tests.one_worker_fleet import one_worker_fleet
+from tests.one_worker_stack import one_worker_stack
 from tests.waiting import wait_until
 
 DRAIN_DELAY_S = 1.5
@@ -54,8 +54,9 @@ def test_a_missing_tls_key_is_one_line(
     assert "Traceback" not in error
 
 
+@pytest.mark.slow
 async def test_sigterm_fails_readiness_serves_through_the_delay_and_finishes_streams() -> None:
-    with one_worker_fleet(
+    with one_worker_stack(
         "draining",
         router_env={
             "KVPLANE_HTTP__DRAIN_DELAY_S": str(DRAIN_DELAY_S),

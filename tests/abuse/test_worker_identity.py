@@ -5,7 +5,7 @@ worker announcing blocks its engine does not hold to draw a tenant's traffic. Ea
 refused, or (the last, which no router can refuse) costs the attacker its cache credit,
 visibly; the fleet serves throughout.
 
-The same refusals against a bare router are in tests/control_plane/test_auth.py."""
+The same refusals against a bare router are in tests/router/control_plane/test_auth.py."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from kvplane.wire.v1 import control_plane_pb2 as pb
 from simulations.engine_sim.app import running_engine_sim
 from simulations.engine_sim.config import EngineSimConfig
 from tests.abuse.conftest import ADMIN, auth, block_keys, still_serves
-from tests.proxy.conftest import MODEL, RoutedFleet, routed_fleet, router_settings
-from tests.proxy.test_failures import sample_sum
+from tests.router.proxy.conftest import MODEL, RoutedFleet, routed_fleet, router_settings
+from tests.router.proxy.test_failures import sample_sum
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -14,6 +14,7 @@ from chaos.scenarios import SCENARIOS, SHORT, run_suite
 from chaos.stack import ChaosStack
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_every_fault_keeps_every_promise(tmp_path: Path) -> None:
     fleet = ChaosStack(tmp_path)

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import heavy
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvplane"
 HELM = ROOT / ".tools" / "helm"
@@ -21,6 +23,7 @@ class RenderError(Exception):
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    heavy.require("helm")
     if not HELM.exists():
         pytest.fail(f"no helm at {HELM}: run `make helm`")
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, check=False)

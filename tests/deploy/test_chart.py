@@ -28,6 +28,8 @@ from tests.deploy.conftest import (
     values_file,
 )
 
+pytestmark = pytest.mark.heavy("helm")
+
 SECRETS = {
     "adminToken": {"name": "kvplane-admin", "key": "token"},
     "agentToken": {"name": "kvplane-agents", "key": "token"},

@@ -32,6 +32,7 @@ from kvplane.core.serving import free_port
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
 from router.tenants import api_key_digest
 from simulations.processes import spawn_kvplane
+from tests import heavy
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
@@ -159,6 +160,7 @@ class VllmFleet:
 
 
 def build_model(out: Path) -> None:
+    heavy.require("vllm")
     if not VLLM_PYTHON.exists():
         pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `make vllm-env`")
     subprocess.run(
@@ -209,6 +211,7 @@ def wait_for(what: str, condition: Any, timeout_s: float = 30.0) -> float:
 
 @pytest.fixture(scope="package")
 def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    heavy.require("vllm")
     work = tmp_path_factory.mktemp("e2e-vllm")
     model_dir = work / "model"
     build_model(model_dir)

@@ -43,7 +43,7 @@ from tests.e2e_vllm.conftest import (
 
 # Starting two vLLM servers takes a minute or two on a cold machine (the suite's first
 # test pays for it); each test is well under that.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.heavy("vllm"), pytest.mark.timeout(600)]
 
 EVENTS_SETTLE_S = 0.4  # an engine's events reach the index in milliseconds; margin
 _TOPICS = (

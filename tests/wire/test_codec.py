@@ -39,7 +39,7 @@ from kvplane.wire.codec import (
     register_message,
 )
 from kvplane.wire.v1 import control_plane_pb2 as pb
-from tests.control_plane.conftest import BLOCK_SIZE, worker
+from tests.router.conftest import BLOCK_SIZE, worker
 
 LIMITS = Limits(
     block_size=BLOCK_SIZE,

@@ -34,7 +34,7 @@ from simulations.engine_sim.app import RunningEngineSim
 from simulations.engine_sim.block_hash import BlockHasher
 from simulations.engine_sim.config import KVEventsConfig
 from simulations.engine_sim.protocol import VLLM_VERSION
-from tests.engine_sim.conftest import engine_sim
+from tests.simulations.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent
 
@@ -269,6 +269,7 @@ async def test_a_restarted_agent_rebuilds_the_index_from_replay(
         assert await running.index_entries() > 0
 
 
+@pytest.mark.slow
 async def test_a_restarted_control_plane_is_refilled(index_settings: IndexSettings) -> None:
     async with engine_sim(**sim_options()) as sim, httpx.AsyncClient() as client:
         settings = agent_settings(sim, free_port(), index_settings)
@@ -293,6 +294,7 @@ async def test_a_restarted_control_plane_is_refilled(index_settings: IndexSettin
             await cancel_task(task)
 
 
+@pytest.mark.slow
 async def test_a_killed_engine_leaves_the_index_within_the_lease_and_comes_back(
     index_settings: IndexSettings,
 ) -> None:
@@ -349,6 +351,7 @@ def _newer(running: Fleet, incarnation: int) -> Callable[[], Awaitable[bool]]:
     return check
 
 
+@pytest.mark.slow
 async def test_an_engine_whose_metrics_fail_stays_up(index_settings: IndexSettings) -> None:
     """/health alone decides that an engine is down: a /metrics that times out on every
     probe costs the load report, not the worker. (The heartbeat waits for the probe, up

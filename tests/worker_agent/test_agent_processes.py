@@ -18,7 +18,7 @@ from kvplane.core.tokenizer import load_tokenizer
 from router.app import running_router
 from router.index.redis import RedisLocationIndex
 from simulations.processes import spawn_kvplane
-from tests.one_worker_fleet import one_worker_fleet
+from tests.one_worker_stack import one_worker_stack
 from tests.waiting import wait_until
 from worker_agent.agent import WorkerAgent
 
@@ -50,7 +50,7 @@ def test_agent_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
 def processes(redis_url: str) -> Iterator[tuple[str, str]]:
     """(engine URL, Redis key prefix) of a running simulator, router and agent."""
     prefix = f"proc{uuid.uuid4().hex[:8]}"
-    with one_worker_fleet(
+    with one_worker_stack(
         "proc-worker",
         router_args=["--index", "redis", "--redis-url", redis_url, "--lease-s", "2"],
         router_env={"KVPLANE_INDEX__REDIS_PREFIX": prefix},
@@ -58,6 +58,7 @@ def processes(redis_url: str) -> Iterator[tuple[str, str]]:
         yield fleet.engine_url, prefix
 
 
+@pytest.mark.slow
 async def test_a_prompt_served_by_the_engine_is_in_the_shared_index(
     processes: tuple[str, str], redis_url: str
 ) -> None:
@@ -85,6 +86,7 @@ async def test_a_prompt_served_by_the_engine_is_in_the_shared_index(
         await index.close()
 
 
+@pytest.mark.slow
 async def test_an_engine_restarted_between_two_probes_starts_a_new_incarnation() -> None:
     """The engine restarts faster than the health probes notice (they are told to be
     patient here): its new process start time tells the agent its picture is gone."""

@@ -10,14 +10,15 @@ import contextlib
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import ControlPlaneSettings, IndexSettings
 from kvplane.core.serving import cancel_task, free_port
 from router.app import RunningRouter, running_router
 from simulations.local_workers import local_worker
-from tests.engine_sim.conftest import engine_sim
-from tests.proxy.conftest import ADMIN_TOKEN, router_settings
+from tests.router.proxy.conftest import ADMIN_TOKEN, router_settings
+from tests.simulations.engine_sim.conftest import engine_sim
 from tests.waiting import wait_until
 from tests.worker_agent.test_agent_end_to_end import Fleet, agent_settings, sim_options, start_agent
 from worker_agent.agent import is_idle
@@ -34,6 +35,7 @@ def test_an_engine_is_idle_with_nothing_to_do_and_no_new_events() -> None:
     assert not is_idle(EngineLoad(0, 2, 0.1), last_batch_at=5.0, seen_at=5.0)
 
 
+@pytest.mark.slow
 async def test_an_idle_engines_metrics_are_read_less_often_and_its_heartbeats_go_on() -> None:
     lease_s = 1.5  # an unchanged load goes again every half second
     settings = router_settings(lease_s=lease_s)

@@ -710,6 +710,7 @@ def test_fuzz_random_bytes(payload: bytes) -> None:
     assert_decodes_or_rejects(payload)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(_values | _batches)
 def test_fuzz_random_structures(structure: Any) -> None:

@@ -1,0 +1,104 @@
+"""The control plane over the Redis index (router/index/redis.py, opened lazily through
+open_index like `kvplane router --index redis` does)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from kvplane.core.config import IndexSettings
+from kvplane.core.serving import free_port
+from kvplane.wire.codec import events_message, register_message
+from kvplane.wire.stream import AgentStream
+from kvplane.wire.v1 import control_plane_pb2 as pb
+from router.app import running_router
+from tests.router.conftest import (
+    body,
+    make_settings,
+    prompt_keys,
+    router_with_channel,
+    snapshot,
+    stored,
+    worker,
+)
+from tests.waiting import wait_until
+
+KEYS_A = prompt_keys(1)
+KEYS_B = prompt_keys(2)
+
+
+@pytest.fixture
+async def redis_index(redis_url: str) -> AsyncIterator[IndexSettings]:
+    prefix = f"kvptest-cp-{uuid.uuid4().hex[:10]}"
+    yield IndexSettings(backend="redis", redis_url=redis_url, redis_prefix=prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            await client.delete(key)
+    finally:
+        await client.aclose()
+
+
+async def test_stream_semantics_over_redis(redis_index: IndexSettings) -> None:
+    async with router_with_channel(make_settings(redis_index)) as (router, channel):
+        stream = AgentStream(channel)
+        assert (await stream.request(register_message(worker("w1", 3)))).ack.sequence == 0
+        assert (await stream.request(events_message(1, [stored(KEYS_A)]))).ack.sequence == 1
+        assert (await stream.request(events_message(1, [stored(KEYS_B)]))).ack.sequence == 1
+        assert (await router.index.lookup(KEYS_A))["w1"].blocks == len(KEYS_A)
+        assert await router.index.lookup(KEYS_B) == {}
+        before = await snapshot(router.index, [KEYS_A, KEYS_B])
+
+        stale = AgentStream(channel)
+        await stale.send(register_message(worker("w1", 2)))
+        assert (await stale.reply()).reject.code == pb.REJECT_CODE_STALE_INCARNATION
+        oversized = AgentStream(channel)
+        await oversized.send(register_message(worker("w1", 3, block_size=64)))
+        assert (await oversized.reply()).reject.code == pb.REJECT_CODE_INCOMPATIBLE
+        assert await snapshot(router.index, [KEYS_A, KEYS_B]) == before
+
+        reply = await stream.request(events_message(5, [stored(KEYS_B)]))
+        assert body(reply) == "resync"
+        assert await router.index.lookup(KEYS_A) == {}
+        assert (await router.index.stats()).entries == 0
+
+
+async def test_expired_worker_is_purged_from_redis(redis_index: IndexSettings) -> None:
+    settings = make_settings(redis_index, lease_s=0.4)
+    async with router_with_channel(settings) as (router, channel):
+        stream = AgentStream(channel)
+        await stream.request(register_message(worker("w1")))
+        await stream.request(events_message(1, [stored(KEYS_A)]))
+        await stream.close()
+
+        async def purged() -> bool:
+            return await router.index.workers() == []
+
+        await wait_until("the reaper to purge the expired worker", purged)
+        assert await router.index.lookup(KEYS_A) == {}
+
+
+async def test_unreachable_redis() -> None:
+    down = IndexSettings(backend="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    async with running_router(make_settings(down)) as router:
+        async with httpx.AsyncClient() as client:
+            ready = await client.get(f"http://127.0.0.1:{router.http_port}/readyz")
+            metrics = await client.get(f"http://127.0.0.1:{router.http_port}/metrics")
+        # Still ready: the proxy serves on load alone while the index is down.
+        assert ready.status_code == 200
+        assert ready.json()["grpc"] == "serving"
+        assert ready.json()["index"].startswith("unreachable")
+        assert ready.json()["routing"] == "load-only"
+        assert "kvplane_index_up 0.0" in metrics.text
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+            stream = AgentStream(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stream.request(register_message(worker()))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -195,7 +195,7 @@ def load_tokenizer(path: Path | None = None) -> PromptTokenizer:
 def build_default_tokenizer(directory: Path) -> None:
     """Train kvplane's default tokenizer and save it in Hugging Face format.
 
-    Deterministic: the same files on every machine (tests/test_tokenizer.py rebuilds it
+    Deterministic: the same files on every machine (tests/core/test_tokenizer.py rebuilds it
     and compares with the shipped copy).
     """
     _quiet_transformers()

@@ -42,7 +42,7 @@ an added token like any other. Runs are cut at the first such space past every
 `SEGMENT_CHARS` characters from the last cut (more, far into a long run), reading from
 the start, so two texts that share a start are cut alike within it.
 
-`tests/test_tokenizer_pieces.py` checks the equality on generated texts for byte-level
+`tests/core/test_tokenizer_pieces.py` checks the equality on generated texts for byte-level
 BPE, SentencePiece-style and WordPiece tokenizers, and the cuts between words on the
 patterns above; the router also compares a sample of its piecewise results with whole
 tokenisation, and stops using pieces on any difference.

@@ -1,7 +1,7 @@
 """The location index contract: which live worker holds which block, and on which tier.
 
 Every backend (router/index/memory.py, router/index/redis.py) implements LocationIndex
-and passes the one conformance suite in tests/index/. The index also keeps each
+and passes the one conformance suite in tests/router/index/. The index also keeps each
 worker's registration, incarnation and lease, because router replicas that share a
 backend must agree on who is alive.
 

@@ -23,7 +23,7 @@ The live workloads are text, about 2.5 tokens a word with kvplane's tiny tokeniz
 here lengths are exact token counts. The live system prompts of `shared-N` begin with
 "You are assistant N." and chat templates add a few tokens per message: neither changes
 which requests share a prefix. The values are kept equal to the live ones by a test
-(`tests/fleet_sim/test_live_shapes.py`), since the simulator does not import the
+(`tests/simulations/fleet_sim/test_live_shapes.py`), since the simulator does not import the
 benchmark.
 
 `LIVE_LOADS` are the bake-off's loads by name; `--sweep rate_per_s=5,15,30` runs them

@@ -60,7 +60,7 @@ def exposure(settings: Settings, ports: Ports, *, anonymous: bool) -> Exposure:
     """`anonymous`: whether the proxy takes requests without an API key, as the tenant
     directory decided (a tenants file may name tenants or none)."""
     http, cp = settings.http, settings.control_plane
-    http_reach, grpc_reach = _reach(http.host)[0], _reach(cp.grpc_host)[0]
+    http_reach, grpc_reach = _reach(http.host), _reach(cp.grpc_host)
     admin_token = "admin token" if http.admin_token is not None else None
     fleet_api = f"the fleet API ({admin_token or 'off: no admin token'})"
     client = [
@@ -152,22 +152,26 @@ def _agent_credentials(cp: ControlPlaneSettings) -> list[str]:
 
 
 def _listener(kind: str, host: str, port: int, surfaces: list[str]) -> str:
-    return f"{kind} {_address(host, port)} ({_reach(host)[1]}): {', '.join(surfaces)}"
+    reach = _reach(host).value + (": every interface" if _is_unspecified(host) else "")
+    return f"{kind} {_address(host, port)} ({reach}): {', '.join(surfaces)}"
 
 
-def _reach(host: str) -> tuple[Reach, str]:
-    """Who reaches an address, and how to say so."""
+def _reach(host: str) -> Reach:
+    """Who reaches an address: a name may resolve to any interface."""
     if host == "localhost":
-        return Reach.MACHINE, Reach.MACHINE.value
+        return Reach.MACHINE
     try:
         address = ipaddress.ip_address(host)
-    except ValueError:  # a name: whichever interface it resolves to
-        return Reach.NETWORK, Reach.NETWORK.value
-    if address.is_loopback:
-        return Reach.MACHINE, Reach.MACHINE.value
-    if address.is_unspecified:
-        return Reach.NETWORK, f"{Reach.NETWORK.value}: every interface"
-    return Reach.NETWORK, Reach.NETWORK.value
+    except ValueError:
+        return Reach.NETWORK
+    return Reach.MACHINE if address.is_loopback else Reach.NETWORK
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _address(host: str, port: int) -> str:

@@ -97,8 +97,8 @@ from router.assembly import RouterParts, assemble_router
 from router.check import TOKEN_VARIABLE, require_wiring
 from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
+from router.lifecycle import route_prompt
 from router.proxy.bodies import Endpoint, ParsedRequest, body_for_engine, parse_body
-from router.proxy.service import route_prompt
 from router.proxy.tokens import CHECKED_FIRST_USES
 from router.tenants import ANONYMOUS_TENANT
 from simulations.engine_sim.process import spawn_engine_sim
@@ -408,7 +408,7 @@ async def _measure_tokenize_us(text: str, prompt_tokens: int) -> TokenizeFigures
     index = MemoryLocationIndex()
     async with contextlib.aclosing(_router(index)) as router:
         planner, pool = router.planner, router.pool
-        prompt_tokens_of = router.proxy.prompt_tokens
+        prompt_tokens_of = router.flow.prompt_tokens
         repeats = max(10, 200_000 // prompt_tokens)
         history, question = text[: len(text) * 15 // 16], text[len(text) * 15 // 16 :]
 

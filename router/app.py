@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -37,9 +36,11 @@ from kvplane.core.serving import (
 from router.assembly import RouterParts, assemble_router
 from router.control_plane.workers import WorkerView
 from router.exposure import Ports, exposure
+from router.grpc_ports import bind_grpc, server_credentials
 from router.index import open_index
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
 from router.metrics import RouterMetrics
+from router.picker.server import PickerServer
 from router.routing.decide import RoutingPlanner
 from router.routing.pool import WorkerPool
 from router.tenants import TenantDirectory
@@ -58,6 +59,7 @@ class RunningRouter:
     grpc_port: int
     http_port: int
     admin_port: int | None  # the fleet API's and /metrics' own port, when configured
+    picker_port: int | None  # the gateway's endpoint picker's, when configured
     http_app: FastAPI
     admin_app: FastAPI | None
     index: LocationIndex
@@ -94,9 +96,19 @@ async def running_router(
             if http.admin_port is None
             else stack.enter_context(contextlib.closing(bind_http(http.host, http.admin_port)))
         )
-        grpc_server = grpc.aio.server(options=_grpc_options(cp))
-        grpc_port = _bind_grpc(grpc_server, cp)
+        grpc_server = grpc.aio.server(options=_control_plane_options(cp))
+        grpc_port = bind_grpc(
+            grpc_server,
+            cp.grpc_host,
+            cp.grpc_port,
+            server_credentials(cp.tls_cert_file, cp.tls_key_file, cp.tls_client_ca_file),
+            serves="gRPC",
+        )
         stack.push_async_callback(grpc_server.stop, None)  # a start that fails unbinds it
+        picker = None if settings.picker.port is None else PickerServer(settings.picker)
+        picker_port = None if picker is None else picker.bind()
+        if picker is not None:
+            stack.push_async_callback(picker.stop, None)
         backend = open_index(settings.index, clock)
         stack.push_async_callback(backend.close)
         tracer, tracer_provider = open_tracing(settings.tracing, span_exporter)
@@ -109,7 +121,7 @@ async def running_router(
         await _catch_up(parts, settings.proxy.index_timeout_s * 4)
         for loop in parts.upkeep:
             stack.push_async_callback(cancel_task, asyncio.create_task(loop()))
-        await asyncio.to_thread(parts.proxy.prompt_tokens.tokenizers.preload)
+        await asyncio.to_thread(parts.flow.prompt_tokens.tokenizers.preload)
         # The gRPC server stops after HTTP: agents keep the picture current while the
         # requests in progress drain.
         stack.push_async_callback(grpc_server.stop, _GRPC_STOP_GRACE_S)
@@ -122,14 +134,19 @@ async def running_router(
         admin_port = admin_ports[0] if admin_ports else None
         grpc_server.add_generic_rpc_handlers([parts.control_plane.rpc_handler()])
         await grpc_server.start()
+        if picker is not None:
+            # Stopped with the HTTP port's grace: Envoy's streams are requests in progress.
+            stack.push_async_callback(picker.stop, http.drain_timeout_s)
+            await picker.start(parts.flow, parts.draining)
         parts.serving.set()
         stack.callback(parts.serving.clear)
-        _log_exposure(settings, Ports(http_port, grpc_port, admin_port), parts.tenants)
+        _log_exposure(settings, Ports(http_port, grpc_port, admin_port, picker_port), parts.tenants)
 
         yield RunningRouter(
             grpc_port=grpc_port,
             http_port=http_port,
             admin_port=admin_port,
+            picker_port=picker_port,
             http_app=parts.http_app,
             admin_app=parts.admin_app,
             index=parts.index,
@@ -201,70 +218,10 @@ def _exit_if_still_running_after(seconds: float) -> None:
     timer.start()
 
 
-def _grpc_options(cp: ControlPlaneSettings) -> list[tuple[str, int]]:
+def _control_plane_options(cp: ControlPlaneSettings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", cp.max_message_bytes),
         ("grpc.max_send_message_length", cp.max_message_bytes),
         # Without this a second router on the same port would share it silently.
         ("grpc.so_reuseport", 0),
     ]
-
-
-def _bind_grpc(server: grpc.aio.Server, cp: ControlPlaneSettings) -> int:
-    host = f"[{cp.grpc_host}]" if ":" in cp.grpc_host else cp.grpc_host
-    address = f"{host}:{cp.grpc_port}"
-    credentials = _server_credentials(cp)
-    try:
-        if credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, credentials)
-    except RuntimeError:  # gRPC says only that binding failed
-        raise OSError(
-            f"cannot listen on {address} for gRPC: in use, or not an address of this machine"
-        ) from None
-
-
-def _server_credentials(cp: ControlPlaneSettings) -> grpc.ServerCredentials | None:
-    if cp.tls_cert_file is None or cp.tls_key_file is None:
-        return None
-    files = _CertificateFiles(cp.tls_cert_file, cp.tls_key_file, cp.tls_client_ca_file)
-    return grpc.dynamic_ssl_server_credentials(
-        files.configuration(),
-        files.changed_configuration,  # type: ignore[arg-type]  # None is allowed: gRPC's docs
-        require_client_authentication=cp.tls_client_ca_file is not None,
-    )
-
-
-class _CertificateFiles:
-    """The router's certificate, key and client CA, read again when a file changes:
-    cert-manager renews certificates in place, and a router that kept the first would
-    serve an expired one. gRPC asks before each new connection's handshake."""
-
-    def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
-        self._paths = [path for path in (cert, key, client_ca) if path is not None]
-        self._cert, self._key, self._client_ca = cert, key, client_ca
-        self._stamps = self._stat()
-
-    def _stat(self) -> list[tuple[int, int]]:
-        return [(stat.st_mtime_ns, stat.st_size) for stat in map(os.stat, self._paths)]
-
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration(
-            [(self._key.read_bytes(), self._cert.read_bytes())],
-            root_certificates=None if self._client_ca is None else self._client_ca.read_bytes(),
-        )
-
-    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
-        """A new configuration when a file changed since the last read; else None (keep
-        the current one), also when the files cannot be read right now (mid-rotation)."""
-        try:
-            stamps = self._stat()
-            if stamps == self._stamps:
-                return None
-            configuration = self.configuration()
-        except OSError as error:
-            log.warning("the control plane's TLS files cannot be read (%s)", error.strerror)
-            return None
-        self._stamps = stamps
-        log.info("the control plane's TLS certificate files changed: reloaded")
-        return configuration

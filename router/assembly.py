@@ -29,6 +29,7 @@ from router.fleet_api import FleetApi, fleet_page_routes
 from router.http import create_http_app
 from router.index.base import LocationIndex
 from router.index.instrumented import InstrumentedIndex
+from router.lifecycle import AnswerAccounting, RequestFlow
 from router.metrics import FunnelSample, RouterMetrics, WorkerLoadSample, WorkerWiringSample
 from router.probe import WiringProbe
 from router.proxy.service import ProxyService
@@ -65,6 +66,7 @@ class RouterParts:
     tenants: TenantDirectory
     pool: WorkerPool
     planner: RoutingPlanner
+    flow: RequestFlow  # a generation request's life, for every front door
     proxy: ProxyService
     fleet_api: FleetApi
     control_plane: ControlPlaneService  # the gRPC Connect stream's handler
@@ -133,21 +135,25 @@ def assemble_router(
         clock=clock,
     )
     upstream = Upstream(proxy_settings)
-    proxy = ProxyService(
+    flow = RequestFlow(
         settings=proxy_settings,
         tenants=tenants,
         pool=pool,
         planner=planner,
-        accuracy=accuracy,
-        agreement=agreement,
-        upstream=upstream,
+        limiter=TenantLimiter(clock, busy_retry_after_s=proxy_settings.retry_after_s),
+        accounting=AnswerAccounting(
+            pool=pool,
+            accuracy=accuracy,
+            agreement=agreement,
+            funnel=funnel,
+            hot_prefixes=hot_prefixes,
+            metrics=metrics,
+        ),
         metrics=metrics,
         tracer=tracer,
-        limiter=TenantLimiter(clock, busy_retry_after_s=proxy_settings.retry_after_s),
-        funnel=funnel,
-        hot_prefixes=hot_prefixes,
         clock=clock,
     )
+    proxy = ProxyService(flow=flow, pool=pool, upstream=upstream, metrics=metrics)
     sight = WiringSight(view, accuracy, agreement, cp.block_size)
     admin_token = settings.http.admin_token
     fleet_api = FleetApi(
@@ -158,11 +164,11 @@ def assemble_router(
         planner=planner,
         accuracy=accuracy,
         tenants=tenants,
-        prompt_tokens=proxy.prompt_tokens,
+        prompt_tokens=flow.prompt_tokens,
         sight=sight,
         probe=WiringProbe(
             upstream=upstream,
-            prompt_tokens=proxy.prompt_tokens,
+            prompt_tokens=flow.prompt_tokens,
             planner=planner,
             index=index,
             agreement=agreement,
@@ -170,8 +176,8 @@ def assemble_router(
             clock=clock,
         ),
         max_body_bytes=proxy_settings.max_body_bytes,
-        prompt_length=proxy.prompt_length,
-        limiter=proxy.limiter,
+        prompt_length=flow.prompt_length,
+        limiter=flow.limiter,
         funnel=funnel,
         hot_prefixes=hot_prefixes,
         clock=clock,
@@ -186,7 +192,7 @@ def assemble_router(
         wall_clock=wall_clock,
     )
     serving, draining = asyncio.Event(), asyncio.Event()
-    readout = _Readout(metrics, planner, pool, accuracy, sight, proxy.prompt_tokens)
+    readout = _Readout(metrics, planner, pool, accuracy, sight, flow.prompt_tokens)
     make_app = functools.partial(
         create_http_app,
         index=index,
@@ -220,6 +226,7 @@ def assemble_router(
         tenants=tenants,
         pool=pool,
         planner=planner,
+        flow=flow,
         proxy=proxy,
         fleet_api=fleet_api,
         control_plane=control_plane,

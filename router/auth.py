@@ -15,7 +15,7 @@ from fastapi.openapi.models import HTTPBearer as BearerScheme
 from fastapi.security.base import SecurityBase
 from starlette.requests import Request
 
-from router.errors import ApiError, documented, required_header
+from router.errors import ApiError, RequestRefused, documented, required_header
 from router.tenants import Tenant, TenantDirectory
 
 _CHALLENGE = {"www-authenticate": "Bearer"}
@@ -50,11 +50,12 @@ class TenantKey(SecurityBase):
         return [{self.scheme_name: []}]
 
 
-def unauthorized() -> ApiError:
-    return ApiError(
+def unauthorized() -> RequestRefused:
+    return RequestRefused(
         401,
         "a valid API key is required (Authorization: Bearer KEY)",
         kind="AuthenticationError",
+        outcome="unauthorized",
         headers=_CHALLENGE,
     )
 

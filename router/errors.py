@@ -51,6 +51,35 @@ class ApiError(Exception):
         return error_response(self.status, str(self), kind=self.kind, headers=self.headers)
 
 
+class RequestRefused(ApiError):
+    """A generation request the router answers itself, not an engine: the one hierarchy
+    both front doors map at their edge (the proxy to an HTTP answer, the picker to
+    Envoy's ImmediateResponse). `outcome` labels it in kvplane_requests_total."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str,
+        outcome: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(status, message, kind=kind, headers=headers)
+        self.outcome = outcome
+
+
+def unavailable(message: str, *, outcome: str, retry_after_s: int) -> RequestRefused:
+    """A 503: no worker can take the request now; the client may try again."""
+    return RequestRefused(
+        503,
+        message,
+        kind="ServiceUnavailableError",
+        outcome=outcome,
+        headers={"retry-after": str(retry_after_s)},
+    )
+
+
 def documented(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
     """An error answer in an operation's `responses`: the OpenAI shape, and the headers
     it carries (OpenAPI header objects)."""

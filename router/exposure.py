@@ -25,6 +25,7 @@ class Ports:
     http: int
     grpc: int
     admin: int | None
+    picker: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,17 @@ def exposure(settings: Settings, ports: Ports, *, anonymous: bool) -> Exposure:
         f"{transport})"
     )
     listeners.append(_listener("gRPC", cp.grpc_host, ports.grpc, [control_plane]))
+    picker = settings.picker
+    if ports.picker is not None:
+        picker_transport = "plaintext" if picker.tls_cert_file is None else "TLS"
+        listeners.append(
+            _listener(
+                "gRPC picker",
+                picker.host,
+                ports.picker,
+                [f"the gateway's endpoint picker (the requests' own API keys, {picker_transport})"],
+            )
+        )
     openings = []
     if anonymous:
         openings.append(
@@ -133,6 +145,20 @@ def exposure(settings: Settings, ports: Ports, *, anonymous: bool) -> Exposure:
                 "readable on the way",
                 grpc_reach,
                 "KVPLANE_CONTROL_PLANE__TLS_CERT_FILE and KVPLANE_CONTROL_PLANE__TLS_KEY_FILE",
+            )
+        )
+    if (
+        ports.picker is not None
+        and picker.tls_cert_file is None
+        and _reach(picker.host) is Reach.NETWORK
+    ):
+        openings.append(
+            Opening(
+                "the endpoint picker's traffic in plaintext: the requests Envoy streams to it, "
+                "API keys and prompts, readable on the way",
+                Reach.NETWORK,
+                "KVPLANE_PICKER__TLS_CERT_FILE and KVPLANE_PICKER__TLS_KEY_FILE (gateways "
+                "connect with TLS without verifying it), or a network policy",
             )
         )
     return Exposure(listeners, openings)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvplane.core.clock import Clock
 from kvplane.core.config import RequestLimits
-from router.errors import ApiError
+from router.errors import RequestRefused
 from router.tenants import Tenant
 
 
@@ -22,12 +22,13 @@ class LimitReached:
     retry_after_s: int  # whole seconds, at least 1, as Retry-After carries them
     message: str
 
-    def error(self) -> ApiError:
+    def error(self) -> RequestRefused:
         """The 429 the client gets."""
-        return ApiError(
+        return RequestRefused(
             429,
             self.message,
             kind="RateLimitError",
+            outcome=self.reason,
             headers={"retry-after": str(self.retry_after_s)},
         )
 

@@ -216,6 +216,22 @@ class ProxySettings(_Section):
     token_cache_tokens: int = Field(default=2_000_000, ge=0)
 
 
+class PickerSettings(_Section):
+    """The gateway's endpoint picker: Envoy's ext_proc service, speaking the Gateway API
+    Inference Extension's protocol (docs/picker.md). Off unless `port` is set."""
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=0, le=65535)
+    tls_cert_file: Path | None = None  # set with tls_key_file: the picker serves TLS
+    tls_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> PickerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
+
+
 IsolationClass = Literal["shared", "private", "dedicated"]
 
 
@@ -414,6 +430,7 @@ class Settings(BaseSettings):
     http: HttpSettings = HttpSettings()
     scoring: ScoringSettings = ScoringSettings()
     proxy: ProxySettings = ProxySettings()
+    picker: PickerSettings = PickerSettings()
     tenants: TenantSettings = TenantSettings()
     agent: AgentSettings = AgentSettings()
     tracing: TracingSettings = TracingSettings()

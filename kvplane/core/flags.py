@@ -114,6 +114,10 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grpc-host", help="gRPC address to listen on (default 127.0.0.1)")
     parser.add_argument(
+        "--picker-port", type=int, help="serve the gateway's endpoint picker (Envoy ext_proc)"
+    )
+    parser.add_argument("--picker-host", help="picker address to listen on (default 127.0.0.1)")
+    parser.add_argument(
         "--tokenizer", type=Path, help="the served model's Hugging Face tokenizer directory"
     )
     parser.add_argument("--tenants-file", type=Path, help="TOML file of [[tenants]] tables")
@@ -140,6 +144,8 @@ _FLAG_TO_SETTING = {
     "http_host": ("http", "host"),
     "admin_port": ("http", "admin_port"),
     "grpc_host": ("control_plane", "grpc_host"),
+    "picker_port": ("picker", "port"),
+    "picker_host": ("picker", "host"),
     "tokenizer": ("proxy", "tokenizer_dir"),
     "tenants_file": ("tenants", "tenants_file"),
     "otlp_endpoint": ("tracing", "otlp_endpoint"),

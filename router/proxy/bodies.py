@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from kvplane.core.keys import MAX_TOKEN_ID
 from kvplane.core.tokenizer import PromptTokenizer
-from router.errors import ApiError, documented
+from router.errors import RequestRefused, documented
 from router.tenants import SHARED_SCOPE, Tenant
 
 
@@ -29,11 +29,18 @@ class Endpoint(enum.Enum):
     CHAT = "/v1/chat/completions"
 
 
-class BadRequest(ApiError):
+class BadRequest(RequestRefused):
     """A body the router cannot route; the message is safe to show and to log."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
-        super().__init__(status, message, kind="BadRequestError")
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        outcome: str = "bad_request",
+    ) -> None:
+        super().__init__(status, message, kind="BadRequestError", outcome=outcome)
         self.param = param
 
 

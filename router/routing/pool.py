@@ -74,6 +74,7 @@ class WorkerTraffic:
     by_tenant: Counter[str] = field(default_factory=Counter)
     _waiting_for_first_byte: set[Ticket] = field(default_factory=set)  # waiting(), answered()
     unstreamed: deque[Ticket] = field(default_factory=deque)  # in the order sent
+    handed_off: deque[Ticket] = field(default_factory=deque)  # in the order sent
     # prefilling_sent_after()'s last moment and answer, kept up to date as requests come
     # and go: the moment moves once a load report, requests three times each, and a
     # count over every request before its first byte would cost each of those O(n).
@@ -340,6 +341,12 @@ class WorkerPool:
             del traffic.by_tenant[ticket.tenant]
         self._traffic_changed(ticket.worker_id)
 
+    def handed_off(self, ticket: Ticket) -> None:
+        """The request went on without this router (a gateway moves its bytes, and says
+        nothing of its answer): it counts as this router's traffic until the worker's
+        first load report after it was sent, whose figures hold it from then on."""
+        self.traffic(ticket.worker_id).handed_off.append(ticket)
+
     def _prefilled(self, ticket: Ticket) -> None:
         ticket.prefilling = False
         traffic = self.traffic(ticket.worker_id)
@@ -413,3 +420,5 @@ class WorkerPool:
             ticket = traffic.unstreamed.popleft()
             if ticket.prefilling:
                 self._prefilled(ticket)
+        while traffic.handed_off and traffic.handed_off[0].sent_at < received_at:
+            self.finished(traffic.handed_off.popleft())

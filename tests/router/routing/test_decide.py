@@ -20,8 +20,8 @@ from router.control_plane.workers import WorkerView
 from router.index.base import IndexUnavailable, PrefixMatch
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import RedisLocationIndex
+from router.lifecycle import route_prompt
 from router.proxy.bodies import Endpoint, parse_body
-from router.proxy.service import route_prompt
 from router.proxy.tokens import PromptStart
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import (

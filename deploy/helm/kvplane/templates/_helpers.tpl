@@ -51,6 +51,24 @@ kvplane-tiny
 {{- if .Values.router.autoscaling.enabled -}}
 {{- $routers = int .Values.router.autoscaling.maxReplicas -}}
 {{- end -}}
+{{- $picker := .Values.picker -}}
+{{- if $picker.enabled -}}
+{{- if and (gt $routers 1) (not (include "kvplane.redisUrl" .)) -}}
+{{- fail "picker mode with more than one router replica needs the Redis index: every replica serves the picker (active-active) and must see the same index; set redis.url or redis.bundled.enabled" -}}
+{{- end -}}
+{{- if and (not .Values.engines.enabled) (not $picker.inferencePool.selector) -}}
+{{- fail "picker.inferencePool.selector must give your engine pods' labels when engines.enabled is false (the InferencePool selects them)" -}}
+{{- end -}}
+{{- if and $picker.tls.enabled (not $picker.tls.secretName) (not .Values.controlPlaneTls.enabled) -}}
+{{- fail "picker.tls.enabled needs picker.tls.secretName, or controlPlaneTls.enabled for the router's own certificate" -}}
+{{- end -}}
+{{- if has (int $picker.port) (list (int .Values.router.httpPort) (int .Values.router.adminPort) (int .Values.router.grpcPort)) -}}
+{{- fail "picker.port must differ from router.httpPort, adminPort and grpcPort" -}}
+{{- end -}}
+{{- if and $picker.httpRoute.enabled (not $picker.httpRoute.parentRefs) -}}
+{{- fail "picker.httpRoute.enabled needs picker.httpRoute.parentRefs: the Gateway(s) the route attaches to" -}}
+{{- end -}}
+{{- end -}}
 {{- if and (gt $routers 1) (not (include "kvplane.redisUrl" .)) -}}
 {{- fail "more than one router replica needs a shared index: set redis.url or redis.bundled.enabled (without one each replica would keep a private index)" -}}
 {{- end -}}
@@ -151,10 +169,37 @@ Secret already installed (upgrades keep it), else a new random one; base64. */}}
 {{- printf "%s-router-tls" (include "kvplane.fullname" .) -}}
 {{- end -}}
 
-{{/* The names agents reach the router's gRPC port by: its certificate's. */}}
+{{/* The names agents reach the router's gRPC port by: its certificate's. In picker mode
+the picker's Service's names too (the picker serves the same certificate by default). */}}
 {{- define "kvplane.routerDnsNames" -}}
-{{- $service := printf "%s-router" (include "kvplane.fullname" .) -}}
-{{- list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) (printf "%s.%s.svc.cluster.local" $service .Release.Namespace) | toJson -}}
+{{- $services := list (printf "%s-router" (include "kvplane.fullname" .)) -}}
+{{- if .Values.picker.enabled -}}
+{{- $services = append $services (include "kvplane.pickerService" .) -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range $services -}}
+{{- $names = concat $names (list . (printf "%s.%s" . $.Release.Namespace) (printf "%s.%s.svc" . $.Release.Namespace) (printf "%s.%s.svc.cluster.local" . $.Release.Namespace)) -}}
+{{- end -}}
+{{- $names | toJson -}}
+{{- end -}}
+
+{{/* Picker mode's names: the picker's Service (the InferencePool's endpointPickerRef) and
+the InferencePool (an HTTPRoute's backendRef). */}}
+{{- define "kvplane.pickerService" -}}
+{{- printf "%s-picker" (include "kvplane.fullname" .) -}}
+{{- end -}}
+
+{{- define "kvplane.inferencePool" -}}
+{{- printf "%s-pool" (include "kvplane.fullname" .) -}}
+{{- end -}}
+
+{{/* The picker's TLS pair, as the router reads it: the mounted Secret's files. */}}
+{{- define "kvplane.pickerTlsDir" -}}
+{{- if .Values.picker.tls.secretName -}}
+/etc/kvplane/picker-tls
+{{- else -}}
+/etc/kvplane/tls
+{{- end -}}
 {{- end -}}
 
 {{/* The init container that derives this pod's own agent token (worker credentials):

@@ -1,0 +1,366 @@
+"""One generation request's life in the router, whichever front door it came through.
+
+    admit (tenant, limits) -> route (parse, tokenise, decide) -> dispatch to a worker
+    (its ticket and predicted entry) -> settle with the engine's answer, or abandon
+    -> close
+
+The embedded proxy (router/proxy/service.py) and the gateway's endpoint picker
+(router/picker/) are front doors over this: they move the bytes, or let Envoy move them,
+and map a RequestRefused to their own form of error at their edge. What the router holds
+for a request is taken and given back here, each in one place: the tenant's slot in
+RequestLifecycle.close, a worker's ticket and predicted entry in Dispatch._end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from kvplane.core.clock import Clock
+from kvplane.core.config import ProxySettings
+from router.auth import unauthorized
+from router.errors import RequestRefused, unavailable
+from router.lifecycle.accounting import AnswerAccounting, SentTo
+from router.metrics import NO_WORKER, RouterMetrics
+from router.proxy.bodies import (
+    BadRequest,
+    Endpoint,
+    ParsedRequest,
+    Usage,
+    body_for_engine,
+    key_scope,
+    parse_body,
+)
+from router.proxy.tokens import PromptLength, PromptStart, PromptTokens, PromptTooLong
+from router.routing.decide import Decision, RoutingPlanner
+from router.routing.pool import Ticket, WorkerPool
+from router.tenant_limits import TenantLimiter
+from router.tenants import Tenant, TenantDirectory
+from router.tracing import Tracer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """A request decided: where it may go, best first, and the body to send there."""
+
+    parsed: ParsedRequest
+    decision: Decision
+    body: bytes  # the client's, with the tenant's cache salt
+    # The prompt's whole ids, where it was routed on its start: tokenised once the
+    # answer is settled, for the count and the predicted entries (None: whole already).
+    prompt_rest: Callable[[], Sequence[int]] | None
+
+    def worker_ids(self, at_most: int) -> list[str]:
+        """The ranked workers to try, best first."""
+        ranked = self.decision.ranked
+        return [ranked.worker_id(i) for i in range(min(len(ranked), at_most))]
+
+
+class RequestFlow:
+    """The collaborators every request's life needs; one per router."""
+
+    def __init__(
+        self,
+        *,
+        settings: ProxySettings,
+        tenants: TenantDirectory,
+        pool: WorkerPool,
+        planner: RoutingPlanner,
+        limiter: TenantLimiter,
+        accounting: AnswerAccounting,
+        metrics: RouterMetrics,
+        tracer: Tracer,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.tenants = tenants
+        self.pool = pool
+        self.planner = planner
+        self.limiter = limiter
+        self.accounting = accounting
+        self.metrics = metrics
+        self.tracer = tracer
+        self.clock = clock  # the router's, on which evictions are recorded
+        self.prompt_tokens = PromptTokens(settings)
+
+    def admit(self, authorization: str | None) -> RequestLifecycle:
+        """A request's life from here, once its tenant is known and within its limits
+        (checked before the body is read: a refusal costs nothing); `close` it however
+        it ends."""
+        tenant = self.tenants.authenticate(authorization)
+        if tenant is None:
+            raise self.refused(unauthorized())
+        limit = self.limiter.admit(tenant)
+        if limit is not None:
+            raise self.refused(limit.error())
+        return RequestLifecycle(self, tenant)
+
+    def refused(self, error: RequestRefused) -> RequestRefused:
+        """`error`, counted: a front door passes every refusal through here."""
+        self.count(error.outcome)
+        return error
+
+    def count(self, outcome: str, worker: str = NO_WORKER) -> None:
+        self.metrics.child(self.metrics.requests, outcome=outcome, worker=worker).inc()
+
+    def prompt_length(self, model: str) -> PromptLength:
+        """How long `model`'s prompts may be. The limit: the longest any of its engines
+        takes and the configured cap, the lower; the cap alone while the engines' length
+        is unknown. The engines' lengths are left out while one of them counts prompts
+        otherwise than this router (another tokenizer): the router's count would refuse
+        prompts the engines take."""
+        miscounted = self.accounting.counts_otherwise(model)
+        engines = None if miscounted else self.pool.roster.longest_model_len(model)
+        cap = self.settings.max_prompt_tokens
+        return PromptLength(cap if engines is None else min(engines, cap), not miscounted)
+
+    def no_worker(self, tenant: Tenant) -> RequestRefused:
+        message = (
+            f"no live worker in tenant {tenant.name!r}'s pool"
+            if tenant.isolation == "dedicated" and self.pool.candidates()
+            else "no live worker can take the request now"
+        )
+        return unavailable(message, outcome="no_worker", retry_after_s=self.settings.retry_after_s)
+
+
+class RequestLifecycle:
+    """One admitted request, until `close`."""
+
+    def __init__(self, flow: RequestFlow, tenant: Tenant) -> None:
+        self.flow = flow
+        self.tenant = tenant
+        self.attempts = 0  # dispatches so far
+        self._open: Dispatch | None = None
+        self._closed = False
+
+    def traced(self, endpoint: Endpoint) -> AbstractContextManager[trace.Span]:
+        """The request's `kvplane.route` span, to hold `route` and what the front door
+        does with its answer (the attempts' spans)."""
+        return self.flow.tracer.start_as_current_span(
+            "kvplane.route",
+            attributes={"kvplane.endpoint": endpoint.value, "kvplane.tenant": self.tenant.name},
+        )
+
+    async def route(
+        self, raw: bytes, endpoint: Endpoint, span: trace.Span = trace.INVALID_SPAN
+    ) -> RoutedRequest:
+        """Parse, tokenise and decide (`span`: the one `traced` opened); raises a
+        RequestRefused (counted) where the request cannot go anywhere."""
+        flow, tenant = self.flow, self.tenant
+        try:
+            parsed = parse_body(raw, endpoint)
+        except BadRequest as error:
+            raise flow.refused(error) from None
+        span.set_attribute("kvplane.model", parsed.model)
+        span.set_attribute("kvplane.stream", parsed.stream)
+        scope = key_scope(tenant, parsed)
+        length = flow.prompt_length(parsed.model)
+        try:
+            start = await self._tokenize(parsed, scope, length.limit)
+        except PromptTooLong as too_long:
+            raise flow.refused(BadRequest(str(too_long), outcome="prompt_too_long")) from None
+        deferred = start is not None and start.rest is not None
+        decision, start = await route_prompt(
+            flow.planner, parsed, tenant, scope, start, length.per_worker
+        )
+        metrics = flow.metrics
+        if deferred:
+            when = "before_routing" if start is None or start.rest is None else "after_answer"
+            metrics.child(metrics.prompt_rests, tokenised=when).inc()
+        metrics.decision_seconds.observe(decision.seconds)
+        metrics.child(metrics.decisions, factor=decision.factor).inc()
+        if not decision.ranked:
+            raise flow.refused(flow.no_worker(tenant))
+        return RoutedRequest(
+            parsed,
+            decision,
+            body_for_engine(raw, parsed, tenant.cache_salt),
+            None if start is None else start.rest,
+        )
+
+    async def _tokenize(self, parsed: ParsedRequest, scope: str, limit: int) -> PromptStart | None:
+        flow = self.flow
+        started = time.perf_counter()
+        with flow.tracer.start_as_current_span("kvplane.tokenize") as span:
+            start = await flow.prompt_tokens.start(parsed, scope, limit, defer_rest=True)
+            span.set_attribute("kvplane.prompt_tokens", -1 if start is None else len(start.ids))
+        flow.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+        return start
+
+    def dispatch(self, routed: RoutedRequest, worker_id: str) -> Dispatch:
+        """The request goes to `worker_id` (one of routed.worker_ids()): it takes a
+        ticket there and its prefix is predicted there, until the dispatch ends."""
+        if self._open is not None:
+            raise RuntimeError("the previous dispatch has not ended")
+        flow, decision = self.flow, routed.decision
+        candidate = decision.info(worker_id)
+        predicted = decision.predicted_tokens(worker_id)
+        ticket = flow.pool.sent(
+            worker_id,
+            self.tenant.name,
+            max(0, decision.prompt_tokens - predicted),
+            streamed=routed.parsed.stream,
+        )
+        sent = SentTo(
+            worker_id=worker_id,
+            incarnation=candidate.incarnation,
+            model=candidate.model,
+            tenant=self.tenant.name,
+            decision=decision,
+            predicted_tokens=predicted,
+            indexed_tokens=decision.indexed_tokens(worker_id),
+            dispatched_at=flow.clock(),
+        )
+        flow.planner.routed(decision, worker_id)
+        self.attempts += 1
+        self._open = Dispatch(self, routed, sent, ticket, candidate.base_url, self.attempts)
+        return self._open
+
+    def close(self) -> None:
+        """The request has ended, however: its tenant's slot is given back, and a
+        dispatch still open (the front door was cancelled) is abandoned. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._open is not None:
+                self._open.abandon()
+        finally:
+            self.flow.limiter.release(self.tenant)
+
+
+class Dispatch:
+    """One attempt at one worker, from sent until it ends: settled (the engine answered,
+    with whatever status) or abandoned (no answer is coming: the engine failed before its
+    first byte, the client left, the router stops)."""
+
+    def __init__(
+        self,
+        lifecycle: RequestLifecycle,
+        routed: RoutedRequest,
+        sent: SentTo,
+        ticket: Ticket,
+        base_url: str,
+        attempt: int,
+    ) -> None:
+        self._lifecycle = lifecycle
+        self.routed = routed
+        self.sent = sent
+        self.ticket = ticket
+        self.base_url = base_url
+        self.attempt = attempt  # 1 for the first worker tried
+        self.sent_at = time.perf_counter()
+
+    @property
+    def worker_id(self) -> str:
+        return self.sent.worker_id
+
+    @property
+    def predicted_tokens(self) -> int:
+        return self.sent.predicted_tokens
+
+    @property
+    def ended(self) -> bool:
+        return self._lifecycle._open is not self
+
+    def first_byte(self) -> None:
+        self._lifecycle.flow.pool.first_byte(self.ticket)
+
+    def abandon(self, outcome: str | None = None) -> None:
+        """No answer is coming from this worker: its ticket and the prefix predicted
+        there go (the engine never cached it, or dropped it with the connection)."""
+        if self._end():
+            flow = self._lifecycle.flow
+            flow.planner.predicted.removed(self.worker_id, self.sent.decision.keys)
+            if outcome is not None:
+                flow.count(outcome, self.worker_id)
+
+    def failed(self, reason: str, *, refused: bool) -> None:
+        """The worker failed before its first byte (`refused`: it refused the
+        connection): abandoned, and the next worker may be tried."""
+        flow = self._lifecycle.flow
+        self.abandon()
+        if refused:
+            flow.pool.unreachable(self.worker_id)
+        flow.metrics.failovers.labels(
+            worker=self.worker_id, reason="refused" if refused else "failed"
+        ).inc()
+        log.warning("worker %s failed before its first byte (%s)", self.worker_id, reason)
+
+    def settle(self, outcome: str, usage: Usage | None, status: int) -> None:
+        """The engine answered with `status` (`usage`: what its answer reported, None
+        where the front door did not see it)."""
+        if self._end():
+            self._account(outcome, usage, status)
+
+    def hand_off(self) -> None:
+        """The request went on to the worker and the front door will see no more of it
+        (the picker, with Envoy's response phase skipped): settled as answered, unseen,
+        and the worker's load reports take over its ticket."""
+        if self._end(handed_off=True):
+            self._account("handed_off", None, 200)
+
+    def _account(self, outcome: str, usage: Usage | None, status: int) -> None:
+        flow = self._lifecycle.flow
+        if status >= 400:  # the engine refused the request (a 4xx) or failed it
+            outcome = "engine_refused" if status < 500 else "engine_error"
+        flow.count(outcome, self.worker_id)
+        if status >= 400:
+            flow.accounting.failed(self.sent, usage)
+            return
+        prompt_tokens = self.sent.decision.prompt_tokens
+        prompt_rest = self.routed.prompt_rest
+        if prompt_rest is not None:  # routed on its start: counted whole for the comparisons
+            token_ids = prompt_rest()
+            prompt_tokens = len(token_ids)
+            flow.planner.routed_rest(self.sent.decision, self.worker_id, token_ids)
+        flow.accounting.answered(self.sent, prompt_tokens, usage)
+
+    def _end(self, *, handed_off: bool = False) -> bool:
+        """The one place a worker's ticket is given back (to the worker's next load
+        report, where handed off); False if it was already."""
+        lifecycle = self._lifecycle
+        if lifecycle._open is not self:
+            return False
+        lifecycle._open = None
+        pool = lifecycle.flow.pool
+        if handed_off:
+            pool.handed_off(self.ticket)
+        else:
+            pool.finished(self.ticket)
+        return True
+
+
+async def route_prompt(
+    planner: RoutingPlanner,
+    parsed: ParsedRequest,
+    tenant: Tenant,
+    cache_scope: str,
+    start: PromptStart | None,
+    counted_as_engines: bool,
+) -> tuple[Decision, PromptStart | None]:
+    """The decision for a prompt, on its start where that cannot choose otherwise than
+    the whole would (Decision.rest_could_change_choice); else its rest is tokenised now
+    and the whole decides. Returns the prompt as decided on."""
+    for _ in range(2):
+        tokens: Sequence[int] = [] if start is None else start.ids
+        decision = await planner.decide(
+            model=parsed.model,
+            tenant=tenant,
+            cache_scope=cache_scope,
+            tokens=tokens,
+            counted_as_engines=counted_as_engines,
+            more_tokens=0 if start is None else start.estimated_tokens - len(tokens),
+            more_tokens_at_most=0 if start is None else start.most_tokens - len(tokens),
+        )
+        if start is None or not decision.rest_could_change_choice():
+            break
+        start = start.completed()
+    return decision, start

@@ -1,0 +1,1 @@
+"""The gateway's endpoint picker: Envoy's ext_proc service (docs/picker.md)."""

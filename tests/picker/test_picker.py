@@ -1,0 +1,408 @@
+"""The endpoint picker over real gRPC, as Envoy's ext_proc filter speaks to it: the
+messages of both body modes, built here as Envoy builds them, against a running router
+with simulated workers. (tests/picker/test_through_envoy.py has a real Envoy.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+import msgspec
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+    ProtocolConfiguration,
+)
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.core.config import PickerSettings, RequestLimits, Settings
+from router.picker.protocol import endpoint_of
+from tests.router.proxy.conftest import (
+    MODEL,
+    TENANT_KEYS,
+    RoutedFleet,
+    routed_fleet,
+    router_settings,
+    tenant_settings,
+)
+from tests.waiting import wait_until
+
+FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+BUFFERED = ProcessingMode.BodySendMode.BUFFERED
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
+ACME = f"Bearer {TENANT_KEYS['acme']}"
+
+
+def picker_settings(**overrides: Any) -> Settings:
+    settings = router_settings(**overrides)
+    return settings.model_copy(update={"picker": PickerSettings(port=0)})
+
+
+@contextlib.asynccontextmanager
+async def picked_fleet(
+    count: int = 2, *, sim_options: dict[str, Any] | None = None, **overrides: Any
+) -> AsyncIterator[RoutedFleet]:
+    settings = picker_settings(**overrides)
+    async with routed_fleet(count, settings, sim_options=sim_options) as fleet:
+        yield fleet
+
+
+@contextlib.asynccontextmanager
+async def channel(fleet: RoutedFleet) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{fleet.router.picker_port}") as opened:
+        yield opened
+
+
+def headers_message(
+    path: str = "/v1/completions",
+    *,
+    method: str = "POST",
+    authorization: str | None = ACME,
+    end_of_stream: bool = False,
+    mode: int = FULL_DUPLEX,
+    extra: dict[str, str] | None = None,
+) -> ProcessingRequest:
+    headers = {":path": path, ":method": method, ":authority": "gateway", **(extra or {})}
+    if authorization is not None:
+        headers["authorization"] = authorization
+    return ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(
+                headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+            ),
+            end_of_stream=end_of_stream,
+        ),
+        protocol_config=ProtocolConfiguration(request_body_mode=mode),
+    )
+
+
+def body_messages(
+    body: bytes, *, chunks: int = 1, subset: Sequence[str] | str | None = None
+) -> list[ProcessingRequest]:
+    size = max(1, -(-len(body) // chunks))
+    parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+    messages = [
+        ProcessingRequest(request_body=HttpBody(body=part, end_of_stream=i == len(parts) - 1))
+        for i, part in enumerate(parts)
+    ]
+    if subset is not None:  # llm-d reads the hint on the body's last message
+        hint = Struct()
+        hint.update(
+            {
+                "x-gateway-destination-endpoint-subset": subset
+                if isinstance(subset, str)
+                else list(subset)
+            }
+        )
+        messages[-1].metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return messages
+
+
+def completion(prompt: str = PROMPT, **fields: Any) -> bytes:
+    return msgspec.json.encode({"model": MODEL, "prompt": prompt, "max_tokens": 4, **fields})
+
+
+class Exchange:
+    """One ext_proc stream, driven message by message as Envoy does."""
+
+    def __init__(self, opened: grpc.aio.Channel) -> None:
+        self.call = ExternalProcessorStub(opened).Process()
+
+    async def send(self, *messages: ProcessingRequest) -> None:
+        for message in messages:
+            await self.call.write(message)
+
+    async def receive(self) -> ProcessingResponse:
+        answer = await asyncio.wait_for(self.call.read(), 10)
+        assert answer is not grpc.aio.EOF
+        assert isinstance(answer, ProcessingResponse)
+        return answer
+
+    async def finish(self) -> None:
+        """Envoy is done with the request: the stream closes cleanly."""
+        await self.call.done_writing()
+        assert await asyncio.wait_for(self.call.read(), 10) is grpc.aio.EOF
+
+
+def destination(answer: ProcessingResponse, phase: str = "request_headers") -> list[str]:
+    common = getattr(answer, phase).response
+    (option,) = [
+        h
+        for h in common.header_mutation.set_headers
+        if h.header.key == "x-gateway-destination-endpoint"
+    ]
+    value = option.header.raw_value.decode()
+    metadata = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert metadata.fields["x-gateway-destination-endpoint"].string_value == value
+    assert option.append_action == option.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+    return value.split(",")
+
+
+def set_header(answer: ProcessingResponse, name: str, phase: str = "request_headers") -> str | None:
+    for option in getattr(answer, phase).response.header_mutation.set_headers:
+        if option.header.key == name:
+            return str(option.header.raw_value.decode())
+    return None
+
+
+async def streamed_back(exchange: Exchange) -> bytes:
+    body = b""
+    while True:
+        answer = await exchange.receive()
+        streamed = answer.request_body.response.body_mutation.streamed_response
+        body += streamed.body
+        if streamed.end_of_stream:
+            return body
+
+
+def addresses(fleet: RoutedFleet) -> dict[str, str]:
+    return {endpoint_of(worker.base_url): worker.worker_id for worker in fleet.workers}
+
+
+def in_flight(fleet: RoutedFleet, worker_id: str) -> int:
+    return fleet.router.pool.traffic(worker_id).in_flight
+
+
+def requests_counted(fleet: RoutedFleet, outcome: str) -> float:
+    registry = fleet.router.metrics.registry
+    return sum(
+        sample.value
+        for metric in registry.collect()
+        if metric.name == "kvplane_requests"
+        for sample in metric.samples
+        if sample.name == "kvplane_requests_total" and sample.labels["outcome"] == outcome
+    )
+
+
+async def test_full_duplex_names_the_best_endpoint_then_sends_the_salted_body_back() -> None:
+    async with picked_fleet() as fleet, channel(fleet) as opened:
+        exchange = Exchange(opened)
+        await exchange.send(headers_message(), *body_messages(completion(), chunks=3))
+        headers = await exchange.receive()
+        endpoints = destination(headers)
+        assert set(endpoints) == set(addresses(fleet))  # the choice, then the fallback
+        assert headers.request_headers.response.clear_route_cache
+        body = await streamed_back(exchange)
+        sent = json.loads(body)
+        assert sent["prompt"] == PROMPT
+        assert sent["cache_salt"]  # the tenant's, so that the engine isolates it
+        assert set_header(headers, "content-length") is None  # Envoy would drop it
+        chosen = addresses(fleet)[endpoints[0]]
+        assert in_flight(fleet, chosen) == 1  # until Envoy is done with the request
+        await exchange.finish()
+        await wait_until("handed off", lambda: requests_counted(fleet, "handed_off") == 1)
+
+
+async def test_buffered_answers_the_headers_then_the_whole_body() -> None:
+    async with picked_fleet() as fleet, channel(fleet) as opened:
+        exchange = Exchange(opened)
+        await exchange.send(headers_message(mode=BUFFERED))
+        first = await exchange.receive()
+        assert first.HasField("request_headers")
+        assert not first.request_headers.response.header_mutation.set_headers
+        await exchange.send(*body_messages(completion()))
+        answer = await exchange.receive()
+        assert destination(answer, "request_body")[0] in addresses(fleet)
+        body = answer.request_body.response.body_mutation.body
+        assert json.loads(body)["cache_salt"]
+        assert set_header(answer, "content-length", "request_body") == str(len(body))
+        await exchange.finish()
+
+
+async def test_the_picker_sends_a_prompt_where_the_proxy_sent_it() -> None:
+    async with picked_fleet() as fleet, channel(fleet) as opened, fleet.http() as client:
+        proxied = await client.post(
+            "/v1/completions",
+            content=completion(),
+            headers={"authorization": ACME, "content-type": "application/json"},
+        )
+        assert proxied.status_code == 200
+        cached_on = proxied.headers["x-kvplane-worker"]
+        for _ in range(3):
+            exchange = Exchange(opened)
+            await exchange.send(headers_message(), *body_messages(completion()))
+            endpoints = destination(await exchange.receive())
+            assert addresses(fleet)[endpoints[0]] == cached_on
+            await streamed_back(exchange)
+            await exchange.finish()
+
+
+def immediate(answer: ProcessingResponse) -> tuple[int, dict[str, str], dict[str, Any]]:
+    assert answer.HasField("immediate_response"), answer
+    response = answer.immediate_response
+    headers = {h.header.key: h.header.raw_value.decode() for h in response.headers.set_headers}
+    return response.status.code, headers, json.loads(response.body)
+
+
+async def refused(
+    fleet: RoutedFleet, *messages: ProcessingRequest
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    async with channel(fleet) as opened:
+        exchange = Exchange(opened)
+        await exchange.send(*messages)
+        answer = immediate(await exchange.receive())
+        await exchange.finish()  # the picker has closed its side
+        return answer
+
+
+async def test_refusals_are_immediate_responses_in_the_openai_shape() -> None:
+    async with picked_fleet() as fleet:
+        status, headers, body = await refused(fleet, headers_message(authorization=None))
+        assert status == 401
+        assert headers["www-authenticate"] == "Bearer"
+        assert body["error"]["type"] == "AuthenticationError"
+
+        status, _, body = await refused(fleet, headers_message(), *body_messages(b"{not json"))
+        assert (status, body["error"]["code"]) == (400, 400)
+        assert body["error"]["message"] == "the request body is not valid JSON"
+
+        status, _, body = await refused(
+            fleet, headers_message(), *body_messages(msgspec.json.encode({"model": MODEL}))
+        )
+        assert status == 400
+        assert "'prompt' is required" in body["error"]["message"]
+        assert requests_counted(fleet, "bad_request") == 2
+        assert requests_counted(fleet, "unauthorized") == 1
+
+
+async def test_a_body_over_the_limit_is_refused_before_it_is_all_in() -> None:
+    async with picked_fleet(proxy={"max_body_bytes": 4096}) as fleet:
+        status, _, body = await refused(
+            fleet, headers_message(), *body_messages(completion("x" * 10_000), chunks=4)
+        )
+        assert status == 413
+        assert "4096" in body["error"]["message"]
+
+
+async def test_a_tenant_over_its_limit_gets_429_with_retry_after() -> None:
+    plain = tenant_settings()
+    limited = RequestLimits(concurrent_requests=1)
+    tenants = plain.model_copy(
+        update={"tenants": [spec.model_copy(update={"limits": limited}) for spec in plain.tenants]}
+    )
+    async with picked_fleet(tenants=tenants) as fleet, channel(fleet) as opened:
+        holding = Exchange(opened)  # acme's one request in progress
+        await holding.send(headers_message(), *body_messages(completion()))
+        destination(await holding.receive())
+        status, headers, body = await refused(fleet, headers_message())
+        assert status == 429
+        assert headers["retry-after"] == "1"
+        assert body["error"]["type"] == "RateLimitError"
+        await streamed_back(holding)
+        await holding.finish()
+        await wait_until(
+            "acme's request is over", lambda: requests_counted(fleet, "handed_off") == 1
+        )
+        async with channel(fleet) as again:  # and its slot is back
+            exchange = Exchange(again)
+            await exchange.send(headers_message(), *body_messages(completion()))
+            destination(await exchange.receive())
+            await streamed_back(exchange)
+            await exchange.finish()
+
+
+async def test_no_live_worker_is_503() -> None:
+    async with picked_fleet(1) as fleet:
+        await fleet.workers[0].stop_agent()
+        await wait_until("no candidate", lambda: not fleet.router.pool.candidates())
+        status, headers, _ = await refused(fleet, headers_message(), *body_messages(completion()))
+        assert status == 503
+        assert headers["retry-after"] == "1"
+
+
+async def test_the_subset_hint_is_honoured_strictly() -> None:
+    async with picked_fleet() as fleet, channel(fleet) as opened:
+        by_address = addresses(fleet)
+        for allowed in by_address:  # the best inside the subset, whatever is best outside
+            exchange = Exchange(opened)
+            await exchange.send(headers_message(), *body_messages(completion(), subset=[allowed]))
+            assert destination(await exchange.receive()) == [allowed]
+            await streamed_back(exchange)
+            await exchange.finish()
+        partial = next(iter(by_address)) + ",10.255.0.1:8000"  # a comma list, one of them unknown
+        exchange = Exchange(opened)
+        await exchange.send(headers_message(), *body_messages(completion(), subset=partial))
+        assert destination(await exchange.receive()) == [next(iter(by_address))]
+        await streamed_back(exchange)
+        await exchange.finish()
+        exchange = Exchange(opened)  # llm-d's hints name endpoints by IP alone
+        await exchange.send(headers_message(), *body_messages(completion(), subset=["127.0.0.1"]))
+        assert set(destination(await exchange.receive())) == set(by_address)
+        await streamed_back(exchange)
+        await exchange.finish()
+        status, _, body = await refused(
+            fleet, headers_message(), *body_messages(completion(), subset=["10.255.0.1:8000"])
+        )
+        assert status == 503
+        assert "subset" in body["error"]["message"]
+
+
+async def test_a_header_only_request_goes_to_the_least_busy_worker() -> None:
+    async with picked_fleet() as fleet, channel(fleet) as opened:
+        busy = Exchange(opened)
+        await busy.send(headers_message(), *body_messages(completion()))
+        busy_address = destination(await busy.receive())[0]
+        await streamed_back(busy)
+        models = Exchange(opened)
+        await models.send(headers_message("/v1/models", method="GET", end_of_stream=True))
+        endpoints = destination(await models.receive())
+        assert endpoints[0] != busy_address
+        assert set(endpoints) == set(addresses(fleet))
+        await models.finish()
+        await busy.finish()
+
+
+async def test_a_client_sent_destination_is_overwritten() -> None:
+    async with picked_fleet() as fleet, channel(fleet) as opened:
+        exchange = Exchange(opened)
+        steering = {"x-gateway-destination-endpoint": "169.254.169.254:80"}
+        await exchange.send(headers_message(extra=steering), *body_messages(completion()))
+        assert "169.254.169.254:80" not in destination(await exchange.receive())
+        await streamed_back(exchange)
+        await exchange.finish()
+
+
+async def test_a_handed_off_request_counts_until_the_workers_next_load_report() -> None:
+    # Envoy ends the stream once the picker has answered (it skips the response phase):
+    # the request still loads its worker until the worker's own figures hold it.
+    async with picked_fleet(sim_options={"time_scale": 1.0}) as fleet, channel(fleet) as opened:
+        exchange = Exchange(opened)
+        await exchange.send(headers_message(), *body_messages(completion()))
+        chosen = addresses(fleet)[destination(await exchange.receive())[0]]
+        await streamed_back(exchange)
+        exchange.call.cancel()  # as Envoy does: a half-close, then a reset
+        await wait_until(
+            "handed off",
+            lambda: requests_counted(fleet, "handed_off") == 1,
+        )
+        assert in_flight(fleet, chosen) == 1
+        await wait_until(
+            "the next load report takes it over",
+            lambda: fleet.router.pool.roster is not None and in_flight(fleet, chosen) == 0,
+            timeout_s=5,
+        )
+
+
+async def test_health_says_live_and_ready_for_every_service_gateways_probe() -> None:
+    async with picked_fleet(1) as fleet, channel(fleet) as opened:
+        health = health_pb2_grpc.HealthStub(opened)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        fleet.router.draining.set()
+        await asyncio.sleep(0.05)  # the health service follows the drain in its own task
+        readiness = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert readiness.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        liveness = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert liveness.status == health_pb2.HealthCheckResponse.SERVING

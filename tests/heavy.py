@@ -10,6 +10,8 @@ marker that names no environment below.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 ENVIRONMENTS = {
@@ -18,7 +20,10 @@ ENVIRONMENTS = {
     "dynamo": "Dynamo's bindings in .dynamo-venv (`make dynamo-env`)",
     "chromium": "Debian's chromium and chromedriver (`make chromium`)",
     "helm": "helm in .tools/ (`make helm`)",
+    "envoy": "a real Envoy in .envoy-venv (`make envoy-env`)",
 }
+
+ENVOY = Path(__file__).resolve().parents[1] / ".envoy-venv" / "bin" / "envoy"
 
 running: pytest.Item | None = None
 """The test being set up, run or torn down (set by tests/conftest.py)."""
@@ -49,3 +54,11 @@ def check_marks(item: pytest.Item) -> None:
                 f"{item.nodeid}: `heavy` takes the names of the environments it needs, "
                 f"of {list(ENVIRONMENTS)}; got {mark.args!r} {mark.kwargs!r}"
             )
+
+
+def envoy_binary() -> Path:
+    """The real Envoy that `make envoy-env` installs, for a test marked `heavy("envoy")`."""
+    require("envoy")
+    if not ENVOY.exists():
+        pytest.fail(f"no Envoy at {ENVOY}: run `make envoy-env`", pytrace=False)
+    return ENVOY

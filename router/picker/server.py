@@ -26,9 +26,19 @@ LIVENESS, READINESS = "liveness", "readiness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
-# Envoy opens one HTTP/2 connection and multiplexes every request's stream on it: the
-# default 100 concurrent streams would queue requests behind each other.
-_OPTIONS = [("grpc.max_concurrent_streams", 1 << 20), ("grpc.so_reuseport", 0)]
+_ENVELOPE_BYTES = 1 << 20  # a message's room beyond its body
+
+
+def _options(max_body_bytes: int) -> list[tuple[str, int]]:
+    return [
+        # Envoy opens one HTTP/2 connection and multiplexes every request's stream on
+        # it: the default of 100 concurrent streams would queue requests.
+        ("grpc.max_concurrent_streams", 1 << 20),
+        # A BUFFERED body comes whole in one message (gRPC's default cap is 4 MiB).
+        ("grpc.max_receive_message_length", max_body_bytes + _ENVELOPE_BYTES),
+        ("grpc.max_send_message_length", max_body_bytes + _ENVELOPE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 class PickerHealth:
@@ -57,10 +67,10 @@ class PickerServer:
     """The picker's gRPC server: bound first (a port in use fails the router's start at
     once), started once the router's parts are assembled."""
 
-    def __init__(self, settings: PickerSettings) -> None:
+    def __init__(self, settings: PickerSettings, max_body_bytes: int) -> None:
         self.settings = settings
         self.health = PickerHealth()
-        self.server = grpc.aio.server(options=_OPTIONS)
+        self.server = grpc.aio.server(options=_options(max_body_bytes))
         self._drain_watch: asyncio.Task[None] | None = None
 
     def bind(self) -> int:

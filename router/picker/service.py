@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 SERVED_KEY = DESTINATION_HEADER + "-served"
 _ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 _FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+_NO_BODY = ProcessingMode.BodySendMode.NONE
 
 
 class _Refused(Exception):
@@ -71,6 +72,7 @@ class _Exchange:
     """One ext_proc stream's state: the request as it arrives, then its dispatch."""
 
     full_duplex: bool = False
+    response_phase: bool = False  # whether Envoy sends the answer's headers and body
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     subset: frozenset[str] | None = None
@@ -78,6 +80,7 @@ class _Exchange:
     routed: RoutedRequest | None = None
     endpoints: dict[str, str] = field(default_factory=dict)  # address -> worker id, ranked
     dispatch: Dispatch | None = None
+    answered: bool = False  # where the request goes is said
     status: int = 200
     usage: StreamUsage = field(default_factory=StreamUsage)
 
@@ -108,6 +111,11 @@ class EndpointPicker:
             except _Refused as refused:
                 yield refusal(refused.error)
                 return
+            if exchange.answered and not exchange.response_phase:
+                # The picker's part is done: ending the stream lets Envoy go on without
+                # it (a BUFFERED stream would stay open to the answer's end), so that a
+                # picker that stops now hurts no request in progress.
+                return
 
     async def _answer(
         self, exchange: _Exchange, message: ProcessingRequest
@@ -116,7 +124,9 @@ class EndpointPicker:
         if hint is not None:
             exchange.subset = hint
         if message.HasField("protocol_config"):
-            exchange.full_duplex = message.protocol_config.request_body_mode == _FULL_DUPLEX
+            config = message.protocol_config
+            exchange.full_duplex = config.request_body_mode == _FULL_DUPLEX
+            exchange.response_phase = config.response_body_mode != _NO_BODY
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             async for answer in self._on_headers(exchange, message):
@@ -146,6 +156,7 @@ class EndpointPicker:
             raise _Refused(refused) from None
         if message.request_headers.end_of_stream:
             yield destination_on_headers(self._any_endpoints(exchange))
+            exchange.answered = True
         elif not exchange.full_duplex:
             yield go_on_with_headers()
 
@@ -179,6 +190,7 @@ class EndpointPicker:
                 yield answer
         else:
             yield destination_on_body(addresses, body)
+        exchange.answered = True
 
     async def _decided(
         self, exchange: _Exchange, lifecycle: RequestLifecycle, endpoint: Endpoint, body: bytes

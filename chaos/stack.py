@@ -1,6 +1,7 @@
 """The fleet under test, as real processes on loopback: a Redis server, engine
 simulators with an agent beside each, two router replicas sharing the Redis index, and
-a TCP proxy on every agent-to-router path.
+a TCP proxy on every agent-to-router path. Each router serves the gateway's endpoint
+picker too.
 
 Every process keeps its ports across restarts, as a pod keeps its address, so a
 scenario can SIGKILL any of them and start it again. Logs go to `<work_dir>/logs/`.
@@ -130,10 +131,15 @@ class Router:
     child: Child
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
+    picker_port: int = field(default_factory=free_port)  # the gateway's endpoint picker
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def picker_address(self) -> str:
+        return f"127.0.0.1:{self.picker_port}"
 
 
 @dataclass
@@ -202,7 +208,8 @@ class ChaosStack:
 
     async def start_router(self, router: Router) -> None:
         args = ["router", "--config", str(self._config), "--http-port", str(router.http_port),
-                "--grpc-port", str(router.grpc_port), "--log-level", "WARNING"]  # fmt: skip
+                "--grpc-port", str(router.grpc_port), "--picker-port", str(router.picker_port),
+                "--log-level", "WARNING"]  # fmt: skip
         env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
         await router.child.start(args, router.url + "/readyz", env)
 

@@ -140,6 +140,13 @@ def _run_envoy_config(args: argparse.Namespace) -> int:
         )
     except EnvoyConfigError as error:
         _fail(2, f"envoy-config: {error}")
+    if args.fail_open and args.body_mode == "full-duplex":
+        print(
+            "kvplane: envoy-config: note: Envoy fails open in full-duplex mode only until "
+            "a request's body has gone to the picker; --body-mode buffered fails open "
+            "whole (docs/picker.md)",
+            file=sys.stderr,
+        )
     if args.output is None:
         sys.stdout.write(render(bootstrap))
     else:

@@ -49,7 +49,7 @@ from router.picker.protocol import (
     streamed_body,
     subset_hint,
 )
-from router.proxy.bodies import BadRequest, Endpoint, StreamUsage
+from router.proxy.bodies import BadRequest, Endpoint, StreamUsage, response_usage
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ SERVED_KEY = DESTINATION_HEADER + "-served"
 _ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 _FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 _NO_BODY = ProcessingMode.BodySendMode.NONE
+_WHOLE_ANSWER_BYTES = 8 << 20  # past this, a non-streamed answer's usage goes unread
 
 
 class _Refused(Exception):
@@ -82,7 +83,8 @@ class _Exchange:
     dispatch: Dispatch | None = None
     answered: bool = False  # where the request goes is said
     status: int = 200
-    usage: StreamUsage = field(default_factory=StreamUsage)
+    streamed_answer: StreamUsage = field(default_factory=StreamUsage)
+    whole_answer: bytearray = field(default_factory=bytearray)  # a non-streamed one
 
 
 class EndpointPicker:
@@ -263,7 +265,10 @@ class EndpointPicker:
         self, exchange: _Exchange, message: ProcessingRequest
     ) -> ProcessingResponse:
         chunk = message.response_body
-        exchange.usage.feed(chunk.body)
+        if exchange.routed is not None and exchange.routed.parsed.stream:
+            exchange.streamed_answer.feed(chunk.body)
+        elif len(exchange.whole_answer) + len(chunk.body) <= _WHOLE_ANSWER_BYTES:
+            exchange.whole_answer += chunk.body
         if chunk.end_of_stream:
             self._settle(exchange)
         if exchange.full_duplex:  # the picker is in the byte path: every chunk goes back
@@ -284,7 +289,13 @@ class EndpointPicker:
         dispatch = exchange.dispatch
         if dispatch is not None:
             outcome = "ok" if dispatch.attempt == 1 else "ok_after_failover"
-            dispatch.settle(outcome, exchange.usage.usage(), exchange.status)
+            streamed = exchange.routed is not None and exchange.routed.parsed.stream
+            usage = (
+                exchange.streamed_answer.usage()
+                if streamed
+                else response_usage(bytes(exchange.whole_answer))
+            )
+            dispatch.settle(outcome, usage, exchange.status)
 
     def _end(self, exchange: _Exchange, _: object) -> None:
         """The RPC is over: a dispatch not settled by the response phase is handed off.

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import ipaddress
 import json
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
 import msgspec
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -397,3 +405,53 @@ async def test_health_says_live_and_ready_for_every_service_gateways_probe() -> 
         assert readiness.status == health_pb2.HealthCheckResponse.NOT_SERVING
         liveness = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
         assert liveness.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def self_signed(directory: Path) -> tuple[Path, Path, bytes]:
+    """A certificate for 127.0.0.1 and its key, as files, and the certificate's PEM."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "picker")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    pem = certificate.public_bytes(serialization.Encoding.PEM)
+    cert_file, key_file = directory / "picker.pem", directory / "picker-key.pem"
+    cert_file.write_bytes(pem)
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file, pem
+
+
+async def test_the_picker_serves_tls_when_configured(tmp_path: Path) -> None:
+    cert_file, key_file, pem = self_signed(tmp_path)
+    settings = router_settings().model_copy(
+        update={"picker": PickerSettings(port=0, tls_cert_file=cert_file, tls_key_file=key_file)}
+    )
+    async with routed_fleet(1, settings) as fleet:
+        address = f"127.0.0.1:{fleet.router.picker_port}"
+        credentials = grpc.ssl_channel_credentials(root_certificates=pem)
+        async with grpc.aio.secure_channel(address, credentials) as secure:
+            exchange = Exchange(secure)
+            await exchange.send(headers_message(), *body_messages(completion()))
+            assert destination(await exchange.receive()) == list(addresses(fleet))
+        async with grpc.aio.insecure_channel(address) as plain:
+            health = health_pb2_grpc.HealthStub(plain)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2)

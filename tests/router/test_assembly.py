@@ -12,6 +12,7 @@ from pydantic import SecretStr
 from kvplane.core.config import (
     ControlPlaneSettings,
     HttpSettings,
+    PickerSettings,
     Settings,
     TenantSettings,
     TenantSpec,
@@ -200,3 +201,20 @@ async def test_a_started_router_logs_what_it_exposes_in_one_record(
     assert lines[2].startswith(f"  gRPC 127.0.0.1:{router.grpc_port} (this machine only): ")
     assert not any("/metrics without the admin token" in line for line in lines)
     assert any("the agents' gRPC stream without a token or certificate" in line for line in lines)
+
+
+def test_the_picker_is_a_listener_and_open_to_the_network_only_in_plaintext() -> None:
+    ports = Ports(http=8080, grpc=50051, admin=None, picker=9002)
+    loopback = seen(Settings(picker=PickerSettings(port=9002)), ports)
+    assert (
+        "gRPC picker 127.0.0.1:9002 (this machine only): the gateway's endpoint picker "
+        "(the requests' own API keys, plaintext)"
+    ) in loopback.listeners
+    assert not any("picker" in opening.surface for opening in loopback.openings)
+    network = seen(Settings(picker=PickerSettings(host="0.0.0.0", port=9002)), ports)
+    (opening,) = [o for o in network.openings if "picker" in o.surface]
+    assert opening.reach is Reach.NETWORK
+    assert opening.fix.startswith("KVPLANE_PICKER__TLS_CERT_FILE")
+    assert network.open_to_network
+    unpicked = seen(Settings(), PORTS)
+    assert not any("picker" in listener for listener in unpicked.listeners)

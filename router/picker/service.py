@@ -100,9 +100,8 @@ class EndpointPicker:
         context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
     ) -> AsyncIterator[ProcessingResponse]:
         exchange = _Exchange()
-        # The request's end, settled or abandoned, once the RPC is over: a stream Envoy
-        # reset (the client left, Envoy stopped) ends its reads as a finished one does,
-        # and only the RPC's end says which it was.
+        # Whatever ends the RPC (the picker's last word, Envoy's close or reset, the
+        # router stopping), the request's end is accounted for once, after it.
         context.add_done_callback(
             functools.partial(self._end, exchange)  # type: ignore[arg-type]  # stubs: a class
         )
@@ -137,7 +136,7 @@ class EndpointPicker:
             async for answer in self._on_body(exchange, message):
                 yield answer
         elif kind == "request_trailers":
-            if exchange.routed is None:  # the body ended on its trailers
+            if not exchange.answered:  # the body ended on its trailers
                 async for answer in self._routed(exchange):
                     yield answer
             yield ProcessingResponse(request_trailers=TrailersResponse())

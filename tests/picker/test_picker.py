@@ -400,9 +400,12 @@ async def test_health_says_live_and_ready_for_every_service_gateways_probe() -> 
             answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
         fleet.router.draining.set()
-        await asyncio.sleep(0.05)  # the health service follows the drain in its own task
-        readiness = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
-        assert readiness.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def not_ready() -> bool:
+            readiness = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
+            return bool(readiness.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        await wait_until("not ready once draining", not_ready)
         liveness = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
         assert liveness.status == health_pb2.HealthCheckResponse.SERVING
 

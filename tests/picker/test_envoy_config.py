@@ -10,9 +10,7 @@ stream."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hashlib
-import ipaddress
 import json
 import subprocess
 import time
@@ -27,10 +25,6 @@ import grpc.aio
 import httpx
 import pytest
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from envoy.config.core.v3 import base_pb2 as core_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
@@ -55,6 +49,7 @@ from router.picker.envoy_config import (
     render,
 )
 from tests import heavy
+from tests.certificates import self_signed
 from tests.picker.envoy import RunningEnvoy, running_envoy
 from tests.waiting import wait_until
 
@@ -512,32 +507,6 @@ def _streamed(body: bytes) -> Iterator[Any]:
         )
 
 
-def _self_signed() -> tuple[bytes, bytes]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "picker")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    return key_pem, certificate.public_bytes(serialization.Encoding.PEM)
-
-
 @asynccontextmanager
 async def serving(picker: ThrowawayPicker, *, tls: bool = False) -> AsyncIterator[str]:
     """The picker and gRPC health (serving ExternalProcessor) on a free port: its address."""
@@ -550,7 +519,7 @@ async def serving(picker: ThrowawayPicker, *, tls: bool = False) -> AsyncIterato
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     address = f"127.0.0.1:{free_port()}"
     if tls:
-        server.add_secure_port(address, grpc.ssl_server_credentials([_self_signed()]))
+        server.add_secure_port(address, grpc.ssl_server_credentials([tuple(self_signed())]))
     else:
         server.add_insecure_port(address)
     await server.start()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -17,10 +15,6 @@ import grpc
 import grpc.aio
 import msgspec
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -36,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.core.config import PickerSettings, RequestLimits, Settings
 from router.picker.protocol import endpoint_of
+from tests.certificates import self_signed
 from tests.router.proxy.conftest import (
     MODEL,
     TENANT_KEYS,
@@ -410,40 +405,11 @@ async def test_health_says_live_and_ready_for_every_service_gateways_probe() -> 
         assert liveness.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def self_signed(directory: Path) -> tuple[Path, Path, bytes]:
-    """A certificate for 127.0.0.1 and its key, as files, and the certificate's PEM."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "picker")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    pem = certificate.public_bytes(serialization.Encoding.PEM)
-    cert_file, key_file = directory / "picker.pem", directory / "picker-key.pem"
-    cert_file.write_bytes(pem)
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_file, key_file, pem
-
-
 async def test_the_picker_serves_tls_when_configured(tmp_path: Path) -> None:
-    cert_file, key_file, pem = self_signed(tmp_path)
+    key_pem, pem = self_signed("picker")
+    cert_file, key_file = tmp_path / "picker.pem", tmp_path / "picker-key.pem"
+    cert_file.write_bytes(pem)
+    key_file.write_bytes(key_pem)
     settings = router_settings().model_copy(
         update={"picker": PickerSettings(port=0, tls_cert_file=cert_file, tls_key_file=key_file)}
     )

@@ -48,8 +48,10 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	touch $(STAMP)
 
 ## Three simulated engines behind the router: kvplane's routing against round-robin.
-demo: $(STAMP)
-	$(BIN)/kvplane demo
+## ROUTE=envoy: the same through a real Envoy asking kvplane's endpoint picker.
+ROUTE ?= proxy
+demo: $(STAMP) $(if $(filter envoy,$(ROUTE)),$(ENVOY_STAMP))
+	$(BIN)/kvplane demo --route $(ROUTE)
 
 ## The whole suite: format, lint, types, then the tests (real Redis, real gRPC, real vLLM,
 ## the real peer routers in `kvplane bench live --quick`).

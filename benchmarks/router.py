@@ -98,8 +98,8 @@ from router.check import TOKEN_VARIABLE, require_wiring
 from router.index.base import LocationIndex
 from router.index.memory import MemoryLocationIndex
 from router.lifecycle import route_prompt
-from router.proxy.bodies import Endpoint, ParsedRequest, body_for_engine, parse_body
-from router.proxy.tokens import CHECKED_FIRST_USES
+from router.lifecycle.bodies import Endpoint, ParsedRequest, body_for_engine, parse_body
+from router.lifecycle.tokens import CHECKED_FIRST_USES
 from router.tenants import ANONYMOUS_TENANT
 from simulations.engine_sim.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane

@@ -30,10 +30,10 @@ from router.http import create_http_app
 from router.index.base import LocationIndex
 from router.index.instrumented import InstrumentedIndex
 from router.lifecycle import AnswerAccounting, RequestFlow
+from router.lifecycle.tokens import PromptTokens
 from router.metrics import FunnelSample, RouterMetrics, WorkerLoadSample, WorkerWiringSample
 from router.probe import WiringProbe
 from router.proxy.service import ProxyService
-from router.proxy.tokens import PromptTokens
 from router.proxy.upstream import Upstream
 from router.routes import HotPaths
 from router.routing.accuracy import PredictionAccuracy

@@ -24,8 +24,8 @@ import msgspec
 from kvplane.core.clock import Clock
 from kvplane.core.types import WorkerInfo
 from router.index.base import LocationIndex, LocationIndexError, index_deadline
-from router.proxy.bodies import Endpoint, ParsedRequest, response_usage
-from router.proxy.tokens import PromptTokens
+from router.lifecycle.bodies import Endpoint, ParsedRequest, response_usage
+from router.lifecycle.tokens import PromptTokens
 from router.proxy.upstream import (
     AttemptFailed,
     NoFreeConnection,

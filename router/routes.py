@@ -1,6 +1,6 @@
 """Route classes for the operations whose request body FastAPI must not parse.
 
-The router reads its JSON bodies itself (router/proxy/bodies.py): a size limit (413)
+The router reads its JSON bodies itself (router/lifecycle/bodies.py): a size limit (413)
 checked while reading, JSON that is not UTF-8 or nests too deeply refused as a 400;
 FastAPI's body parsing has neither. Such a route still names the model its body is
 described with, which router/openapi.py puts in the document.

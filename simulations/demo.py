@@ -6,6 +6,13 @@ client sends a multi-tenant workload (each tenant has a few long system prompts 
 its requests share) through the router, once with kvplane's scoring and once with
 round-robin on a fresh fleet, and the demo prints both side by side. Everything it
 started is stopped before it returns.
+
+`--route envoy` sends the same traffic through a real Envoy instead (`make envoy-env`),
+configured as `kvplane envoy-config` writes it, whose ext_proc filter asks the router's
+endpoint picker for each request's replica (docs/picker.md). Round-robin then runs
+through the same Envoy and picker, the router on `--policy round-robin`: both columns
+pay the same hop. Envoy's config and log live in a temporary directory; Envoy is
+stopped before the demo returns.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ import contextlib
 import logging
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 from pydantic import SecretStr
@@ -28,6 +37,7 @@ from kvplane.core.config import (
     ControlPlaneSettings,
     HttpSettings,
     IndexSettings,
+    PickerSettings,
     ScoringSettings,
     Settings,
     TenantSettings,
@@ -35,10 +45,12 @@ from kvplane.core.config import (
 )
 from kvplane.core.flags import add_common_flags, settings_from_args
 from kvplane.core.logsetup import configure_logging
-from router.app import running_router
+from router.app import RunningRouter, running_router
 from router.check import BlindFleet, require_wiring
+from router.picker.protocol import endpoint_of
 from router.tenants import api_key_digest
-from simulations.local_workers import local_workers
+from simulations.local_envoy import EnvoyMissing, find_envoy, local_envoy
+from simulations.local_workers import LocalWorker, local_workers
 from simulations.reporting import format_table, percentile
 
 MODEL = "kvplane-tiny"
@@ -53,6 +65,12 @@ MAX_TOKENS = 8
 # worker; round-robin makes every worker hold all six, and they evict each other.
 SIM_OPTIONS = {"num_gpu_blocks_override": 160, "time_scale": 1.0, "max_num_seqs": 8}
 _TOPICS = ("billing", "shipping", "returns", "warranty", "accounts", "security")
+ROUTES = ("proxy", "envoy")
+POLICIES = ("kvplane", "round-robin")
+ENVOY_CAPTION = (
+    "Both columns through the same Envoy (`kvplane envoy-config`'s bootstrap) and the\n"
+    "router's endpoint picker; round-robin: the router on --policy round-robin."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +118,7 @@ def workload(seed: int = 7) -> list[DemoRequest]:
     return requests
 
 
-def _settings(policy: str) -> Settings:
+def _settings(policy: str, *, picker: bool = False) -> Settings:
     return Settings(
         index=IndexSettings(backend="memory"),
         control_plane=ControlPlaneSettings(grpc_port=0),
@@ -113,6 +131,7 @@ def _settings(policy: str) -> Settings:
             ],
             cache_salt_secret=SecretStr("kvplane-demo"),
         ),
+        picker=PickerSettings(port=0 if picker else None),
     )
 
 
@@ -120,11 +139,19 @@ def _key(tenant: str) -> str:
     return f"sk-demo-{tenant}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Fleet:
+    router: RunningRouter
+    workers: list[LocalWorker]
+    base_url: str  # the router's OpenAI API: http://127.0.0.1:PORT/v1
+
+
 @contextlib.asynccontextmanager
-async def _fleet(policy: str) -> AsyncIterator[str]:
-    """A router and its workers; yields the router's base URL once all are routable."""
+async def _fleet(policy: str, *, picker: bool = False) -> AsyncIterator[_Fleet]:
+    """A router (with its endpoint picker, if asked) and its workers, once all are
+    routable and proven wired."""
     async with (
-        running_router(_settings(policy)) as router,
+        running_router(_settings(policy, picker=picker)) as router,
         local_workers(WORKERS, grpc_port=router.grpc_port, sim_options=SIM_OPTIONS) as workers,
     ):
         deadline = time.monotonic() + 10
@@ -136,34 +163,69 @@ async def _fleet(policy: str) -> AsyncIterator[str]:
         # Figures from a blind fleet would not be kvplane's: refused (BlindFleet).
         verdict = await asyncio.to_thread(require_wiring, url, ADMIN_TOKEN)
         print(f"  wiring checked: {len(verdict.workers)} workers, no check failed", flush=True)
-        yield url + "/v1"
+        yield _Fleet(router, workers, url + "/v1")
 
 
-async def run_policy(policy: str, requests: Sequence[DemoRequest]) -> RunResult:
-    result = RunResult(policy)
-    async with _fleet(policy) as base_url:
-        clients = {
-            tenant: openai.AsyncOpenAI(base_url=base_url, api_key=_key(tenant), max_retries=0)
-            for tenant in TENANTS
-        }
-        queue: asyncio.Queue[DemoRequest] = asyncio.Queue()
-        for request in requests:
-            queue.put_nowait(request)
+async def run_policy(
+    policy: str,
+    requests: Sequence[DemoRequest],
+    *,
+    envoy: Path | None = None,
+    work_dir: Path | None = None,
+) -> RunResult:
+    """The requests through a fresh fleet routed by `policy`: through the router's
+    proxy, or with `envoy` (its binary) through Envoy asking the router's picker, its
+    config and log in `work_dir`."""
+    if envoy is None:
+        result = RunResult(policy)
+        async with _fleet(policy) as fleet:
+            await _drive(fleet.base_url, requests, result)
+        return result
+    if work_dir is None:
+        raise ValueError("an Envoy run needs a work_dir for its config and log")
+    result = RunResult(f"{policy} via Envoy")
+    async with _fleet(policy, picker=True) as fleet:
+        assert fleet.router.picker_port is not None
+        workers = {endpoint_of(worker.base_url): worker.worker_id for worker in fleet.workers}
+        async with local_envoy(
+            envoy,
+            work_dir,
+            endpoints=list(workers),
+            pickers=[f"127.0.0.1:{fleet.router.picker_port}"],
+        ) as front:
+            print("  Envoy ready, its picker healthy", flush=True)
+            await _drive(front.url + "/v1", requests, result)
+            # An answer through Envoy comes from the engine itself: Envoy says who served.
+            for endpoint, count in (await front.upstream_requests()).items():
+                result.per_worker[workers.get(endpoint, endpoint)] += count
+    return result
 
-        async def client_loop() -> None:
-            while not queue.empty():
-                request = queue.get_nowait()
-                try:
-                    await _send(clients[request.tenant], request, result)
-                except openai.APIError:
-                    result.failed += 1
 
-        started = time.monotonic()
+async def _drive(base_url: str, requests: Sequence[DemoRequest], result: RunResult) -> None:
+    """The requests, CONCURRENCY at a time, each tenant's with its own key."""
+    clients = {
+        tenant: openai.AsyncOpenAI(base_url=base_url, api_key=_key(tenant), max_retries=0)
+        for tenant in TENANTS
+    }
+    queue: asyncio.Queue[DemoRequest] = asyncio.Queue()
+    for request in requests:
+        queue.put_nowait(request)
+
+    async def client_loop() -> None:
+        while not queue.empty():
+            request = queue.get_nowait()
+            try:
+                await _send(clients[request.tenant], request, result)
+            except openai.APIError:
+                result.failed += 1
+
+    started = time.monotonic()
+    try:
         await asyncio.gather(*(client_loop() for _ in range(CONCURRENCY)))
+    finally:
         result.seconds = time.monotonic() - started
         for client in clients.values():
             await client.close()
-    return result
 
 
 async def _send(client: openai.AsyncOpenAI, request: DemoRequest, result: RunResult) -> None:
@@ -185,7 +247,9 @@ async def _send(client: openai.AsyncOpenAI, request: DemoRequest, result: RunRes
             first_token_at = time.perf_counter()
         if chunk.usage is not None:
             usage = chunk.usage
-    result.per_worker[raw.headers["x-kvplane-worker"]] += 1
+    worker = raw.headers.get("x-kvplane-worker")  # the proxy's; Envoy's counted apart
+    if worker is not None:
+        result.per_worker[worker] += 1
     if first_token_at is not None:
         result.ttft_s.append(first_token_at - sent)
     if usage is not None:
@@ -212,12 +276,24 @@ def render_table(results: Sequence[RunResult]) -> str:
     return format_table(rows)
 
 
-async def run_demo(settings: Settings | None = None) -> int:
-    """Run both policies and print the comparison; 0 on success, 1 on failure.
+async def run_demo(
+    settings: Settings | None = None, *, route: str = "proxy", envoy: Path | None = None
+) -> int:
+    """Run both policies and print the comparison; 0 on success, 1 on failure, 2 when
+    `route` is "envoy" and there is no Envoy to run (`envoy`, or `find_envoy`'s).
 
     The demo builds its own settings (free ports, memory index, demo tenants); of the
     caller's it keeps the log level, raised to WARNING unless DEBUG was asked for: the
     components' routine INFO lines would bury the report."""
+    if route not in ROUTES:
+        raise ValueError(f"route {route!r}: one of {ROUTES}")
+    envoy_binary = None
+    if route == "envoy":
+        try:
+            envoy_binary = find_envoy(envoy)
+        except EnvoyMissing as error:
+            print(f"kvplane demo --route envoy: {error}", file=sys.stderr)
+            return 2
     if settings is None or settings.logging.level != "DEBUG":
         logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))
     started = time.monotonic()
@@ -226,12 +302,20 @@ async def run_demo(settings: Settings | None = None) -> int:
         f"kvplane demo: {WORKERS} simulated engines ({SIM_OPTIONS['num_gpu_blocks_override']} "
         f"KV blocks each), {len(TENANTS)} tenants x {PREFIXES_PER_TENANT} shared system "
         f"prompts, {len(requests)} streamed chat requests, {CONCURRENCY} at a time"
+        + ("" if envoy_binary is None else f", through Envoy ({envoy_binary})")
     )
     try:
         results = []
-        for policy in ("kvplane", "round-robin"):
-            print(f"running with {policy} routing ...", flush=True)
-            results.append(await run_policy(policy, requests))
+        with contextlib.ExitStack() as stack:
+            work_dir = None
+            if envoy_binary is not None:  # Envoy's config and log; removed at the end
+                temporary = tempfile.TemporaryDirectory(prefix="kvplane-demo-envoy-")
+                work_dir = Path(stack.enter_context(temporary))
+            for policy in POLICIES:
+                print(f"running with {policy} routing ...", flush=True)
+                results.append(
+                    await run_policy(policy, requests, envoy=envoy_binary, work_dir=work_dir)
+                )
     except BlindFleet as error:
         print(f"demo refused to measure: {error}", file=sys.stderr)
         return 1
@@ -239,6 +323,8 @@ async def run_demo(settings: Settings | None = None) -> int:
         print(f"demo failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     print()
+    if envoy_binary is not None:
+        print(ENVOY_CAPTION + "\n")
     print(render_table(results))
     print(f"\ndemo finished in {time.monotonic() - started:.1f} s")
     return 1 if any(result.failed for result in results) else 0
@@ -250,6 +336,19 @@ def main(argv: Sequence[str], prog: str = "kvplane demo") -> int:
         "routing against round-robin, on the same fleet and the same traffic."
     )  # fmt: skip
     add_common_flags(parser)
-    settings = settings_from_args(parser.parse_args(argv))
+    parser.add_argument(
+        "--route",
+        choices=ROUTES,
+        default="proxy",
+        help="proxy: through the router's OpenAI proxy (the default); envoy: through a real "
+        "Envoy asking the router's endpoint picker (`make envoy-env`)",
+    )
+    parser.add_argument(
+        "--envoy",
+        type=Path,
+        help="the Envoy binary for --route envoy (default: .envoy-venv's, then the PATH's)",
+    )
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
     configure_logging(settings.logging)
-    return asyncio.run(run_demo(settings))
+    return asyncio.run(run_demo(settings, route=args.route, envoy=args.envoy))

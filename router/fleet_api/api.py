@@ -63,8 +63,7 @@ from router.index.base import (
     WorkerStatus,
     index_deadline,
 )
-from router.probe import WiringProbe
-from router.proxy.bodies import (
+from router.lifecycle.bodies import (
     BODY_ERRORS,
     BadRequest,
     Endpoint,
@@ -73,7 +72,8 @@ from router.proxy.bodies import (
     key_scope,
     read_body,
 )
-from router.proxy.tokens import PromptLength, PromptTokens, PromptTooLong
+from router.lifecycle.tokens import PromptLength, PromptTokens, PromptTooLong
+from router.probe import WiringProbe
 from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner

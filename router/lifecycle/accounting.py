@@ -14,8 +14,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from router.lifecycle.bodies import Usage
 from router.metrics import RouterMetrics
-from router.proxy.bodies import Usage
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision
 from router.routing.funnel import CacheFunnel, funnel_step

@@ -26,8 +26,7 @@ from kvplane.core.config import ProxySettings
 from router.auth import unauthorized
 from router.errors import RequestRefused, unavailable
 from router.lifecycle.accounting import AnswerAccounting, SentTo
-from router.metrics import NO_WORKER, RouterMetrics
-from router.proxy.bodies import (
+from router.lifecycle.bodies import (
     BadRequest,
     Endpoint,
     ParsedRequest,
@@ -36,7 +35,8 @@ from router.proxy.bodies import (
     key_scope,
     parse_body,
 )
-from router.proxy.tokens import PromptLength, PromptStart, PromptTokens, PromptTooLong
+from router.lifecycle.tokens import PromptLength, PromptStart, PromptTokens, PromptTooLong
+from router.metrics import NO_WORKER, RouterMetrics
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.pool import Ticket, WorkerPool
 from router.tenant_limits import TenantLimiter

@@ -37,6 +37,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from router.errors import RequestRefused, unavailable
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
+from router.lifecycle.bodies import BadRequest, Endpoint, StreamUsage, response_usage
 from router.picker.protocol import (
     DESTINATION_HEADER,
     DESTINATION_NAMESPACE,
@@ -49,7 +50,6 @@ from router.picker.protocol import (
     streamed_body,
     subset_hint,
 )
-from router.proxy.bodies import BadRequest, Endpoint, StreamUsage, response_usage
 
 log = logging.getLogger(__name__)
 

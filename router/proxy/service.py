@@ -29,8 +29,7 @@ from starlette.types import Receive, Scope, Send
 from router.auth import UNAUTHORIZED, TenantKey
 from router.errors import RequestRefused, documented, required_header, unavailable
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
-from router.metrics import RouterMetrics
-from router.proxy.bodies import (
+from router.lifecycle.bodies import (
     BODY_ERRORS,
     BadRequest,
     Endpoint,
@@ -38,6 +37,7 @@ from router.proxy.bodies import (
     read_body,
     response_usage,
 )
+from router.metrics import RouterMetrics
 from router.proxy.schema import (
     ChatCompletionRequest,
     Completion,

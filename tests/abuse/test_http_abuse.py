@@ -21,7 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from router.proxy.bodies import MAX_NESTING
+from router.lifecycle.bodies import MAX_NESTING
 from tests.abuse.conftest import (
     ADMIN,
     SECRET,

@@ -20,7 +20,7 @@ from router.assembly import RouterParts, assemble_router
 from router.errors import RequestRefused
 from router.index.memory import MemoryLocationIndex
 from router.lifecycle import RequestLifecycle, RoutedRequest
-from router.proxy.bodies import Endpoint, Usage
+from router.lifecycle.bodies import Endpoint, Usage
 from router.tenants import api_key_digest
 
 MODEL = "m"
@@ -174,12 +174,15 @@ async def test_the_tenant_slot_is_held_until_close(parts: RouterParts) -> None:
 async def test_refusals_are_one_hierarchy_and_counted(
     parts: RouterParts, authorization: str | None, raw: bytes, status: int, outcome: str
 ) -> None:
-    with pytest.raises(RequestRefused) as refused:
+    async def admitted_and_routed() -> None:
         lifecycle = parts.flow.admit(authorization)
         try:
             await lifecycle.route(raw, Endpoint.COMPLETIONS)
         finally:
             lifecycle.close()
+
+    with pytest.raises(RequestRefused) as refused:
+        await admitted_and_routed()
     assert refused.value.status == status
     assert refused.value.outcome == outcome
     assert outcomes(parts, outcome, "none") == 1

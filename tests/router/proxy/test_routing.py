@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import TenantSettings
-from router.proxy.tokens import CHECKED_FIRST_USES
+from router.lifecycle.tokens import CHECKED_FIRST_USES
 from tests.router.proxy.conftest import (
     ADMIN_TOKEN,
     MODEL,

@@ -21,8 +21,8 @@ from router.index.base import IndexUnavailable, PrefixMatch
 from router.index.memory import MemoryLocationIndex
 from router.index.redis import RedisLocationIndex
 from router.lifecycle import route_prompt
-from router.proxy.bodies import Endpoint, parse_body
-from router.proxy.tokens import PromptStart
+from router.lifecycle.bodies import Endpoint, parse_body
+from router.lifecycle.tokens import PromptStart
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import (
     INDEX_PROBE_INTERVAL_S,

@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 from kvplane.core.config import ProxySettings
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
-from router.proxy.bodies import Endpoint, ParsedRequest, parse_body
-from router.proxy.tokens import (
+from router.lifecycle.bodies import Endpoint, ParsedRequest, parse_body
+from router.lifecycle.tokens import (
     CHECKED_FIRST_USES,
     DEFERRED_REST_SHARE,
     MAX_PIECES,
@@ -268,7 +268,7 @@ async def test_a_tokenizer_whose_cut_would_move_is_tokenised_whole(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", chat_template="{{ 'x' }}"
     ).save_pretrained(str(tmp_path))
     tokens = PromptTokens(ProxySettings(tokenizer_dir=tmp_path))
-    with caplog.at_level(logging.INFO, logger="router.proxy.tokens"):
+    with caplog.at_level(logging.INFO, logger="router.lifecycle.tokens"):
         tokens.tokenizers.preload()
     assert "tokenised whole" in caplog.text
     assert "strips spaces" in caplog.text

@@ -44,7 +44,7 @@ import xxhash
 from kvplane.core.config import ProxySettings
 from kvplane.core.tokenizer import PromptTokenizer, load_tokenizer
 from kvplane.core.tokenizer_pieces import Piece, PieceTokenizer
-from router.proxy.bodies import Endpoint, ParsedRequest, PromptText, prompt_input
+from router.lifecycle.bodies import Endpoint, ParsedRequest, PromptText, prompt_input
 
 logger = logging.getLogger(__name__)
 

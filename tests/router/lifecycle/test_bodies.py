@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvplane.core.tokenizer import PromptTokenizer, load_tokenizer
-from router.proxy.bodies import (
+from router.lifecycle.bodies import (
     BadRequest,
     Endpoint,
     ParsedRequest,

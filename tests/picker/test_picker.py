@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
+import httpx
 import msgspec
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
@@ -28,8 +30,10 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvplane.core.config import PickerSettings, RequestLimits, Settings
+from kvplane.core.config import IndexSettings, PickerSettings, RequestLimits, Settings
+from router.app import running_router
 from router.picker.protocol import endpoint_of
+from simulations.local_workers import local_workers
 from tests.certificates import self_signed
 from tests.router.proxy.conftest import (
     MODEL,
@@ -424,3 +428,42 @@ async def test_the_picker_serves_tls_when_configured(tmp_path: Path) -> None:
             health = health_pb2_grpc.HealthStub(plain)
             with pytest.raises(grpc.aio.AioRpcError):
                 await health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2)
+
+
+async def test_two_pickers_on_one_redis_index_answer_alike(redis_url: str) -> None:
+    index = IndexSettings(
+        backend="redis", redis_url=redis_url, redis_prefix=f"pickers-{uuid.uuid4().hex[:8]}"
+    )
+    settings = picker_settings(index=index)
+    async with (
+        running_router(settings) as first,
+        running_router(settings) as second,
+        local_workers(2, grpc_port=first.grpc_port, sim_options={"time_scale": 0.0}) as workers,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        for router in (first, second):
+            await wait_until(
+                "both workers are routable", lambda r=router: len(r.pool.candidates(MODEL)) == 2
+            )
+        routed = await client.post(
+            f"http://127.0.0.1:{first.http_port}/v1/completions",
+            content=completion(),
+            headers={"authorization": ACME, "content-type": "application/json"},
+        )
+        holder = endpoint_of(
+            next(w.base_url for w in workers if w.worker_id == routed.headers["x-kvplane-worker"])
+        )
+
+        async def both_name(address: str) -> bool:
+            for router in (first, second):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{router.picker_port}") as opened:
+                    exchange = Exchange(opened)
+                    await exchange.send(headers_message(), *body_messages(completion()))
+                    if destination(await exchange.receive())[0] != address:
+                        return False
+                    await streamed_back(exchange)
+            return True
+
+        await wait_until(
+            "both pickers name the worker holding the prefix", lambda: both_name(holder)
+        )

@@ -162,7 +162,7 @@ chaos: $(STAMP)
 
 ## The live bake-off: kvplane and the real peer routers in front of the same fleet,
 ## same requests (the default grid: under 30 minutes). `--full` for everything.
-bakeoff: $(STAMP) $(PEERS_STAMP)
+bakeoff: $(STAMP) $(PEERS_STAMP) $(ENVOY_STAMP)
 	$(BIN)/kvplane bench live --json bench-live.json
 
 clean:

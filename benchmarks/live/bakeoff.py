@@ -23,7 +23,6 @@ from typing import Any
 from benchmarks.live.client import Outcome, Traffic, run_workload
 from benchmarks.live.engines import (
     MODEL,
-    UNSALTED_SCOPE,
     EngineShape,
     EngineTotals,
     RunningEngines,
@@ -73,11 +72,17 @@ class CellResult:
     preemptions: float = 0.0
     router_cpu_s: float = 0.0  # the router's processes (and kvplane's agents)
     cpu_s_by_process: dict[str, float] = field(default_factory=dict)
+    # The same, by part of the deployment: "router" (a peer, kvplane's router replicas),
+    # "agents" (kvplane's), "envoy" (the Envoys in front).
+    cpu_s_by_part: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_request: float = 0.0
+    cpu_ms_per_request_by_part: dict[str, float] = field(default_factory=dict)
     rest_cpu_ms_per_s: float = 0.0  # the same processes with no traffic, before it
     evidence: dict[str, Any] = field(default_factory=dict)
-    # Tenant workloads: cached blocks in the engines' unsalted scope at the end. Any at
-    # all means a router dropped the tenants' `cache_salt` and tenants shared cache.
+    # Tenant workloads: blocks cached in the engines' unsalted scope at the end that were
+    # not there when the traffic began (kvplane's wiring probes, `kvplane check`, are
+    # unsalted: random words of their own). Any at all means a router dropped the
+    # tenants' `cache_salt` and tenants shared cache.
     unsalted_blocks: int | None = None
 
     @property
@@ -115,6 +120,7 @@ def run_cell(
         result.commands = [shlex.join(child.command) for child in deployment.charged]
         # What the start did to the engines (kvplane's wiring probes) is not the cell's.
         totals_before = fleet.totals()
+        unsalted_before = fleet.unsalted_blocks() if workload.tenants else set()
         result.rest_cpu_ms_per_s = _rest_cpu_ms_per_s(deployment)
         cpu_before = deployment.cpu_seconds()
         traffic = Traffic(
@@ -143,10 +149,14 @@ def run_cell(
             name: round(cpu_after[name] - cpu_before.get(name, 0.0), 3) for name in cpu_after
         }
         result.router_cpu_s = sum(result.cpu_s_by_process.values())
+        result.cpu_s_by_part = {
+            part: round(seconds, 3)
+            for part, seconds in deployment.by_part(result.cpu_s_by_process).items()
+        }
         _figures(result, outcomes, fleet, totals_before)
         _write_requests(children.log_dir / REQUESTS_FILE, outcomes)
         if workload.tenants:
-            result.unsalted_blocks = fleet.cache_scopes().get(UNSALTED_SCOPE, 0)
+            result.unsalted_blocks = len(fleet.unsalted_blocks() - unsalted_before)
         result.evidence = deployment.in_play()
     except (StartFailed, BlindFleet, OSError, RuntimeError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
@@ -231,6 +241,10 @@ def _figures(
     result.preemptions = sum(total.preemptions for total in totals.values())
     routed = sum(not outcome.direct for outcome in outcomes)
     result.cpu_ms_per_request = result.router_cpu_s * 1000 / routed if routed else 0.0
+    result.cpu_ms_per_request_by_part = {
+        part: round(seconds * 1000 / routed, 3) if routed else 0.0
+        for part, seconds in result.cpu_s_by_part.items()
+    }
 
 
 def _rest_cpu_ms_per_s(deployment: Deployment) -> float:

@@ -104,6 +104,18 @@ class RunningEngines:
             scopes.update(block["scope"] for block in body["blocks"])
         return scopes
 
+    def unsalted_blocks(self) -> set[tuple[str, str]]:
+        """The blocks cached in the unsalted scope now, as (engine, block hash)."""
+        found: set[tuple[str, str]] = set()
+        for engine in self.engines:
+            body = httpx2.get(f"{engine.base_url}/sim/blocks", timeout=5).json()
+            found.update(
+                (engine.name, block["hash"])
+                for block in body["blocks"]
+                if block["scope"] == UNSALTED_SCOPE
+            )
+        return found
+
 
 def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
     """Start every engine at once and wait until all answer `/health`."""

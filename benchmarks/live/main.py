@@ -114,9 +114,15 @@ def run_live_benchmark(
         return 2
     missing = sorted({reason for cell in chosen if (reason := cell.router.unavailable())})
     if missing:
-        hint = "(or pick kvplane's cells with --only kvplane)"
+        # --only matches names' substrings ("kvplane" picks kvplane-envoy's too): name
+        # each router that runs here.
+        runnable = dict.fromkeys(
+            cell.router.name for cell in chosen if cell.router.unavailable() is None
+        )
+        picks = " ".join(f"--only '{name}'" for name in runnable)
+        hint = f"(or pick the routers that run here: {picks})" if runnable else ""
         for reason in missing:
-            print(f"kvplane bench live: {reason} {hint}", file=sys.stderr)
+            print(f"kvplane bench live: {reason} {hint}".rstrip(), file=sys.stderr)
         return 2
     previous: list[CellResult] = []
     if resume:

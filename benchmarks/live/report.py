@@ -79,6 +79,9 @@ def render_tables(results: Sequence[CellResult]) -> str:
                 )
             )
             notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]
+            split = _cpu_split(ok)
+            if split:
+                notes.append(f"{router}: CPU ms/req by part: {split}")
             if any(run.unsalted_blocks for run in ok):
                 notes.append(
                     f"{router}: tenants SHARED cache (it dropped their cache_salt; "
@@ -87,6 +90,19 @@ def render_tables(results: Sequence[CellResult]) -> str:
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
     return "\n\n".join(sections)
+
+
+def _cpu_split(runs: Sequence[CellResult]) -> str:
+    """Each part's CPU per request, every run ("envoy 0.4 / 0.5, router ..."), where the
+    router is charged more than one part (kvplane's agents, the Envoys in front)."""
+    parts = list(dict.fromkeys(part for run in runs for part in run.cpu_ms_per_request_by_part))
+    if len(parts) < 2:
+        return ""
+    return ", ".join(
+        f"{part} "
+        + _runs([run.cpu_ms_per_request_by_part.get(part, math.nan) for run in runs], ".1f")
+        for part in parts
+    )
 
 
 def _hit_and_p90(runs: Sequence[CellResult]) -> str:

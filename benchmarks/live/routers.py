@@ -9,6 +9,13 @@ defaults, and the policy under test. A router that cannot run here says why
 Every deployment reports evidence that what it measures was in play (`in_play`): for
 kvplane, the workers registered and the index entries on each replica; for a peer that
 reads engine events, what its metrics say it received.
+
+Envoy (`make envoy-env`) stands in front of the engines twice: as the gateway that asks
+kvplane's endpoint picker (`kvplane-envoy kvplane`: the routers as `kvplane kvplane`
+starts them, each with `--picker-port`, and one Envoy per replica with
+`kvplane envoy-config`'s bootstrap naming that replica's picker), and alone
+(`envoy round_robin`: the same bootstrap less the picker), the floor for what the picker
+adds to a request.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import httpx2
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.live import envoy
 from benchmarks.live.engines import BLOCK_SIZE, MODEL, RunningEngines
 from benchmarks.live.processes import Child, Children, Ready, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
@@ -39,6 +47,7 @@ from router.tenants import api_key_digest
 # elsewhere.
 _DEFAULT_PEERS_VENV = Path(__file__).resolve().parents[2] / ".peers-venv"
 PEERS_BUILD_COMMAND = "make peers-env"
+ENVOY_FAMILIES = frozenset({"kvplane-envoy", "envoy"})
 ADMIN_TOKEN = "bench-live-admin"  # loopback only, for the fleet API's evidence
 _ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -50,15 +59,28 @@ def api_key(tenant: str) -> str:
 @dataclass(slots=True)
 class Deployment:
     """A router running in front of the fleet: the URLs clients use (one per replica)
-    and the processes whose CPU it is charged (agents included)."""
+    and the processes whose CPU it is charged (agents included), each in a part of the
+    deployment (`parts`, by process name: "router" unless named)."""
 
     urls: list[str]
     charged: list[Child]
     in_play: Callable[[], dict[str, Any]] = lambda: {}
+    parts: dict[str, str] = field(default_factory=dict)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of each charged process, by name."""
         return {child.name: child.cpu_seconds() for child in self.charged}
+
+    def by_part(self, by_process: dict[str, float]) -> dict[str, float]:
+        """Figures by process name summed by part ("envoy", "router", "agents")."""
+        totals: dict[str, float] = {}
+        for name, value in by_process.items():
+            part = self.parts.get(name, ROUTER_PART)
+            totals[part] = totals.get(part, 0.0) + value
+        return totals
+
+
+ROUTER_PART, AGENTS_PART, ENVOY_PART = "router", "agents", "envoy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +96,8 @@ class RouterSpec:
         """Why this router cannot run here, or None."""
         if self.family == "kvplane":
             return None
+        if self.family in ENVOY_FAMILIES:
+            return envoy.unavailable()
         if not peers_python().exists():
             return f"the peers' environment {peers_venv()}/ is missing: run `{PEERS_BUILD_COMMAND}`"
         return None
@@ -81,6 +105,10 @@ class RouterSpec:
     def version(self) -> str:
         if self.family == "kvplane":
             return importlib.metadata.version("kvplane")
+        if self.family == "kvplane-envoy":
+            return f"kvplane {importlib.metadata.version('kvplane')}, envoy {envoy.envoy_version()}"
+        if self.family == "envoy":
+            return envoy.envoy_version()
         return peer_version(self.family)
 
 
@@ -114,17 +142,58 @@ def peer_version(distribution: str) -> str:
 _LOG_LEVEL = () if "KVPLANE_LOGGING__LEVEL" in os.environ else ("--log-level", "WARNING")
 
 
+@dataclass(slots=True)
+class _KvplaneFleet:
+    """kvplane's routers and agents, started: each replica's HTTP URL (and picker
+    address, where asked), the processes, and the evidence of each replica."""
+
+    urls: list[str]  # http://127.0.0.1:PORT, one a replica
+    pickers: list[str]  # 127.0.0.1:PORT, one a replica; empty without the picker
+    routers: list[Child]
+    agents: list[Child]
+    in_play: Callable[[], dict[str, Any]]
+
+    @property
+    def parts(self) -> dict[str, str]:
+        return {
+            **{child.name: ROUTER_PART for child in self.routers},
+            **{child.name: AGENTS_PART for child in self.agents},
+        }
+
+
 def _start_kvplane(
     spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
 ) -> Deployment:
+    kvplane = _launch_kvplane(spec.policy, fleet, children, replicas, workload, picker=False)
+    return Deployment(
+        [url + "/v1" for url in kvplane.urls],
+        [*kvplane.routers, *kvplane.agents],
+        kvplane.in_play,
+        kvplane.parts,
+    )
+
+
+def _launch_kvplane(
+    policy: str,
+    fleet: RunningEngines,
+    children: Children,
+    replicas: int,
+    workload: Workload,
+    *,
+    picker: bool,
+) -> _KvplaneFleet:
+    """kvplane's replicas (sharing a Redis of the cell's own when there are several) and
+    an agent beside each engine, every worker registered with every replica and the
+    fleet's wiring checked; with `picker`, each replica serves the endpoint picker too."""
     env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
-    flags = ["--policy", spec.policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
+    flags = ["--policy", policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
         flags += ["--index", "redis", "--redis-url", own_redis(children)]
     if workload.tenants:
         flags += ["--tenants-file", str(_tenants_file(workload.tenants, children.log_dir))]
         env["KVPLANE_TENANTS__CACHE_SALT_SECRET"] = "bench-live"
     routers = []
+    pickers = []
     for number in range(1, replicas + 1):
         http, grpc = free_port(), free_port()
         command = [
@@ -133,6 +202,10 @@ def _start_kvplane(
             "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc),
             *flags,
         ]  # fmt: skip
+        if picker:
+            picker_port = free_port()
+            command += ["--picker-host", "127.0.0.1", "--picker-port", str(picker_port)]
+            pickers.append(f"127.0.0.1:{picker_port}")
         routers.append((children.launch(f"kvplane-router-{number}", command, env), http, grpc))
     wait_ready((child, f"http://127.0.0.1:{http}/readyz") for child, http, _ in routers)
     addresses = ",".join(f"127.0.0.1:{grpc}" for _, _, grpc in routers)
@@ -172,12 +245,13 @@ def _start_kvplane(
                 "events": _metric_totals(url, _EVENT_SERIES.__contains__),
                 # Why it routed as it did, and whether the engines' caches bore it out.
                 "routing": _metric_totals(url, _ROUTING_SERIES.__contains__),
+                # How its requests ended: `ok` through the proxy, `handed_off` where the
+                # picker named the engine and Envoy carried the request.
+                "requests_by_outcome": requests_by_outcome(url),
             }
         return evidence
 
-    return Deployment(
-        [url + "/v1" for url in urls], [child for child, _, _ in routers] + agents, in_play
-    )
+    return _KvplaneFleet(urls, pickers, [r[0] for r in routers], agents, in_play)
 
 
 _TOKENISATION_SERIES = frozenset(
@@ -206,6 +280,12 @@ _ROUTING_SERIES = frozenset(
         "kvplane_prediction_verdicts_total",
     }
 )
+
+
+def requests_by_outcome(url: str) -> dict[str, float]:
+    """`kvplane_requests_total` of one replica, summed by `outcome` (over workers)."""
+    totals = _metric_totals(url, "kvplane_requests_total".__eq__, labels=("outcome",))
+    return {name.partition("outcome=")[2].rstrip("}"): value for name, value in totals.items()}
 
 
 def _wait_registered(urls: list[str], engines: int, watched: list[Child]) -> None:
@@ -278,6 +358,54 @@ def own_redis(children: Children, timeout_s: float = 10.0) -> str:
     finally:
         client.close()
     raise StartFailed(f"redis-server did not answer on port {port}:\n{server.log_tail()}")
+
+
+# --- Envoy ---------------------------------------------------------------------------
+
+
+def _start_kvplane_envoy(
+    spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
+) -> Deployment:
+    """kvplane's replicas as `kvplane kvplane` starts them, each serving the endpoint
+    picker too, and one Envoy per replica asking that replica's picker, each listing
+    every engine: clients use the Envoys as they use kvplane's replicas."""
+    kvplane = _launch_kvplane(spec.policy, fleet, children, replicas, workload, picker=True)
+    endpoints = envoy.engine_endpoints(fleet.urls)
+    envoys = [
+        envoy.launch_envoy(children, f"envoy-{number}", endpoints, picker)
+        for number, picker in enumerate(kvplane.pickers, 1)
+    ]
+    envoy.wait_envoys(envoys)
+
+    def in_play() -> dict[str, Any]:
+        evidence = kvplane.in_play()  # each replica's, `handed_off` its requests
+        return {**evidence, **{running.url: running.evidence() for running in envoys}}
+
+    return Deployment(
+        [running.url + "/v1" for running in envoys],
+        [*(running.child for running in envoys), *kvplane.routers, *kvplane.agents],
+        in_play,
+        {**{running.child.name: ENVOY_PART for running in envoys}, **kvplane.parts},
+    )
+
+
+def _start_envoy_alone(
+    spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
+) -> Deployment:
+    """Envoy alone, round robin over the engines (`envoy.alone_bootstrap`), one a
+    replica."""
+    endpoints = envoy.engine_endpoints(fleet.urls)
+    envoys = [
+        envoy.launch_envoy(children, f"envoy-{number}", endpoints, None)
+        for number in range(1, replicas + 1)
+    ]
+    envoy.wait_envoys(envoys)
+    return Deployment(
+        [running.url + "/v1" for running in envoys],
+        [running.child for running in envoys],
+        lambda: {running.url: running.evidence() for running in envoys},
+        {running.child.name: ENVOY_PART for running in envoys},
+    )
 
 
 # --- peers ---------------------------------------------------------------------------
@@ -360,8 +488,11 @@ def _peer_metrics(metrics_url: str) -> dict[str, Any]:
     )
 
 
-def _metric_totals(metrics_url: str, keep: Callable[[str], bool]) -> dict[str, Any]:
-    """The samples whose names `keep` picks, summed over every label but their own."""
+def _metric_totals(
+    metrics_url: str, keep: Callable[[str], bool], labels: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The samples whose names `keep` picks, summed over every label but their own (or
+    but `labels`, where given)."""
     try:
         # kvplane's /metrics on its client port needs the admin token; the peers' ignore it.
         text = httpx2.get(metrics_url + "/metrics", headers=_ADMIN_HEADERS, timeout=5).text
@@ -371,7 +502,11 @@ def _metric_totals(metrics_url: str, keep: Callable[[str], bool]) -> dict[str, A
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if keep(sample.name):
-                label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+                label = ",".join(
+                    f"{k}={v}"
+                    for k, v in sorted(sample.labels.items())
+                    if k != "le" and (labels is None or k in labels)
+                )
                 name = f"{sample.name}{{{label}}}" if label else sample.name
                 totals[name] = totals.get(name, 0.0) + sample.value
     return totals
@@ -444,6 +579,8 @@ def _peer(family: str, policy: str, command: PeerCommand) -> RouterSpec:
 ROUTERS: tuple[RouterSpec, ...] = (
     _kvplane("kvplane"),
     _kvplane("round-robin"),
+    RouterSpec("kvplane-envoy kvplane", "kvplane-envoy", "kvplane", _start_kvplane_envoy),
+    RouterSpec("envoy round_robin", "envoy", "round_robin", _start_envoy_alone),
     _peer("smg", "cache_aware", PeerCommand(_smg_argv("cache_aware"))),
     _peer("smg", "round_robin", PeerCommand(_smg_argv("round_robin"))),
     _peer("sglang-router", "cache_aware", PeerCommand(_sglang_argv("cache_aware"))),

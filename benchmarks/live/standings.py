@@ -11,6 +11,10 @@ is a point with no peer.
 Ties are counted as the tables show the figures: hit rates to 0.1 point, TTFT to the
 millisecond. A peer that let tenants share cache (it dropped their `cache_salt`) is
 marked: its hit rate is one kvplane refuses to earn that way.
+
+kvplane behind Envoy (`kvplane-envoy kvplane`) stands as kvplane does: its routing, at
+a gateway. Envoy alone (`envoy round_robin`) is no peer: it is no LLM router, only the
+floor for what the picker adds at a gateway, and stands in neither column.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 from benchmarks.live.bakeoff import CellResult
 from simulations.reporting import format_table
 
-KVPLANE_FAMILY = "kvplane"
+KVPLANE_FAMILIES = frozenset({"kvplane", "kvplane-envoy"})
+NOT_PEERS = frozenset({"envoy"})  # baselines for kvplane-envoy, not routers to beat
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +98,12 @@ def standings(results: Sequence[CellResult]) -> list[Standing]:
 def _pairs(results: Sequence[CellResult]) -> Iterator[tuple[CellResult, list[CellResult]]]:
     measured = [result for result in results if result.error is None and _has_figures(result)]
     for kvplane in measured:
-        if kvplane.family != KVPLANE_FAMILY:
+        if kvplane.family not in KVPLANE_FAMILIES:
             continue
         peers = [
             result
             for result in measured
-            if result.family != KVPLANE_FAMILY
+            if result.family not in KVPLANE_FAMILIES | NOT_PEERS
             and (result.workload, result.situation, result.load, result.run)
             == (kvplane.workload, kvplane.situation, kvplane.load, kvplane.run)
         ]

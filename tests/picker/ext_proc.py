@@ -98,7 +98,7 @@ def destination(answer: ProcessingResponse, phase: str = "request_headers") -> l
         for h in common.header_mutation.set_headers
         if h.header.key == "x-gateway-destination-endpoint"
     ]
-    value = option.header.raw_value.decode()
+    value: str = option.header.raw_value.decode()
     metadata = answer.dynamic_metadata.fields["envoy.lb"].struct_value
     assert metadata.fields["x-gateway-destination-endpoint"].string_value == value
     assert option.append_action == option.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
@@ -113,7 +113,7 @@ def set_header(answer: ProcessingResponse, name: str, phase: str = "request_head
 
 
 async def streamed_back(exchange: Exchange) -> bytes:
-    body = b""
+    body: bytes = b""
     while True:
         answer = await exchange.receive()
         streamed = answer.request_body.response.body_mutation.streamed_response

@@ -61,5 +61,11 @@ def test_salted_and_unsalted_blocks_are_told_apart(fleet: RunningEngines) -> Non
     scopes = fleet.cache_scopes()
     assert scopes[UNSALTED_SCOPE] == 0
     assert sum(scopes.values()) > 0
+    assert fleet.unsalted_blocks() == set()
     _chat(fleet, words("unsalted", 100))
     assert fleet.cache_scopes()[UNSALTED_SCOPE] > 0
+    # Each block by engine and hash, so that the ones cached before traffic are told
+    # apart from the ones it brought (the bake-off's unsalted_blocks).
+    unsalted = fleet.unsalted_blocks()
+    assert len(unsalted) == fleet.cache_scopes()[UNSALTED_SCOPE]
+    assert {engine for engine, _ in unsalted} == {"engine-1"}

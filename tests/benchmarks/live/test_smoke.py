@@ -1,6 +1,6 @@
-"""`kvplane bench live --quick`: every router, kvplane's and the real peers' (from
-`make peers-env`), produced figures in front of a real fleet; and the command refuses
-clearly when the peers' environment is missing."""
+"""`kvplane bench live --quick`: every router, kvplane's, the real peers' (from
+`make peers-env`) and Envoy's (from `make envoy-env`), produced figures in front of a
+real fleet; and the command refuses clearly when the peers' environment is missing."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.live import envoy
 from benchmarks.live.bakeoff import REQUESTS_FILE
 from benchmarks.live.routers import ROUTERS, peers_python
 from tests import heavy
@@ -41,10 +42,11 @@ def test_refuses_without_the_peers_environment_and_says_how_to_build_it(tmp_path
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
-@pytest.mark.heavy("peers")
+@pytest.mark.heavy("peers", "envoy")
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(
-    not peers_python().exists(), reason="needs `make peers-env` (make test builds it)"
+    not peers_python().exists() or not envoy.envoy_binary().exists(),
+    reason="needs `make peers-env` and `make envoy-env` (make test builds them)",
 )
 def test_quick_gives_every_router_figures(tmp_path: Path) -> None:
     report = tmp_path / "live.json"

@@ -68,6 +68,12 @@ def _run_bench_router(args: argparse.Namespace) -> int:
     )
 
 
+def _run_bench_picker(args: argparse.Namespace) -> int:
+    from benchmarks.picker import run_picker_benchmark
+
+    return run_picker_benchmark(json_path=args.json, requests=args.requests, repeats=args.repeats)
+
+
 def _run_bench_policies(args: argparse.Namespace) -> int:
     from benchmarks.policy_grid import run_policy_grid
 
@@ -206,6 +212,17 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         help="every fourth worker holds the back half of its prefix in host memory",
     )
     router_bench.set_defaults(handler=_run_bench_router)
+    picker = bench_kinds.add_parser(
+        "picker",
+        help="what Envoy and the endpoint picker add to a request (make envoy-env)",
+        description="The same new short completions, one at a time, straight to an engine, "
+        "through Envoy alone, Envoy and a trivial picker, Envoy and kvplane's picker, and "
+        "kvplane's proxy: each route's latency and its processes' CPU per request.",
+    )
+    picker.add_argument("--requests", type=int, default=300, help="per route and repeat")
+    picker.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
+    picker.add_argument("--json", type=Path, help="also write the figures here")
+    picker.set_defaults(handler=_run_bench_picker)
     grid = bench_kinds.add_parser(
         "policies", help="kvplane's policy against the others over workloads and arrival rates"
     )

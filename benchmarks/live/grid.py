@@ -109,7 +109,9 @@ PROFILES: dict[str, Profile] = {
 
 
 def _cache_aware(router: RouterSpec) -> bool:
-    return router.policy not in ("round-robin", "round_robin")
+    """Whether the router routes by the cache (the situations are for those): not round
+    robin, nor the trivial picker (the floor under kvplane's, on steady load only)."""
+    return router.policy not in ("round-robin", "round_robin", "trivial-picker")
 
 
 def cells(profile: Profile, routers: Sequence[RouterSpec] = ROUTERS) -> list[Cell]:

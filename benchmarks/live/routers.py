@@ -572,6 +572,33 @@ def _kvplane(policy: str) -> RouterSpec:
     return RouterSpec(f"kvplane {policy}", "kvplane", policy, _start_kvplane)
 
 
+def _start_envoy_trivial_picker(
+    spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
+) -> Deployment:
+    """Envoy asking a picker that decides nothing (benchmarks/trivial_picker.py: the same
+    protocol and gRPC server as kvplane's, round robin), one of each a replica: the
+    floor under kvplane's picker, charged as the router."""
+    endpoints = envoy.engine_endpoints(fleet.urls)
+    pickers = []
+    for number in range(1, replicas + 1):
+        port = free_port()
+        command = [sys.executable, "-m", "benchmarks.trivial_picker", "--port", str(port)]
+        for endpoint in endpoints:
+            command += ["--endpoint", endpoint]
+        pickers.append((children.launch(f"trivial-picker-{number}", command), port))
+    envoys = [
+        envoy.launch_envoy(children, f"envoy-{number}", endpoints, f"127.0.0.1:{port}")
+        for number, (_, port) in enumerate(pickers, 1)
+    ]
+    envoy.wait_envoys(envoys)  # which waits for the pickers' health too
+    return Deployment(
+        [running.url + "/v1" for running in envoys],
+        [*(running.child for running in envoys), *(picker for picker, _ in pickers)],
+        lambda: {running.url: running.evidence() for running in envoys},
+        {running.child.name: ENVOY_PART for running in envoys},
+    )
+
+
 def _peer(family: str, policy: str, command: PeerCommand) -> RouterSpec:
     return RouterSpec(f"{family} {policy}", family, policy, _peer_starter(command))
 
@@ -581,6 +608,7 @@ ROUTERS: tuple[RouterSpec, ...] = (
     _kvplane("round-robin"),
     RouterSpec("kvplane-envoy kvplane", "kvplane-envoy", "kvplane", _start_kvplane_envoy),
     RouterSpec("envoy round_robin", "envoy", "round_robin", _start_envoy_alone),
+    RouterSpec("envoy trivial-picker", "envoy", "trivial-picker", _start_envoy_trivial_picker),
     _peer("smg", "cache_aware", PeerCommand(_smg_argv("cache_aware"))),
     _peer("smg", "round_robin", PeerCommand(_smg_argv("round_robin"))),
     _peer("sglang-router", "cache_aware", PeerCommand(_sglang_argv("cache_aware"))),

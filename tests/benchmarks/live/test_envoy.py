@@ -1,5 +1,6 @@
 """Envoy in the bake-off: `kvplane-envoy kvplane` (Envoy asking kvplane's endpoint
-picker) and `envoy round_robin` (Envoy alone, the same bootstrap less the picker).
+picker), `envoy round_robin` (Envoy alone, the same bootstrap less the picker) and
+`envoy trivial-picker` (Envoy asking a picker that decides nothing).
 
 Pure: the bootstrap without the picker, the refusal without `make envoy-env`, where
 kvplane-envoy stands. Then, marked `heavy("envoy")`, both routers in a quick cell in
@@ -31,6 +32,7 @@ from tests import heavy
 
 REPO = Path(__file__).resolve().parents[3]
 KVPLANE_ENVOY, ENVOY_ALONE = "kvplane-envoy kvplane", "envoy round_robin"
+TRIVIAL_PICKER = "envoy trivial-picker"
 
 
 def _http_filters(bootstrap: dict[str, Any]) -> list[str]:
@@ -151,7 +153,8 @@ def test_quick_cells_behind_envoy_show_the_picker_in_play(tmp_path: Path) -> Non
     report = tmp_path / "live.json"
     command = [
         sys.executable, "-m", "kvplane.cli", "bench", "live", "--quick",
-        "--only", KVPLANE_ENVOY, "--only", ENVOY_ALONE, "--duration", "3",
+        "--only", KVPLANE_ENVOY, "--only", ENVOY_ALONE, "--only", TRIVIAL_PICKER,
+        "--duration", "3",
         "--json", str(report), "--logs", str(tmp_path / "logs"),
     ]  # fmt: skip
     completed = subprocess.run(
@@ -164,7 +167,7 @@ def test_quick_cells_behind_envoy_show_the_picker_in_play(tmp_path: Path) -> Non
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     cells = {cell["router"]: cell for cell in json.loads(report.read_text())["cells"]}
-    assert set(cells) == {KVPLANE_ENVOY, ENVOY_ALONE}
+    assert set(cells) == {KVPLANE_ENVOY, ENVOY_ALONE, TRIVIAL_PICKER}
     for cell in cells.values():
         assert cell["error"] is None, cell
         assert cell["requests"] > 0, cell
@@ -194,6 +197,11 @@ def test_quick_cells_behind_envoy_show_the_picker_in_play(tmp_path: Path) -> Non
     assert stats["http.kvplane.downstream_rq_2xx"] == alone["requests"]
     assert set(alone["cpu_s_by_part"]) == {"envoy"}
     assert max(alone["engine_requests"].values()) - min(alone["engine_requests"].values()) <= 1
+    trivial = cells[TRIVIAL_PICKER]  # the floor under kvplane's picker: asked, no decision
+    (stats,) = _envoy_stats(trivial["evidence"])
+    assert stats["http.kvplane.ext_proc.streams_started"] == trivial["requests"]
+    assert stats["http.kvplane.ext_proc.streams_failed"] == 0
+    assert set(trivial["cpu_s_by_part"]) == {"envoy", "router"}
     assert "CPU ms/req by part: envoy" in completed.stdout
 
 

@@ -29,7 +29,10 @@ def test_the_default_grid_is_part_of_the_full_grid() -> None:
 def test_situations_in_the_default_grid_are_for_cache_aware_routers() -> None:
     situated = [cell for cell in cells(PROFILES["default"]) if cell.situation != "steady"]
     assert situated
-    assert all(cell.router.policy not in ("round-robin", "round_robin") for cell in situated)
+    assert all(
+        cell.router.policy not in ("round-robin", "round_robin", "trivial-picker")
+        for cell in situated
+    )
     assert {cell.replicas for cell in situated if cell.situation == "two-replicas"} == {2}
 
 

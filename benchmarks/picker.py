@@ -1,0 +1,202 @@
+"""`kvplane bench picker`: what the endpoint picker adds to a request, one at a time.
+
+Every process real and apart (engine simulators answering at once, their agents, a
+router serving its proxy and its picker, a trivial picker, Envoys), the same short
+completions sent one after another along each route, and each route's latency and the
+CPU its processes spent:
+
+- `engine`: straight to an engine (the floor of the floor);
+- `envoy alone`: Envoy round robin (`kvplane envoy-config`'s bootstrap less the picker);
+- `envoy + trivial picker`: Envoy asking a picker that decides nothing
+  (benchmarks/trivial_picker.py: the same protocol and gRPC server as kvplane's);
+- `envoy + kvplane picker`: Envoy asking kvplane's picker;
+- `kvplane proxy`: kvplane's own proxy.
+
+The engines answer at once (`--time-scale 0`) and every prompt is new, so the routes
+differ only by what stands between the client and the engine. One request at a time
+shows the latency a request pays, not a queue's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx2
+
+from benchmarks.live.envoy import launch_envoy, unavailable, wait_envoys
+from benchmarks.live.processes import Child, Children, wait_ready
+from kvplane.core.serving import free_port
+
+MODEL = "kvplane-tiny"
+ENGINES = 2
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RouteFigures:
+    route: str
+    requests: int
+    latency_p50_ms: float
+    latency_p90_ms: float
+    added_p50_ms: float  # over Envoy alone's p50 (Envoy alone's: over the engine's)
+    cpu_ms_per_request: dict[str, float]  # by process: envoy, picker, router
+
+
+def _kvplane(children: Children, name: str, args: list[str]) -> Child:
+    return children.launch(name, [sys.executable, "-m", "kvplane.cli", *args])
+
+
+def _engines(children: Children, router_grpc: int) -> list[str]:
+    """The engines (IP:PORT), each with its agent reporting to the router."""
+    endpoints, engines = [], []
+    for number in range(1, ENGINES + 1):
+        http, events, replay = free_port(), free_port(), free_port()
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+        }
+        engine = _kvplane(
+            children,
+            f"engine-{number}",
+            ["engine-sim", "--port", str(http), "--model", MODEL,
+             "--block-size", str(BLOCK_SIZE), "--time-scale", "0",
+             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(config),
+             "--log-level", "WARNING"],
+        )  # fmt: skip
+        engines.append((engine, f"http://127.0.0.1:{http}/health"))
+        _kvplane(
+            children,
+            f"agent-{number}",
+            ["agent", "--worker-id", f"sim-{number}", "--engine", "vllm",
+             "--engine-url", f"http://127.0.0.1:{http}",
+             "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+             "--control-plane-address", f"127.0.0.1:{router_grpc}",
+             "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"],
+        )  # fmt: skip
+        endpoints.append(f"127.0.0.1:{http}")
+    wait_ready(engines)
+    return endpoints
+
+
+def _latencies(client: httpx2.Client, url: str, requests: int) -> list[float]:
+    """Seconds each of `requests` new short completions took, one at a time."""
+    seconds = []
+    for _ in range(requests):
+        body = {"model": MODEL, "prompt": f"a new prompt {uuid.uuid4().hex} " * 4, "max_tokens": 1}
+        started = time.perf_counter()
+        response = client.post(url + "/v1/completions", json=body)
+        seconds.append(time.perf_counter() - started)
+        response.raise_for_status()
+    return seconds
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def run_picker_benchmark(*, json_path: Path | None, requests: int, repeats: int) -> int:
+    why_not = unavailable()
+    if why_not is not None:
+        print(f"kvplane bench picker: {why_not}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="kvplane-bench-picker-") as work:
+        children = Children(Path(work))
+        try:
+            figures = _measure(children, requests, repeats)
+        finally:
+            children.stop_all()
+    _print(figures, requests, repeats)
+    if json_path is not None:
+        routes = [asdict(figure) for figure in figures]
+        document = {"requests": requests, "repeats": repeats, "routes": routes}
+        json_path.write_text(json.dumps(document, indent=2))
+    return 0
+
+
+def _measure(children: Children, requests: int, repeats: int) -> list[RouteFigures]:
+    http, grpc, picker_port = free_port(), free_port(), free_port()
+    router = _kvplane(
+        children,
+        "router",
+        ["router", "--http-port", str(http), "--grpc-port", str(grpc),
+         "--picker-port", str(picker_port), "--block-size", str(BLOCK_SIZE),
+         "--log-level", "WARNING"],
+    )  # fmt: skip
+    router_url = f"http://127.0.0.1:{http}"
+    wait_ready([(router, router_url + "/readyz")])
+    endpoints = _engines(children, grpc)
+    wait_ready(
+        [(router, router_url + "/metrics")],
+        ready=lambda response: f'kvplane_workers{{state="live"}} {float(ENGINES)}' in response.text,
+    )
+    trivial_port = free_port()
+    trivial = children.launch(
+        "trivial-picker",
+        [sys.executable, "-m", "benchmarks.trivial_picker", "--port", str(trivial_port),
+         *[arg for endpoint in endpoints for arg in ("--endpoint", endpoint)]],
+    )  # fmt: skip
+    alone = launch_envoy(children, "envoy-alone", endpoints, None)
+    trivially = launch_envoy(children, "envoy-trivial", endpoints, f"127.0.0.1:{trivial_port}")
+    picked = launch_envoy(children, "envoy-kvplane", endpoints, f"127.0.0.1:{picker_port}")
+    wait_envoys([alone, trivially, picked])  # each until its picker passes its checks
+    # Each route, and the processes charged for it (the router's CPU counts its agents'
+    # streams too, in the proxy's row and the picker's alike).
+    routes: dict[str, tuple[str, dict[str, Child]]] = {
+        "engine": (f"http://{endpoints[0]}", {}),
+        "envoy alone": (alone.url, {"envoy": alone.child}),
+        "envoy + trivial picker": (trivially.url, {"envoy": trivially.child, "picker": trivial}),
+        "envoy + kvplane picker": (picked.url, {"envoy": picked.child, "router": router}),
+        "kvplane proxy": (router_url, {"router": router}),
+    }
+    samples: dict[str, list[float]] = {route: [] for route in routes}
+    cpu: dict[str, dict[str, float]] = {route: {} for route in routes}
+    with httpx2.Client(timeout=30) as client:
+        for url, _ in routes.values():
+            _latencies(client, url, 20)  # each path's connections warm
+        for _ in range(repeats):
+            for route, (url, charged) in routes.items():
+                before = {name: child.cpu_seconds() for name, child in charged.items()}
+                samples[route] += _latencies(client, url, requests)
+                for name, child in charged.items():
+                    spent = child.cpu_seconds() - before[name]
+                    cpu[route][name] = cpu[route].get(name, 0.0) + spent
+    total = requests * repeats
+    p50 = {route: statistics.median(values) for route, values in samples.items()}
+    return [
+        RouteFigures(
+            route,
+            total,
+            1000 * p50[route],
+            1000 * _percentile(values, 0.9),
+            1000 * (p50[route] - p50["engine" if route == "envoy alone" else "envoy alone"]),
+            {name: 1000 * seconds / total for name, seconds in cpu[route].items()},
+        )
+        for route, values in samples.items()
+    ]
+
+
+def _print(figures: list[RouteFigures], requests: int, repeats: int) -> None:
+    print(
+        f"kvplane bench picker: {requests} new short completions x {repeats}, one at a "
+        "time, along each route (engines answer at once)"
+    )
+    print(f"{'route':<24} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13}  CPU ms/request")
+    for figure in figures:
+        parts = ", ".join(f"{name} {ms:.2f}" for name, ms in figure.cpu_ms_per_request.items())
+        added = "" if figure.route == "engine" else f"{figure.added_p50_ms:+.2f}"
+        over = "  (added: over the engine)" if figure.route == "envoy alone" else ""
+        print(
+            f"{figure.route:<24} {figure.latency_p50_ms:>8.2f} {figure.latency_p90_ms:>8.2f} "
+            f"{added:>13}  {parts}{over}"
+        )

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import httpx2
 
-from benchmarks.live.envoy import launch_envoy, unavailable, wait_envoys
-from benchmarks.live.processes import Child, Children, wait_ready
+from benchmarks import trivial_picker
+from benchmarks.live.engines import MODEL, EngineShape, start_engines
+from benchmarks.live.envoy import engine_endpoints, launch_envoy, unavailable, wait_envoys
+from benchmarks.live.processes import Child, Children
+from benchmarks.live.routers import launch_kvplane
 from kvplane.core.serving import free_port
 
-MODEL = "kvplane-tiny"
 ENGINES = 2
-BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,45 +48,6 @@ class RouteFigures:
     latency_p90_ms: float
     added_p50_ms: float  # over Envoy alone's p50 (Envoy alone's: over the engine's)
     cpu_ms_per_request: dict[str, float]  # by process: envoy, picker, router
-
-
-def _kvplane(children: Children, name: str, args: list[str]) -> Child:
-    return children.launch(name, [sys.executable, "-m", "kvplane.cli", *args])
-
-
-def _engines(children: Children, router_grpc: int) -> list[str]:
-    """The engines (IP:PORT), each with its agent reporting to the router."""
-    endpoints, engines = [], []
-    for number in range(1, ENGINES + 1):
-        http, events, replay = free_port(), free_port(), free_port()
-        config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events}",
-            "replay_endpoint": f"tcp://*:{replay}",
-        }
-        engine = _kvplane(
-            children,
-            f"engine-{number}",
-            ["engine-sim", "--port", str(http), "--model", MODEL,
-             "--block-size", str(BLOCK_SIZE), "--time-scale", "0",
-             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(config),
-             "--log-level", "WARNING"],
-        )  # fmt: skip
-        engines.append((engine, f"http://127.0.0.1:{http}/health"))
-        _kvplane(
-            children,
-            f"agent-{number}",
-            ["agent", "--worker-id", f"sim-{number}", "--engine", "vllm",
-             "--engine-url", f"http://127.0.0.1:{http}",
-             "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
-             "--control-plane-address", f"127.0.0.1:{router_grpc}",
-             "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"],
-        )  # fmt: skip
-        endpoints.append(f"127.0.0.1:{http}")
-    wait_ready(engines)
-    return endpoints
 
 
 def _latencies(client: httpx2.Client, url: str, requests: int) -> list[float]:
@@ -125,30 +87,15 @@ def run_picker_benchmark(*, json_path: Path | None, requests: int, repeats: int)
 
 
 def _measure(children: Children, requests: int, repeats: int) -> list[RouteFigures]:
-    http, grpc, picker_port = free_port(), free_port(), free_port()
-    router = _kvplane(
-        children,
-        "router",
-        ["router", "--http-port", str(http), "--grpc-port", str(grpc),
-         "--picker-port", str(picker_port), "--block-size", str(BLOCK_SIZE),
-         "--log-level", "WARNING"],
-    )  # fmt: skip
-    router_url = f"http://127.0.0.1:{http}"
-    wait_ready([(router, router_url + "/readyz")])
-    endpoints = _engines(children, grpc)
-    wait_ready(
-        [(router, router_url + "/metrics")],
-        ready=lambda response: f'kvplane_workers{{state="live"}} {float(ENGINES)}' in response.text,
-    )
+    engines = start_engines(children, EngineShape(engines=ENGINES, time_scale=0.0))
+    kvplane = launch_kvplane("kvplane", engines, children, 1, (), picker=True)
+    (router,), (router_url,), (picker,) = kvplane.routers, kvplane.urls, kvplane.pickers
+    endpoints = engine_endpoints(engines.urls)
     trivial_port = free_port()
-    trivial = children.launch(
-        "trivial-picker",
-        [sys.executable, "-m", "benchmarks.trivial_picker", "--port", str(trivial_port),
-         *[arg for endpoint in endpoints for arg in ("--endpoint", endpoint)]],
-    )  # fmt: skip
+    trivial = children.launch("trivial-picker", trivial_picker.command(trivial_port, endpoints))
     alone = launch_envoy(children, "envoy-alone", endpoints, None)
     trivially = launch_envoy(children, "envoy-trivial", endpoints, f"127.0.0.1:{trivial_port}")
-    picked = launch_envoy(children, "envoy-kvplane", endpoints, f"127.0.0.1:{picker_port}")
+    picked = launch_envoy(children, "envoy-kvplane", endpoints, picker)
     wait_envoys([alone, trivially, picked])  # each until its picker passes its checks
     # Each route, and the processes charged for it (the router's CPU counts its agents'
     # streams too, in the proxy's row and the picker's alike).

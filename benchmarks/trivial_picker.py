@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc.aio
@@ -65,6 +66,14 @@ class TrivialPicker:
                     else:
                         yield destination_on_body(endpoint, bytes(body))
                     return
+
+
+def command(port: int, endpoints: Sequence[str]) -> list[str]:
+    """The command line that runs it, in this Python."""
+    return [
+        sys.executable, "-m", "benchmarks.trivial_picker", "--port", str(port),
+        *[arg for endpoint in endpoints for arg in ("--endpoint", endpoint)],
+    ]  # fmt: skip
 
 
 async def started(port: int, endpoints: Sequence[str]) -> tuple[grpc.aio.Server, int]:

@@ -32,6 +32,7 @@ class EngineShape:
     # prompt on one or two engines.
     kv_blocks: int = 512
     max_num_seqs: int = 16
+    time_scale: float | None = None  # the simulator's own (None: real time); 0: at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,8 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
             "--enable-scale-out",
             "--log-level", "WARNING",
         ]  # fmt: skip
+        if shape.time_scale is not None:
+            command += ["--time-scale", str(shape.time_scale)]
         name = f"engine-{number}"
         engines.append(
             Engine(

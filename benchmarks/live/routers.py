@@ -35,6 +35,7 @@ import httpx2
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import trivial_picker
 from benchmarks.live import envoy
 from benchmarks.live.engines import BLOCK_SIZE, MODEL, RunningEngines
 from benchmarks.live.processes import Child, Children, Ready, StartFailed, wait_ready
@@ -143,7 +144,7 @@ _LOG_LEVEL = () if "KVPLANE_LOGGING__LEVEL" in os.environ else ("--log-level", "
 
 
 @dataclass(slots=True)
-class _KvplaneFleet:
+class KvplaneFleet:
     """kvplane's routers and agents, started: each replica's HTTP URL (and picker
     address, where asked), the processes, and the evidence of each replica."""
 
@@ -164,7 +165,7 @@ class _KvplaneFleet:
 def _start_kvplane(
     spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
 ) -> Deployment:
-    kvplane = _launch_kvplane(spec.policy, fleet, children, replicas, workload, picker=False)
+    kvplane = launch_kvplane(spec.policy, fleet, children, replicas, workload.tenants, picker=False)
     return Deployment(
         [url + "/v1" for url in kvplane.urls],
         [*kvplane.routers, *kvplane.agents],
@@ -173,15 +174,15 @@ def _start_kvplane(
     )
 
 
-def _launch_kvplane(
+def launch_kvplane(
     policy: str,
     fleet: RunningEngines,
     children: Children,
     replicas: int,
-    workload: Workload,
+    tenants: tuple[str, ...],
     *,
     picker: bool,
-) -> _KvplaneFleet:
+) -> KvplaneFleet:
     """kvplane's replicas (sharing a Redis of the cell's own when there are several) and
     an agent beside each engine, every worker registered with every replica and the
     fleet's wiring checked; with `picker`, each replica serves the endpoint picker too."""
@@ -189,8 +190,8 @@ def _launch_kvplane(
     flags = ["--policy", policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
         flags += ["--index", "redis", "--redis-url", own_redis(children)]
-    if workload.tenants:
-        flags += ["--tenants-file", str(_tenants_file(workload.tenants, children.log_dir))]
+    if tenants:
+        flags += ["--tenants-file", str(_tenants_file(tenants, children.log_dir))]
         env["KVPLANE_TENANTS__CACHE_SALT_SECRET"] = "bench-live"
     routers = []
     pickers = []
@@ -251,7 +252,7 @@ def _launch_kvplane(
             }
         return evidence
 
-    return _KvplaneFleet(urls, pickers, [r[0] for r in routers], agents, in_play)
+    return KvplaneFleet(urls, pickers, [r[0] for r in routers], agents, in_play)
 
 
 _TOKENISATION_SERIES = frozenset(
@@ -369,7 +370,7 @@ def _start_kvplane_envoy(
     """kvplane's replicas as `kvplane kvplane` starts them, each serving the endpoint
     picker too, and one Envoy per replica asking that replica's picker, each listing
     every engine: clients use the Envoys as they use kvplane's replicas."""
-    kvplane = _launch_kvplane(spec.policy, fleet, children, replicas, workload, picker=True)
+    kvplane = launch_kvplane(spec.policy, fleet, children, replicas, workload.tenants, picker=True)
     endpoints = envoy.engine_endpoints(fleet.urls)
     envoys = [
         envoy.launch_envoy(children, f"envoy-{number}", endpoints, picker)
@@ -582,9 +583,7 @@ def _start_envoy_trivial_picker(
     pickers = []
     for number in range(1, replicas + 1):
         port = free_port()
-        command = [sys.executable, "-m", "benchmarks.trivial_picker", "--port", str(port)]
-        for endpoint in endpoints:
-            command += ["--endpoint", endpoint]
+        command = trivial_picker.command(port, endpoints)
         pickers.append((children.launch(f"trivial-picker-{number}", command), port))
     envoys = [
         envoy.launch_envoy(children, f"envoy-{number}", endpoints, f"127.0.0.1:{port}")

@@ -36,6 +36,7 @@ from benchmarks.live.envoy import engine_endpoints, launch_envoy, unavailable, w
 from benchmarks.live.processes import Child, Children
 from benchmarks.live.routers import launch_kvplane
 from kvplane.core.serving import free_port
+from simulations.reporting import percentile
 
 ENGINES = 2
 
@@ -46,7 +47,7 @@ class RouteFigures:
     requests: int
     latency_p50_ms: float
     latency_p90_ms: float
-    added_p50_ms: float  # over Envoy alone's p50 (Envoy alone's: over the engine's)
+    added_p50_ms: float | None  # over Envoy alone's p50 (its own: over the engine's)
     cpu_ms_per_request: dict[str, float]  # by process: envoy, picker, router
 
 
@@ -60,11 +61,6 @@ def _latencies(client: httpx2.Client, url: str, requests: int) -> list[float]:
         seconds.append(time.perf_counter() - started)
         response.raise_for_status()
     return seconds
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def run_picker_benchmark(*, json_path: Path | None, requests: int, repeats: int) -> int:
@@ -125,8 +121,10 @@ def _measure(children: Children, requests: int, repeats: int) -> list[RouteFigur
             route,
             total,
             1000 * p50[route],
-            1000 * _percentile(values, 0.9),
-            1000 * (p50[route] - p50["engine" if route == "envoy alone" else "envoy alone"]),
+            1000 * percentile(values, 0.9),
+            None
+            if route == "engine"
+            else 1000 * (p50[route] - p50["engine" if route == "envoy alone" else "envoy alone"]),
             {name: 1000 * seconds / total for name, seconds in cpu[route].items()},
         )
         for route, values in samples.items()
@@ -141,7 +139,7 @@ def _print(figures: list[RouteFigures], requests: int, repeats: int) -> None:
     print(f"{'route':<24} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13}  CPU ms/request")
     for figure in figures:
         parts = ", ".join(f"{name} {ms:.2f}" for name, ms in figure.cpu_ms_per_request.items())
-        added = "" if figure.route == "engine" else f"{figure.added_p50_ms:+.2f}"
+        added = "" if figure.added_p50_ms is None else f"{figure.added_p50_ms:+.2f}"
         over = "  (added: over the engine)" if figure.route == "envoy alone" else ""
         print(
             f"{figure.route:<24} {figure.latency_p50_ms:>8.2f} {figure.latency_p90_ms:>8.2f} "

@@ -29,9 +29,9 @@ from router.picker.protocol import (
     go_on_with_headers,
     streamed_body,
 )
+from router.picker.server import PROCESSOR_SERVICE
 
 _FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
-PROCESSOR_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
 class TrivialPicker:

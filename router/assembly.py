@@ -117,6 +117,7 @@ def assemble_router(
         evictions=evictions,
         accuracy=accuracy,
         unreachable_backoff_s=proxy_settings.unreachable_backoff_s,
+        hand_off_s=settings.picker.hand_off_s,
         clock=clock,
     )
     agreement = TokenCountAgreement()

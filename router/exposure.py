@@ -88,12 +88,13 @@ def exposure(settings: Settings, ports: Ports, *, anonymous: bool) -> Exposure:
     picker = settings.picker
     if ports.picker is not None:
         picker_transport = "plaintext" if picker.tls_cert_file is None else "TLS"
+        keys = "no API key needed" if anonymous else "tenant keys"
         listeners.append(
             _listener(
                 "gRPC picker",
                 picker.host,
                 ports.picker,
-                [f"the gateway's endpoint picker (the requests' own API keys, {picker_transport})"],
+                [f"the gateway's endpoint picker ({keys}, {picker_transport})"],
             )
         )
     openings = []

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from simulations.local_envoy import ENVOY_ENV
+
 ENVIRONMENTS = {
     "vllm": "a real vLLM in .vllm-venv (`make vllm-env`)",
     "peers": "the peer routers in .peers-venv (`make peers-env`)",
@@ -23,7 +25,7 @@ ENVIRONMENTS = {
     "envoy": "a real Envoy in .envoy-venv (`make envoy-env`)",
 }
 
-ENVOY = Path(__file__).resolve().parents[1] / ".envoy-venv" / "bin" / "envoy"
+ENVOY = ENVOY_ENV  # where `make envoy-env` puts it
 
 running: pytest.Item | None = None
 """The test being set up, run or torn down (set by tests/conftest.py)."""

@@ -17,7 +17,6 @@ KVPLANE_ENVOY_VENV points elsewhere.
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import re
@@ -42,9 +41,9 @@ from router.picker.envoy_config import (
     render,
 )
 from router.picker.protocol import endpoint_of
-from simulations.local_envoy import envoy_command
+from simulations.local_envoy import ENVOY_ENV, envoy_command
 
-_DEFAULT_ENVOY_VENV = Path(__file__).resolve().parents[2] / ".envoy-venv"
+_DEFAULT_ENVOY_VENV = ENVOY_ENV.parents[1]  # make envoy-env's
 ENVOY_BUILD_COMMAND = "make envoy-env"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 START_TIMEOUT_S = 30.0
@@ -89,10 +88,8 @@ def alone_bootstrap(*, endpoints: Sequence[str], listen: str, admin_port: int) -
     cluster taken out, everything else as it writes it. With no picker, nothing names a
     destination (the header_mutation filter still strips a client's), so the workers'
     `override_host` policy falls back to its round robin over the endpoints."""
-    bootstrap = copy.deepcopy(
-        build_bootstrap(
-            endpoints=endpoints, listen=listen, admin_port=admin_port, pickers=[DEFAULT_PICKER]
-        )
+    bootstrap = build_bootstrap(  # a fresh dict each call: changed here in place
+        endpoints=endpoints, listen=listen, admin_port=admin_port, pickers=[DEFAULT_PICKER]
     )
     resources = bootstrap["static_resources"]
     clusters = resources["clusters"]

@@ -224,6 +224,9 @@ class PickerSettings(_Section):
     port: int | None = Field(default=None, ge=0, le=65535)
     tls_cert_file: Path | None = None  # set with tls_key_file: the picker serves TLS
     tls_key_file: Path | None = None
+    # A request the picker hands to Envoy weighs on its worker until the worker's next
+    # load report, and this long at most (a replica that no agent reports to gets none).
+    hand_off_s: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> PickerSettings:

@@ -86,6 +86,11 @@ class _Exchange:
     streamed_answer: StreamUsage = field(default_factory=StreamUsage)
     whole_answer: bytearray = field(default_factory=bytearray)  # a non-streamed one
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the client asked for its answer streamed."""
+        return self.routed is not None and self.routed.parsed.stream
+
 
 class EndpointPicker:
     """`envoy.service.ext_proc.v3.ExternalProcessor` (added to a server by
@@ -150,6 +155,8 @@ class EndpointPicker:
     async def _on_headers(
         self, exchange: _Exchange, message: ProcessingRequest
     ) -> AsyncIterator[ProcessingResponse]:
+        if exchange.lifecycle is not None:  # Envoy sends them once: a stream that lies
+            raise _Refused(self.flow.refused(BadRequest("the request's headers came twice")))
         exchange.headers = request_headers(message.request_headers)
         try:
             exchange.lifecycle = self.flow.admit(exchange.headers.get("authorization"))
@@ -164,6 +171,8 @@ class EndpointPicker:
     async def _on_body(
         self, exchange: _Exchange, message: ProcessingRequest
     ) -> AsyncIterator[ProcessingResponse]:
+        if exchange.lifecycle is None:
+            raise _Refused(self.flow.refused(BadRequest("a body came before the headers")))
         chunk = message.request_body
         exchange.body += chunk.body
         limit = self.flow.settings.max_body_bytes
@@ -177,7 +186,8 @@ class EndpointPicker:
     async def _routed(self, exchange: _Exchange) -> AsyncIterator[ProcessingResponse]:
         """The whole request is in: route it and say where it goes."""
         lifecycle = exchange.lifecycle
-        assert lifecycle is not None
+        if lifecycle is None:  # trailers with no headers before them
+            raise _Refused(self.flow.refused(BadRequest("trailers came before the headers")))
         body = bytes(exchange.body)
         endpoint = _ENDPOINTS.get(exchange.headers.get(":path", "").split("?", 1)[0])
         if endpoint is None:  # not a generation: no prompt to route on
@@ -264,7 +274,7 @@ class EndpointPicker:
         self, exchange: _Exchange, message: ProcessingRequest
     ) -> ProcessingResponse:
         chunk = message.response_body
-        if exchange.routed is not None and exchange.routed.parsed.stream:
+        if exchange.streamed:
             exchange.streamed_answer.feed(chunk.body)
         elif len(exchange.whole_answer) + len(chunk.body) <= _WHOLE_ANSWER_BYTES:
             exchange.whole_answer += chunk.body
@@ -288,10 +298,9 @@ class EndpointPicker:
         dispatch = exchange.dispatch
         if dispatch is not None:
             outcome = "ok" if dispatch.attempt == 1 else "ok_after_failover"
-            streamed = exchange.routed is not None and exchange.routed.parsed.stream
             usage = (
                 exchange.streamed_answer.usage()
-                if streamed
+                if exchange.streamed
                 else response_usage(bytes(exchange.whole_answer))
             )
             dispatch.settle(outcome, usage, exchange.status)

@@ -65,6 +65,7 @@ class Ticket:
     sent_at: float  # on the fleet's clock
     streamed: bool = True
     prefilling: bool = True  # until the first byte comes back (see WorkerPool._rewrite)
+    ended: bool = False
 
 
 @dataclass(slots=True)
@@ -130,6 +131,7 @@ class WorkerPool:
         evictions: RecentEvictions,
         accuracy: PredictionAccuracy,
         unreachable_backoff_s: float,
+        hand_off_s: float = 1.0,
         clock: Clock = time.monotonic,
     ) -> None:
         self._index = index
@@ -138,6 +140,8 @@ class WorkerPool:
         self.accuracy = accuracy
         self._clock = clock
         self._backoff_s = unreachable_backoff_s
+        self._hand_off_s = hand_off_s
+        self._hand_offs: deque[Ticket] = deque()  # every worker's, in the order sent
         self._statuses: dict[str, WorkerStatus] = {}
         self._traffic: dict[str, WorkerTraffic] = {}
         self._unreachable_until: dict[str, float] = {}
@@ -206,6 +210,8 @@ class WorkerPool:
     def roster(self) -> Roster:
         """The registered live workers, their rows current (read it before any await:
         a registry read may replace it)."""
+        if self._hand_offs:
+            self._end_hand_offs()
         for changed in (
             self._view.take_changed(),
             self.evictions.take_changed(),
@@ -330,6 +336,7 @@ class WorkerPool:
             self._traffic_changed(ticket.worker_id)
 
     def finished(self, ticket: Ticket) -> None:
+        ticket.ended = True
         if ticket.prefilling:
             self._prefilled(ticket)
         traffic = self.traffic(ticket.worker_id)
@@ -344,8 +351,24 @@ class WorkerPool:
     def handed_off(self, ticket: Ticket) -> None:
         """The request went on without this router (a gateway moves its bytes, and says
         nothing of its answer): it counts as this router's traffic until the worker's
-        first load report after it was sent, whose figures hold it from then on."""
+        first load report after it was sent, whose figures hold it from then on, and
+        `hand_off_s` at most (no report reaches a replica the worker's agent does not
+        stream to)."""
         self.traffic(ticket.worker_id).handed_off.append(ticket)
+        self._hand_offs.append(ticket)
+
+    def _end_hand_offs(self) -> None:
+        """Those handed off `hand_off_s` ago or more, that no report has ended yet."""
+        sent_before = self._clock() - self._hand_off_s
+        while self._hand_offs and self._hand_offs[0].sent_at <= sent_before:
+            ticket = self._hand_offs.popleft()
+            if ticket.ended:  # by a report; its worker's queue let it go then
+                continue
+            # The oldest of its worker's queue too: everything sent before it has ended.
+            queue = self.traffic(ticket.worker_id).handed_off
+            if queue and queue[0] is ticket:
+                queue.popleft()
+            self.finished(ticket)
 
     def _prefilled(self, ticket: Ticket) -> None:
         ticket.prefilling = False
@@ -421,4 +444,6 @@ class WorkerPool:
             if ticket.prefilling:
                 self._prefilled(ticket)
         while traffic.handed_off and traffic.handed_off[0].sent_at < received_at:
-            self.finished(traffic.handed_off.popleft())
+            ticket = traffic.handed_off.popleft()
+            if not ticket.ended:
+                self.finished(ticket)

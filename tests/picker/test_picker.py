@@ -56,16 +56,20 @@ def headers_message(*args: Any, **kwargs: Any) -> ProcessingRequest:
     return bare_headers_message(*args, **kwargs)
 
 
-def picker_settings(**overrides: Any) -> Settings:
+def picker_settings(picker: PickerSettings | None = None, **overrides: Any) -> Settings:
     settings = router_settings(**overrides)
-    return settings.model_copy(update={"picker": PickerSettings(port=0)})
+    return settings.model_copy(update={"picker": picker or PickerSettings(port=0)})
 
 
 @contextlib.asynccontextmanager
 async def picked_fleet(
-    count: int = 2, *, sim_options: dict[str, Any] | None = None, **overrides: Any
+    count: int = 2,
+    *,
+    sim_options: dict[str, Any] | None = None,
+    picker: PickerSettings | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[RoutedFleet]:
-    settings = picker_settings(**overrides)
+    settings = picker_settings(picker, **overrides)
     async with routed_fleet(count, settings, sim_options=sim_options) as fleet:
         yield fleet
 
@@ -281,7 +285,12 @@ async def test_a_client_sent_destination_is_overwritten() -> None:
 async def test_a_handed_off_request_counts_until_the_workers_next_load_report() -> None:
     # Envoy ends the stream once the picker has answered (it skips the response phase):
     # the request still loads its worker until the worker's own figures hold it.
-    async with picked_fleet(sim_options={"time_scale": 1.0}) as fleet, channel(fleet) as opened:
+    # (A horizon far off: only the worker's report can end the ticket here.)
+    picker = PickerSettings(port=0, hand_off_s=60.0)
+    async with (
+        picked_fleet(sim_options={"time_scale": 1.0}, picker=picker) as fleet,
+        channel(fleet) as opened,
+    ):
         exchange = Exchange(opened)
         await exchange.send(headers_message(), *body_messages(completion()))
         chosen = addresses(fleet)[destination(await exchange.receive())[0]]
@@ -294,7 +303,7 @@ async def test_a_handed_off_request_counts_until_the_workers_next_load_report() 
         assert in_flight(fleet, chosen) == 1
         await wait_until(
             "the next load report takes it over",
-            lambda: fleet.router.pool.roster is not None and in_flight(fleet, chosen) == 0,
+            lambda: len(fleet.router.pool.roster) > 0 and in_flight(fleet, chosen) == 0,
             timeout_s=5,
         )
 
@@ -374,3 +383,17 @@ async def test_two_pickers_on_one_redis_index_answer_alike(redis_url: str) -> No
         await wait_until(
             "both pickers name the worker holding the prefix", lambda: both_name(holder)
         )
+
+
+async def test_a_stream_that_lies_is_refused_and_holds_nothing() -> None:
+    async with picked_fleet() as fleet:
+        status, _, body = await refused(fleet, headers_message(), headers_message())
+        assert (status, body["error"]["message"]) == (400, "the request's headers came twice")
+        status, _, body = await refused(fleet, *body_messages(completion()))
+        assert (status, body["error"]["message"]) == (400, "a body came before the headers")
+        # Nothing admitted is left holding a tenant's slot or a worker's ticket.
+        assert all(in_flight(fleet, worker.worker_id) == 0 for worker in fleet.workers)
+        async with channel(fleet) as opened:
+            exchange = Exchange(opened)
+            await exchange.send(headers_message(), *body_messages(completion()))
+            assert destination(await exchange.receive())

@@ -184,17 +184,6 @@ async def test_a_header_only_request_reaches_an_engine(body_mode: BodyMode, tmp_
 
 
 @BOTH_MODES
-async def test_a_client_cannot_steer_its_request(body_mode: BodyMode, tmp_path: Path) -> None:
-    async with gateway(tmp_path, body_mode) as gw, gw.client() as client:
-        answer = await client.post(
-            "/v1/completions",
-            json=completion(),
-            headers={"x-gateway-destination-endpoint": "127.0.0.1:9"},  # nothing listens
-        )
-        assert answer.status_code == 200
-
-
-@BOTH_MODES
 async def test_the_response_phase_option_settles_with_the_answers_usage(
     body_mode: BodyMode, tmp_path: Path
 ) -> None:

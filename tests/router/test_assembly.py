@@ -208,7 +208,7 @@ def test_the_picker_is_a_listener_and_open_to_the_network_only_in_plaintext() ->
     loopback = seen(Settings(picker=PickerSettings(port=9002)), ports)
     assert (
         "gRPC picker 127.0.0.1:9002 (this machine only): the gateway's endpoint picker "
-        "(the requests' own API keys, plaintext)"
+        "(no API key needed, plaintext)"
     ) in loopback.listeners
     assert not any("picker" in opening.surface for opening in loopback.openings)
     network = seen(Settings(picker=PickerSettings(host="0.0.0.0", port=9002)), ports)

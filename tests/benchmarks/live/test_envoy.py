@@ -65,8 +65,6 @@ def test_envoy_alone_is_the_pickers_bootstrap_less_the_picker() -> None:
     assert {k: v for k, v in alone.items() if k != "static_resources"} == {
         k: v for k, v in full.items() if k != "static_resources"
     }
-    # build_bootstrap's own output is left as it was.
-    assert envoy.EXT_PROC_FILTER in _http_filters(full)
 
 
 def test_engine_endpoints_are_ip_and_port() -> None:

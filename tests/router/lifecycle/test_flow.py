@@ -147,7 +147,7 @@ async def test_one_dispatch_at_a_time(parts: RouterParts) -> None:
     lifecycle, request = await routed(parts)
     first, second = request.worker_ids(2)
     lifecycle.dispatch(request, first)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="the previous dispatch has not ended"):
         lifecycle.dispatch(request, second)
     lifecycle.close()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -390,3 +390,39 @@ async def test_a_new_incarnation_in_the_registry_starts_a_new_row() -> None:
     row = setup.pool.roster.position["w1"]
     assert setup.pool.roster.infos[row].incarnation == 2
     assert not setup.pool.roster.reported[row]  # incarnation 1's report does not count
+
+
+async def test_a_handed_off_request_counts_until_its_workers_next_report() -> None:
+    setup = Setup()
+    await setup.register("w1")
+    await setup.pool.refresh()
+    setup.view.load("w1", 1, load(), setup.clock.now)
+    setup.clock.advance(0.1)
+    ticket = setup.pool.sent("w1", "t", prefill_tokens=100)
+    setup.pool.handed_off(ticket)
+    assert setup.pool.roster.in_flight[0] == 1  # still this router's traffic
+    setup.clock.advance(0.2)
+    setup.view.load("w1", 1, load(running=1), setup.clock.now)  # the engine's count has it
+    assert setup.pool.roster.in_flight[0] == 0
+    setup.clock.advance(5.0)  # and the horizon ends nothing twice
+    assert setup.pool.roster.in_flight[0] == 0
+    assert setup.pool.traffic("w1").in_flight == 0
+
+
+async def test_a_handed_off_request_ends_at_the_horizon_where_no_report_comes() -> None:
+    # A replica the worker's agent does not stream to hears no report of it.
+    setup = Setup()
+    await setup.register("w1")
+    await setup.pool.refresh()
+    first = setup.pool.sent("w1", "t", prefill_tokens=100)
+    setup.pool.handed_off(first)
+    setup.clock.advance(0.6)
+    second = setup.pool.sent("w1", "t", prefill_tokens=100)
+    setup.pool.handed_off(second)
+    assert setup.pool.roster.in_flight[0] == 2
+    setup.clock.advance(0.5)  # the first is 1.1 s old: past the default 1 s
+    assert setup.pool.roster.in_flight[0] == 1
+    setup.clock.advance(0.5)
+    assert setup.pool.roster.in_flight[0] == 0
+    assert setup.pool.traffic("w1").handed_off == deque()
+    assert setup.pool.traffic("w1").prefill_tokens == 0

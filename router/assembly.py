@@ -132,6 +132,7 @@ def assemble_router(
         block_size=cp.block_size,
         index_timeout_s=proxy_settings.index_timeout_s,
         tracer=tracer,
+        disaggregation=settings.disaggregation,
         rng=rng,
         clock=clock,
     )

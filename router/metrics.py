@@ -235,6 +235,29 @@ class RouterMetrics:
             ["worker", "verdict"],
             registry=r,
         )
+        self.prefill_legs = Counter(
+            "kvplane_prefill_legs",
+            "Prefill legs of disaggregated requests, by outcome (the request itself is "
+            "counted once, in kvplane_requests, by its decode leg or its fallback)",
+            ["outcome"],
+            registry=r,
+        )
+        self.legs_decided = Counter(
+            "kvplane_legs_decided",
+            "Requests of models with prefill/decode workers: split or whole, and why",
+            ["split", "reason"],
+            registry=r,
+        )
+        self.disaggregation_fallbacks = Counter(
+            "kvplane_disaggregation_fallbacks",
+            "Split requests that did not run as planned, by what happened instead: "
+            "prefill_failed (every prefill worker failed: whole on decode), no_kv_params "
+            "(the prefill handed nothing on: decode computed the prompt), kv_load_failed "
+            "(the decode worker could not pull: whole on decode), no_prefill_worker "
+            "(whole on decode: none was live)",
+            ["reason"],
+            registry=r,
+        )
         self.failovers = Counter(
             "kvplane_failovers",
             "Attempts abandoned before the first byte for the next worker",

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from kvplane.core.config import Settings
+from kvplane.core.kv_transfer import KvTransferConfig, parse_kv_transfer_config, worker_role
 from kvplane.core.types import SkippedEvents, WiringReport
 from kvplane.wire.codec import MAX_ENGINE_FIELD_CHARS
 from worker_agent.engines import adapter_for
@@ -36,6 +37,13 @@ log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
 _COUNTERS_LOG_INTERVAL_S = 60.0
+
+
+class _EngineFacts(NamedTuple):
+    model: str
+    max_model_len: int
+    cache: EngineCacheConfig | None
+    kv_transfer: KvTransferConfig | None
 
 
 def tune_garbage_collector() -> None:
@@ -58,7 +66,8 @@ class WorkerAgent:
     async def run(self) -> None:
         agent = self.settings.agent
         async with _EngineHttp(agent.engine_url) as http:
-            model, max_model_len, cache = await self._engine_facts(http)
+            model, max_model_len, cache, kv_transfer = await self._engine_facts(http)
+            role, kv_connector = worker_role(agent.role, kv_transfer)
             version = await _engine_version(http, self.adapter.version_path)
             for warning in self.adapter.release_warnings(version):
                 log.warning("%s", warning)
@@ -95,6 +104,8 @@ class WorkerAgent:
                     engine_version=version,
                     labels=dict(agent.labels),
                     max_model_len=max_model_len,
+                    role=role,
+                    kv_connector=kv_connector,
                 ),
                 agent,
                 self.settings.control_plane,
@@ -127,18 +138,24 @@ class WorkerAgent:
             finally:
                 source.close()
 
-    async def _engine_facts(self, http: _EngineHttp) -> tuple[str, int, EngineCacheConfig | None]:
+    async def _engine_facts(self, http: _EngineHttp) -> _EngineFacts:
         """The model name (configured, or the engine's first), its longest prompt plus
-        output (0 when the engine does not say) and its cache configuration; waits for
-        the engine to answer."""
+        output (0 when the engine does not say), its cache configuration and its KV
+        transfer configuration (its metrics', else the configured); waits for the
+        engine to answer."""
         delay = self.settings.agent.reconnect_min_s
+        configured = self.settings.agent.kv_transfer_config
         while True:
             try:
                 served = await _served_models(http, required=self.settings.agent.model is None)
                 model = self.settings.agent.model or str(served[0]["id"])
                 async with http.get("/metrics") as response:
-                    cache = self.adapter.parse_cache_config(await response.text())
-                return model, _max_model_len(served, model), cache
+                    metrics_text = await response.text()
+                cache = self.adapter.parse_cache_config(metrics_text)
+                kv_transfer = self.adapter.parse_kv_transfer_config(metrics_text)
+                if kv_transfer is None and configured is not None:
+                    kv_transfer = parse_kv_transfer_config(configured)  # validated already
+                return _EngineFacts(model, _max_model_len(served, model), cache, kv_transfer)
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as error:
                 log.info(
                     "waiting for the engine at %s (%s)",

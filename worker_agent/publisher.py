@@ -32,7 +32,14 @@ import grpc.aio
 
 from kvplane.core.config import AgentSettings, ControlPlaneSettings
 from kvplane.core.keys import BlockKey
-from kvplane.core.types import BlocksRemoved, BlocksStored, KvEvent, WiringReport, WorkerInfo
+from kvplane.core.types import (
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    WiringReport,
+    WorkerInfo,
+    WorkerRole,
+)
 from kvplane.wire.codec import events_message, load_message, register_message
 from kvplane.wire.stream import AgentStream, StreamClosed
 from kvplane.wire.v1 import control_plane_pb2 as pb
@@ -62,6 +69,8 @@ class WorkerIdentity:
     engine_version: str  # "" when the engine does not say
     labels: dict[str, str]
     max_model_len: int = 0  # 0 when the engine does not say
+    role: WorkerRole = WorkerRole.BOTH
+    kv_connector: str = ""
 
 
 @dataclass(slots=True)
@@ -315,6 +324,8 @@ class ControlPlanePublisher:
                 engine_version=self._identity.engine_version,
                 labels=self._identity.labels,
                 max_model_len=self._identity.max_model_len,
+                role=self._identity.role,
+                kv_connector=self._identity.kv_connector,
             )
             reply = await stream.request(register_message(info))
             if self.incarnation != info.incarnation:

@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from kvplane.core.keys import SCHEME_VERSION
+from kvplane.core.kv_transfer import parse_kv_transfer_config
 from kvplane.core.worker_credentials import MIN_SECRET_CHARS
 
 
@@ -216,6 +217,40 @@ class ProxySettings(_Section):
     token_cache_tokens: int = Field(default=2_000_000, ge=0)
 
 
+class DisaggregationSettings(_Section):
+    """Prefill/decode disaggregation, for models whose workers register a KV connector
+    (docs/pd-disaggregation.md). The costs are in seconds, with the prefill rate and KV
+    size of `[scoring]`."""
+
+    mode: Literal["conditional", "always", "never"] = Field(
+        default="conditional",
+        description="conditional: split a request into a prefill and a decode leg only where "
+        "that costs less than computing its uncached tokens on the decode worker; always: "
+        "every request the fleet can split; never: whole requests only",
+    )
+    when_no_prefill: Literal["aggregate", "refuse"] = Field(
+        default="aggregate",
+        description="a model with decode workers and no live prefill worker: serve whole "
+        "requests on the decode workers (counted, and reported on the fleet API) or "
+        "refuse them (503)",
+    )
+    link_bytes_per_s: float = Field(
+        default=25e9, gt=0, description="KV transfer bandwidth between two workers"
+    )
+    leg_overhead_s: float = Field(
+        default=0.003,
+        ge=0,
+        description="what a prefill leg costs besides its compute: the extra round trip, "
+        "the decode's pull set-up",
+    )
+    decode_stall_weight: float = Field(
+        default=0.05,
+        ge=0,
+        description="what a running stream's stall counts, against the request's own wait, "
+        "when its decode worker computes a prompt (0: streams' inter-token latency is free)",
+    )
+
+
 class PickerSettings(_Section):
     """The gateway's endpoint picker: Envoy's ext_proc service, speaking the Gateway API
     Inference Extension's protocol (docs/picker.md). Off unless `port` is set."""
@@ -400,6 +435,25 @@ class AgentSettings(_Section):
     labels: dict[str, str] = Field(
         default_factory=dict, description="labels registered with the worker (JSON object)"
     )
+    role: Literal["auto", "both", "prefill", "decode"] = Field(
+        default="auto",
+        description="which legs of a disaggregated request the worker takes; auto: from "
+        "the engine's kv_transfer_config (kv_producer: prefill, kv_consumer: decode, "
+        "kv_both or none: both). NixlConnector deployments give every engine kv_both, so "
+        "set prefill or decode here to split the fleet into pools",
+    )
+    kv_transfer_config: str | None = Field(
+        default=None,
+        description="the engine's --kv-transfer-config JSON, where its metrics do not say "
+        "it (only kv_connector and kv_role are read)",
+    )
+
+    @field_validator("kv_transfer_config")
+    @classmethod
+    def _vllm_kv_transfer_config(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_kv_transfer_config(value)  # its ValueError says what is wrong
+        return value
 
     @model_validator(mode="after")
     def _tls_pairs(self) -> AgentSettings:
@@ -434,6 +488,7 @@ class Settings(BaseSettings):
     scoring: ScoringSettings = ScoringSettings()
     proxy: ProxySettings = ProxySettings()
     picker: PickerSettings = PickerSettings()
+    disaggregation: DisaggregationSettings = DisaggregationSettings()
     tenants: TenantSettings = TenantSettings()
     agent: AgentSettings = AgentSettings()
     tracing: TracingSettings = TracingSettings()

@@ -54,6 +54,15 @@ class AllBlocksCleared:
 KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
+class WorkerRole(enum.StrEnum):
+    """Which legs of a request a worker takes under prefill/decode disaggregation
+    (docs/pd-disaggregation.md). Values equal the wire enum's names, lower-cased."""
+
+    BOTH = "both"  # whole requests; either leg too where it has a KV connector
+    PREFILL = "prefill"  # prefill legs (whole requests only when no decode worker is live)
+    DECODE = "decode"  # decode legs, and whole requests where disaggregating does not pay
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """What a worker says about itself when it registers."""
@@ -68,6 +77,14 @@ class WorkerInfo:
     engine_version: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     max_model_len: int = 0  # the engine's longest prompt plus output, in tokens; 0: unknown
+    role: WorkerRole = WorkerRole.BOTH
+    # The engine's KV transfer connector (vLLM's kv_transfer_config.kv_connector, e.g.
+    # "NixlConnector"); "" for none. Legs are only split between workers with the same.
+    kv_connector: str = ""
+
+    @property
+    def transfers_kv(self) -> bool:
+        return bool(self.kv_connector)
 
 
 class EventsState(enum.Enum):

@@ -39,11 +39,14 @@ from kvplane.core.types import (
     Tier,
     WiringReport,
     WorkerInfo,
+    WorkerRole,
 )
 from kvplane.wire.v1 import control_plane_pb2 as pb
 
 WORKER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-MAX_ENGINE_FIELD_CHARS = 64  # engine_kind and engine_version, as the fleet API shows them
+MAX_ENGINE_FIELD_CHARS = (
+    64  # engine_kind, engine_version, kv_connector, as the fleet API shows them
+)
 UNREADABLE_DETAIL = (
     f"(the agent's detail was not one printable line of at most {MAX_WIRING_DETAIL_CHARS} "
     "characters)"
@@ -56,6 +59,17 @@ _TIER_TO_WIRE: dict[Tier, pb.Tier] = {
     Tier.REMOTE: pb.TIER_REMOTE,
 }
 _TIER_FROM_WIRE: dict[int, Tier] = {wire: tier for tier, wire in _TIER_TO_WIRE.items()}
+
+_ROLE_TO_WIRE: dict[WorkerRole, pb.WorkerRole] = {
+    WorkerRole.BOTH: pb.WORKER_ROLE_BOTH,
+    WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
+}
+# An older agent leaves the role unset: it serves whole requests, as before roles.
+_ROLE_FROM_WIRE: dict[int, WorkerRole] = {
+    pb.WORKER_ROLE_UNSPECIFIED: WorkerRole.BOTH,
+    **{int(wire): role for role, wire in _ROLE_TO_WIRE.items()},
+}
 
 _EVENTS_TO_WIRE: dict[EventsState, pb.EventsState] = {
     EventsState.UNKNOWN: pb.EVENTS_STATE_UNSPECIFIED,
@@ -120,6 +134,8 @@ def register_message(info: WorkerInfo, key_scheme_version: int = SCHEME_VERSION)
             engine_version=info.engine_version,
             labels=dict(info.labels),
             max_model_len=info.max_model_len,
+            role=_ROLE_TO_WIRE[info.role],
+            kv_connector=info.kv_connector,
         )
     )
 
@@ -222,7 +238,10 @@ def parse_register(message: pb.Register, limits: Limits) -> WorkerInfo | Rejecti
         return _invalid("base_url must be an http:// or https:// URL with a host")
     if not message.model:
         return _invalid("model must not be empty")
-    for name in ("engine_kind", "engine_version"):
+    role = _ROLE_FROM_WIRE.get(message.role)
+    if role is None:
+        return _invalid(f"role {message.role} is none of WorkerRole's values")
+    for name in ("engine_kind", "engine_version", "kv_connector"):
         if not _is_short_line(getattr(message, name), MAX_ENGINE_FIELD_CHARS):
             return _invalid(
                 f"{name} must be printable, at most {MAX_ENGINE_FIELD_CHARS} characters"
@@ -249,6 +268,8 @@ def parse_register(message: pb.Register, limits: Limits) -> WorkerInfo | Rejecti
         engine_version=message.engine_version,
         labels=dict(message.labels),
         max_model_len=message.max_model_len,
+        role=role,
+        kv_connector=message.kv_connector,
     )
 
 

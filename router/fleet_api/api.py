@@ -45,6 +45,7 @@ from router.fleet_api.models import (
     HotPrefixRow,
     IndexStatistics,
     Locality,
+    LocalityLegs,
     LocalityQuery,
     LocalityRow,
     ModelRouting,
@@ -89,6 +90,7 @@ from router.routing.wiring import (
     model_routing,
     with_probe,
 )
+from router.scoring.disaggregation import LegPlan, ModelLegs, model_legs
 from router.tenant_limits import TenantLimiter
 from router.tenants import ANONYMOUS_TENANT, Tenant, TenantDirectory
 
@@ -286,7 +288,9 @@ class FleetApi:
     async def workers(self) -> Workers:
         now = self._clock()
         statuses = sorted(self.pool.statuses(), key=lambda s: s.info.worker_id)
-        seen = self.sight.see((s.info for s in statuses), self._routable())
+        routable = self._routable()
+        seen = self.sight.see((s.info for s in statuses), routable)
+        legs = model_legs(s.info for s in statuses if s.info.worker_id in routable)
         rows = []
         for status in statuses:
             info = status.info
@@ -331,6 +335,8 @@ class FleetApi:
                         now, self.accuracy.withdrawn_until(info.worker_id)
                     ),
                     max_model_len=info.max_model_len or None,
+                    role=info.role,
+                    kv_connector=info.kv_connector or None,
                     cache=_worker_cache(self.funnel.worker_totals(info.worker_id)),
                     wiring=_wiring(seen.checks[info.worker_id]),
                 )
@@ -338,7 +344,7 @@ class FleetApi:
         return Workers(
             workers=rows,
             index_reachable=self.planner.index_answering,
-            routing=_routing(seen.routing),
+            routing=_routing(seen.routing, legs),
         )
 
     async def check(
@@ -382,11 +388,17 @@ class FleetApi:
         if not index_reachable:
             problems.append("the index does not answer lookups: routing on load only")
         routing = model_routing((row.model, row.blind) for row in rows if row.worker_id in routable)
+        legs = model_legs(live)
+        problems += [
+            f"model {model}: {LEGS_PROBLEMS[state]}"
+            for model, state in legs.items()
+            if state in LEGS_PROBLEMS
+        ]
         return FleetCheck(
             ok=not problems,
             index_reachable=index_reachable,
             workers=rows,
-            routing=_routing(routing),
+            routing=_routing(routing, legs),
             problems=problems,
         )
 
@@ -570,8 +582,20 @@ class FleetApi:
         return decision, model
 
 
-def _routing(routing: Mapping[str, RoutingMode]) -> list[ModelRouting]:
-    return [ModelRouting(model=model, routing=mode) for model, mode in routing.items()]
+LEGS_PROBLEMS: Mapping[ModelLegs, str] = {
+    "no_prefill_worker": "decode workers and no live prefill worker: requests are served whole "
+    "on the decode workers, or refused (disaggregation.when_no_prefill)",
+    "no_decode_worker": "prefill workers only: they serve whole requests",
+}
+
+
+def _routing(
+    routing: Mapping[str, RoutingMode], legs: Mapping[str, ModelLegs]
+) -> list[ModelRouting]:
+    return [
+        ModelRouting(model=model, routing=mode, legs=legs.get(model, "whole"))
+        for model, mode in routing.items()
+    ]
 
 
 def _result(check: Check) -> CheckResult:
@@ -656,5 +680,19 @@ def _describe(decision: Decision, model: str, tenant: Tenant, *, detailed: bool)
         index_answered=decision.index_answered,
         chosen=decision.ranked[0].worker_id if decision.ranked else None,
         factor=decision.factor,
+        legs=None if decision.legs is None else _legs(decision.legs, detailed=detailed),
         workers=rows,
     )
+
+
+def _legs(plan: LegPlan, *, detailed: bool) -> LocalityLegs:
+    legs = LocalityLegs(
+        split=plan.split,
+        reason=plan.reason.value,
+        decode_worker=plan.decode_worker,
+        prefill_worker=plan.prefill_worker,
+    )
+    if detailed:
+        legs.whole_s, legs.split_s = plan.whole_s, plan.split_s
+        legs.transfer_bytes = plan.transfer_bytes
+    return legs

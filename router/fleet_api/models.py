@@ -12,9 +12,11 @@ from typing import Annotated, Literal, NotRequired
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 from typing_extensions import TypedDict
 
+from kvplane.core.types import WorkerRole
 from router.index.base import WorkerState
 from router.proxy.schema import ModelName, RoutedPrompt, TokenId
 from router.routing.wiring import RoutingMode
+from router.scoring.disaggregation import ModelLegs
 
 # -- the locality query --------------------------------------------------------------
 
@@ -84,6 +86,19 @@ class LocalityRow(TypedDict):
     spilled: NotRequired[bool]  # far busier than its peers: its queue penalty has the spill
 
 
+class LocalityLegs(BaseModel):
+    """How the request would be served, for a model with prefill/decode workers
+    (docs/pd-disaggregation.md); the costs compared, in seconds, for an operator only."""
+
+    split: bool
+    reason: str = Field(description="why split or whole (kvplane_legs_decided's reason)")
+    decode_worker: str
+    prefill_worker: str | None
+    whole_s: float | None = None
+    split_s: float | None = None
+    transfer_bytes: int | None = None
+
+
 class Locality(BaseModel):
     model: str
     tenant: str
@@ -93,6 +108,9 @@ class Locality(BaseModel):
     index_answered: bool
     chosen: str | None
     factor: str
+    legs: LocalityLegs | None = Field(
+        default=None, description="null for a model none of whose workers transfers KV"
+    )
     workers: list[LocalityRow]
 
 
@@ -135,6 +153,13 @@ class ModelRouting(BaseModel):
         description="predictions_only: every worker of the model is blind, and routing "
         "runs on the router's own predicted entries alone (approximate, like a text tree)"
     )
+    legs: ModelLegs = Field(
+        description="split: its requests may be split into a prefill and a decode leg "
+        "(disaggregation.mode decides each); whole: none of its workers transfers KV; "
+        "no_prefill_worker: decode workers and no live prefill worker (whole on decode, or "
+        "refused: disaggregation.when_no_prefill); no_decode_worker: prefill workers only "
+        "(they serve whole requests)"
+    )
 
 
 class WorkerCache(BaseModel):
@@ -163,6 +188,11 @@ class WorkerRow(BaseModel):
     model: str
     base_url: str
     labels: dict[str, str]
+    role: WorkerRole = Field(
+        description="the legs of a disaggregated request it takes: prefill, decode, or both "
+        "(and whole requests)"
+    )
+    kv_connector: str | None = Field(description="its engine's KV transfer connector")
     engine: Engine
     block_size: int
     kv_capacity_blocks: int

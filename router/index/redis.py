@@ -56,6 +56,7 @@ from kvplane.core.types import (
     KvEvent,
     Tier,
     WorkerInfo,
+    WorkerRole,
 )
 from router.index.base import (
     MAX_POSITION,
@@ -729,7 +730,10 @@ def _info_fields(stored: bytes) -> dict[str, Any]:
     """A registration as stored, less any field this router does not know (written by a
     newer router sharing the index, during a rolling upgrade)."""
     fields: dict[str, Any] = json.loads(stored)
-    return {name: value for name, value in fields.items() if name in _STORED_INFO_FIELDS}
+    known = {name: value for name, value in fields.items() if name in _STORED_INFO_FIELDS}
+    if "role" in known:  # stored as its value; one this router does not know reads as BOTH
+        known["role"] = next((r for r in WorkerRole if r.value == known["role"]), WorkerRole.BOTH)
+    return known
 
 
 def _status(worker_id: str, record: list[Any]) -> WorkerStatus:

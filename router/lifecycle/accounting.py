@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from router.lifecycle.bodies import Usage
+from router.lifecycle.legs import Leg
 from router.metrics import RouterMetrics
 from router.routing.accuracy import PredictionAccuracy, Verdict
 from router.routing.decide import Decision
@@ -41,6 +42,7 @@ class SentTo:
     predicted_tokens: int  # what x-kvplane-cached-tokens said
     indexed_tokens: int  # the part of it the index vouched for: what is judged
     dispatched_at: float  # on the router's clock, as evictions are recorded
+    leg: Leg = Leg.WHOLE
 
 
 class AnswerAccounting:
@@ -72,6 +74,11 @@ class AnswerAccounting:
         is the router's count of the whole prompt (0: it could not tokenise it)."""
         if usage is not None:
             self._compare_token_counts(sent, prompt_tokens, usage)
+        if sent.leg is Leg.DECODE:
+            # Its engine reports the tokens it pulled (or the prefill's hits, vLLM 0.34)
+            # as cached: nothing the index predicted there to judge, and the request went
+            # through the funnel on its prefill leg.
+            return
         reported = self._reported_cached_tokens((sent.worker_id, sent.incarnation), usage)
         if prompt_tokens:
             self._through_funnel(sent, prompt_tokens, reported)

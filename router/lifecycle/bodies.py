@@ -126,6 +126,10 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
         raise BadRequest("'prompt' is required", "prompt")
     if endpoint is Endpoint.CHAT and not isinstance(body.get("messages"), list):
         raise BadRequest("'messages' must be an array", "messages")
+    if "kv_transfer_params" in body:
+        # It tells an engine which peer to read KV from: the router's to set, never a
+        # client's (docs/pd-disaggregation.md).
+        raise BadRequest("'kv_transfer_params' is set by the router", "kv_transfer_params")
     return ParsedRequest(endpoint, model, bool(stream), body)
 
 

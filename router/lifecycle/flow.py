@@ -14,6 +14,7 @@ RequestLifecycle.close, a worker's ticket and predicted entry in Dispatch._end.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -35,15 +36,19 @@ from router.lifecycle.bodies import (
     key_scope,
     parse_body,
 )
+from router.lifecycle.legs import Leg
 from router.lifecycle.tokens import PromptLength, PromptStart, PromptTokens, PromptTooLong
 from router.metrics import NO_WORKER, RouterMetrics
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.pool import Ticket, WorkerPool
+from router.scoring.disaggregation import LegPlan, LegReason
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
 from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
+
+_NO_PREFILL_WARNING_S = 60.0  # a model without prefill workers is said again after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,7 @@ class RequestFlow:
         self.tracer = tracer
         self.clock = clock  # the router's, on which evictions are recorded
         self.prompt_tokens = PromptTokens(settings)
+        self._no_prefill_warned: dict[str, float] = {}  # model -> when last said
 
     def admit(self, authorization: str | None) -> RequestLifecycle:
         """A request's life from here, once its tenant is known and within its limits
@@ -120,6 +126,30 @@ class RequestFlow:
         engines = None if miscounted else self.pool.roster.longest_model_len(model)
         cap = self.settings.max_prompt_tokens
         return PromptLength(cap if engines is None else min(engines, cap), not miscounted)
+
+    def legs_decided(self, legs: LegPlan, model: str) -> None:
+        """A request of a model with prefill/decode workers: counted by how it is served;
+        refused (503) where no prefill worker is live and the settings say to refuse."""
+        metrics = self.metrics
+        metrics.child(metrics.legs_decided, split=str(legs.split).lower(), reason=legs.reason).inc()
+        if legs.reason is not LegReason.NO_PREFILL_WORKER:
+            return
+        if self.planner.disaggregation.when_no_prefill == "refuse":
+            raise self.refused(
+                unavailable(
+                    f"model {model!r} has decode workers and no live prefill worker",
+                    outcome="no_prefill_worker",
+                    retry_after_s=self.settings.retry_after_s,
+                )
+            )
+        metrics.child(metrics.disaggregation_fallbacks, reason="no_prefill_worker").inc()
+        if self._no_prefill_warned.get(model, -math.inf) + _NO_PREFILL_WARNING_S < self.clock():
+            self._no_prefill_warned[model] = self.clock()
+            log.error(
+                "model %s has decode workers and no live prefill worker: its requests are "
+                "served whole on the decode workers (disaggregation.when_no_prefill)",
+                model,
+            )
 
     def no_worker(self, tenant: Tenant) -> RequestRefused:
         message = (
@@ -178,6 +208,8 @@ class RequestLifecycle:
         metrics.child(metrics.decisions, factor=decision.factor).inc()
         if not decision.ranked:
             raise flow.refused(flow.no_worker(tenant))
+        if decision.legs is not None:
+            flow.legs_decided(decision.legs, parsed.model)
         return RoutedRequest(
             parsed,
             decision,
@@ -194,19 +226,22 @@ class RequestLifecycle:
         flow.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return start
 
-    def dispatch(self, routed: RoutedRequest, worker_id: str) -> Dispatch:
-        """The request goes to `worker_id` (one of routed.worker_ids()): it takes a
-        ticket there and its prefix is predicted there, until the dispatch ends."""
+    def dispatch(self, routed: RoutedRequest, worker_id: str, leg: Leg = Leg.WHOLE) -> Dispatch:
+        """The request (or `leg` of it) goes to `worker_id` (one of routed.worker_ids(),
+        or of the decision's prefill workers for a prefill leg): it takes a ticket there
+        and its prefix is predicted there, until the dispatch ends."""
         if self._open is not None:
             raise RuntimeError("the previous dispatch has not ended")
         flow, decision = self.flow, routed.decision
         candidate = decision.info(worker_id)
         predicted = decision.predicted_tokens(worker_id)
+        # A decode leg computes nothing of the prompt: it pulls what it lacks.
+        to_compute = 0 if leg is Leg.DECODE else max(0, decision.prompt_tokens - predicted)
         ticket = flow.pool.sent(
             worker_id,
             self.tenant.name,
-            max(0, decision.prompt_tokens - predicted),
-            streamed=routed.parsed.stream,
+            to_compute,
+            streamed=routed.parsed.stream and leg is not Leg.PREFILL,
         )
         sent = SentTo(
             worker_id=worker_id,
@@ -217,6 +252,7 @@ class RequestLifecycle:
             predicted_tokens=predicted,
             indexed_tokens=decision.indexed_tokens(worker_id),
             dispatched_at=flow.clock(),
+            leg=leg,
         )
         flow.planner.routed(decision, worker_id)
         self.attempts += 1
@@ -311,7 +347,10 @@ class Dispatch:
         flow = self._lifecycle.flow
         if status >= 400:  # the engine refused the request (a 4xx) or failed it
             outcome = "engine_refused" if status < 500 else "engine_error"
-        flow.count(outcome, self.worker_id)
+        if self.sent.leg is Leg.PREFILL:  # the request is counted once, by its decode leg
+            flow.metrics.child(flow.metrics.prefill_legs, outcome=outcome).inc()
+        else:
+            flow.count(outcome, self.worker_id)
         if status >= 400:
             flow.accounting.failed(self.sent, usage)
             return

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvplane.core.types import WorkerRole
 from router.auth import UNAUTHORIZED, TenantKey
 from router.errors import RequestRefused, documented, required_header, unavailable
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
@@ -36,6 +38,15 @@ from router.lifecycle.bodies import (
     StreamUsage,
     read_body,
     response_usage,
+)
+from router.lifecycle.legs import (
+    REQUEST_ID_HEADER,
+    Leg,
+    MissingParams,
+    decode_leg_body,
+    handed_on_params,
+    leg_request_id,
+    prefill_leg_body,
 )
 from router.metrics import RouterMetrics
 from router.proxy.schema import (
@@ -61,6 +72,7 @@ log = logging.getLogger(__name__)
 WORKER_HEADER = "x-kvplane-worker"
 CACHED_TOKENS_HEADER = "x-kvplane-cached-tokens"
 ATTEMPTS_HEADER = "x-kvplane-attempts"  # workers tried, this one included
+PREFILL_WORKER_HEADER = "x-kvplane-prefill-worker"  # a split request's prefill leg's
 _T = TypeVar("_T")
 
 _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -96,6 +108,19 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
         {"retry-after": required_header({"type": "integer", "minimum": 0}, "seconds")},
     ),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _HandedOn:
+    """A prefill leg's result: the decode leg's body, and who prefilled."""
+
+    body: bytes
+    worker_id: str
+
+
+def _takes_decode_legs(routed: RoutedRequest, worker_id: str) -> bool:
+    info = routed.decision.info(worker_id)
+    return info.transfers_kv and info.role is not WorkerRole.PREFILL
 
 
 class ClientGone(Exception):
@@ -295,34 +320,55 @@ class ProxyService:
         parsed = routed.parsed
         headers = {"content-type": "application/json"}
         failures: list[str] = []
-        for worker_id in routed.worker_ids(self.settings.max_attempts):
-            dispatch = lifecycle.dispatch(routed, worker_id)
+        body, leg, prefill_worker = routed.body, Leg.WHOLE, None
+        legs = routed.decision.legs
+        if legs is not None and legs.split:
+            headers[REQUEST_ID_HEADER] = leg_request_id()
+            try:
+                handed_on = await self._prefill_leg(request, lifecycle, routed, headers)
+            except ClientGone:
+                self.flow.count("client_disconnected")
+                return Response(status_code=499)
+            if handed_on is not None:
+                body, leg, prefill_worker = handed_on.body, Leg.DECODE, handed_on.worker_id
+        workers = deque(routed.worker_ids(self.settings.max_attempts))
+        while workers:
+            worker_id = workers.popleft()
+            if leg is Leg.DECODE and not _takes_decode_legs(routed, worker_id):
+                body, leg = routed.body, Leg.WHOLE  # a failover to a worker that cannot pull
+            dispatch = lifecycle.dispatch(routed, worker_id, leg)
             url = dispatch.base_url.rstrip("/") + parsed.endpoint.value
             try:
                 with self.tracer.start_as_current_span(
                     "kvplane.upstream",
-                    attributes={"kvplane.worker": worker_id, "kvplane.attempt": len(failures)},
+                    attributes={
+                        "kvplane.worker": worker_id,
+                        "kvplane.attempt": len(failures),
+                        "kvplane.leg": leg.value,
+                    },
                 ) as span:
                     answer, full_body = await _unless_disconnected(
-                        request, self._attempt(url, routed.body, headers, parsed.stream, dispatch)
+                        request, self._attempt(url, body, headers, parsed.stream, dispatch)
                     )
                     first_byte_s = time.perf_counter() - dispatch.sent_at
                     span.set_attribute("kvplane.first_byte_ms", first_byte_s * 1000)
                     span.set_attribute("http.response.status_code", answer.status)
             except AttemptFailed as failure:
+                if leg is Leg.DECODE and failure.status is not None:
+                    # vLLM's answer to a pull that failed under kv_load_failure_policy
+                    # "fail" (the prefill's lease ran out, the transfer broke): the same
+                    # worker computes the prompt itself instead.
+                    dispatch.abandon()
+                    self._fallback("kv_load_failed", worker_id, failure.status)
+                    body, leg, prefill_worker = routed.body, Leg.WHOLE, None
+                    workers.appendleft(worker_id)
+                    continue
                 dispatch.failed(failure.reason, refused=failure.refused)
                 failures.append(f"{worker_id}: {failure.reason}")
                 continue
             except NoFreeConnection:
                 dispatch.abandon()
-                log.warning("no free upstream connection (proxy.max_connections is reached)")
-                raise self.flow.refused(
-                    unavailable(
-                        "the router has no free connection to the engines now",
-                        outcome="router_busy",
-                        retry_after_s=self.settings.retry_after_s,
-                    )
-                ) from None
+                raise self._router_busy() from None
             except ClientGone:
                 dispatch.abandon("client_disconnected")
                 return Response(status_code=499)
@@ -333,6 +379,8 @@ class ProxyService:
             response_headers[WORKER_HEADER] = worker_id
             response_headers[CACHED_TOKENS_HEADER] = str(dispatch.predicted_tokens)
             response_headers[ATTEMPTS_HEADER] = str(dispatch.attempt)
+            if prefill_worker is not None:
+                response_headers[PREFILL_WORKER_HEADER] = prefill_worker
             if full_body is not None:
                 return WholeAnswerResponse(
                     full_body,
@@ -355,6 +403,81 @@ class ProxyService:
             unavailable(
                 f"no worker answered ({len(failures)} tried): " + "; ".join(failures),
                 outcome="all_attempts_failed",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        )
+
+    async def _prefill_leg(
+        self,
+        request: Request,
+        lifecycle: RequestLifecycle,
+        routed: RoutedRequest,
+        headers: dict[str, str],
+    ) -> _HandedOn | None:
+        """A split request's prefill leg, on its prefill workers in turn: the decode
+        leg's body, with the KV the prefill handed on; None where the request is to be
+        served whole instead (every prefill worker failed or refused, or the one that
+        answered handed nothing on), counted with the reason."""
+        parsed, salt = routed.parsed, lifecycle.tenant.cache_salt
+        body = prefill_leg_body(parsed, salt)
+        url_path = parsed.endpoint.value
+        for worker_id in routed.decision.prefill_worker_ids(self.settings.max_attempts):
+            dispatch = lifecycle.dispatch(routed, worker_id, Leg.PREFILL)
+            try:
+                with self.tracer.start_as_current_span(
+                    "kvplane.prefill_leg", attributes={"kvplane.worker": worker_id}
+                ) as span:
+                    answer, full_body = await _unless_disconnected(
+                        request,
+                        self._attempt(
+                            dispatch.base_url.rstrip("/") + url_path, body, headers, False, dispatch
+                        ),
+                    )
+                    span.set_attribute("http.response.status_code", answer.status)
+            except AttemptFailed as failure:
+                dispatch.failed(failure.reason, refused=failure.refused)
+                continue
+            except NoFreeConnection:
+                dispatch.abandon()
+                raise self._router_busy() from None
+            except ClientGone:
+                dispatch.abandon()
+                raise
+            assert full_body is not None  # a prefill leg is never streamed
+            dispatch.settle("ok", response_usage(full_body), answer.status)
+            if answer.status >= 400:
+                # Failed, or refused: served whole, the decode worker's own answer (and
+                # refusal, for a request no engine takes) goes to the client.
+                continue
+            try:
+                params = handed_on_params(full_body)
+            except MissingParams as missing:
+                self._fallback("no_kv_params", worker_id, answer.status, str(missing))
+                return None
+            return _HandedOn(decode_leg_body(parsed, salt, params), worker_id)
+        self._fallback("prefill_failed", None, None)
+        return None
+
+    def _fallback(
+        self, reason: str, worker_id: str | None, status: int | None, detail: str = ""
+    ) -> None:
+        """A split request that does not run as planned: counted, and said (ids and
+        counts only)."""
+        self.metrics.child(self.metrics.disaggregation_fallbacks, reason=reason).inc()
+        log.warning(
+            "disaggregated request served otherwise (%s): worker %s, status %s%s",
+            reason,
+            worker_id or "-",
+            status if status is not None else "-",
+            f": {detail}" if detail else "",
+        )
+
+    def _router_busy(self) -> RequestRefused:
+        log.warning("no free upstream connection (proxy.max_connections is reached)")
+        return self.flow.refused(
+            unavailable(
+                "the router has no free connection to the engines now",
+                outcome="router_busy",
                 retry_after_s=self.settings.retry_after_s,
             )
         )

@@ -30,12 +30,14 @@ _NOT_FORWARDED = frozenset(
 
 
 class AttemptFailed(Exception):
-    """This worker did not answer; `refused` when it could not even be connected to."""
+    """This worker did not answer; `refused` when it could not even be connected to;
+    `status`: the error status it answered with instead, if it did."""
 
-    def __init__(self, reason: str, *, refused: bool = False) -> None:
+    def __init__(self, reason: str, *, refused: bool = False, status: int | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.refused = refused
+        self.status = status
 
 
 class UpstreamBroken(Exception):
@@ -180,7 +182,9 @@ class Upstream:
                     url, data=body, headers=headers, allow_redirects=False
                 )
                 if response.status >= 500:
-                    raise AttemptFailed(f"the engine answered {response.status}")
+                    raise AttemptFailed(
+                        f"the engine answered {response.status}", status=response.status
+                    )
                 first = await response.content.readany()
         except AttemptFailed:
             _drop(response, self._slots)

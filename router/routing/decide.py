@@ -18,14 +18,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.core.clock import Clock
+from kvplane.core.config import DisaggregationSettings
 from kvplane.core.keys import BlockKey, KeyNamespace, chain_keys, root_key
 from kvplane.core.types import Tier, WorkerInfo
 from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, index_deadline
 from router.routing.pool import WorkerPool
 from router.routing.predicted import PredictedPrefixes
-from router.routing.roster import Roster
+from router.routing.roster import Roster, Rows
+from router.scoring.disaggregation import DecodeSide, LegPlan, LegReason, plan_legs
 from router.scoring.policy import RoutingPolicy
-from router.scoring.score import TIERS, RankedWorkers, RequestFacts
+from router.scoring.score import TIERS, CandidateFacts, RankedWorkers, RequestFacts
 from router.tenants import Tenant
 from router.tracing import Tracer
 
@@ -65,6 +67,18 @@ class Decision:
     index_answered: bool  # False: load-only (plus this router's predictions)
     factor: str
     seconds: float
+    # Prefill/decode disaggregation: how the request is served (None: its model's
+    # workers do not split requests), and the prefill workers for its prefill leg,
+    # best first (None: not split).
+    legs: LegPlan | None = None
+    prefill_ranked: RankedWorkers | None = None
+
+    def prefill_worker_ids(self, at_most: int) -> list[str]:
+        """The prefill workers to try for a split request's prefill leg, best first."""
+        ranked = self.prefill_ranked
+        if ranked is None:
+            return []
+        return [ranked.worker_id(i) for i in range(min(len(ranked), at_most))]
 
     def matched(self, worker_id: str) -> Mapping[Tier, int]:
         """The blocks per tier believed cached at a candidate (empty: none, or not a
@@ -147,10 +161,12 @@ class RoutingPlanner:
         block_size: int,
         index_timeout_s: float,
         tracer: Tracer,
+        disaggregation: DisaggregationSettings | None = None,
         rng: np.random.Generator | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.index = index
+        self.disaggregation = disaggregation or DisaggregationSettings()
         self.pool = pool
         self.predicted = predicted
         self.policy = policy
@@ -229,9 +245,20 @@ class RoutingPlanner:
                 pool=tenant.pool,
                 counted_as_engines=counted_as_engines,
             )
-            ranked, factor = self.policy.rank(request, facts, self.rng)
+            prefill_only = roster.prefill_only[rows]
+            if prefill_only.any() and not prefill_only.all():  # whole requests: not there
+                ranked, factor = self.policy.rank(
+                    request, facts._replace(excluded=prefill_only), self.rng
+                )
+            else:
+                ranked, factor = self.policy.rank(request, facts, self.rng)
+            legs, prefill_ranked = self._plan_legs(request, facts, roster, rows, ranked)
             span.set_attribute("kvplane.candidates", len(rows))
             span.set_attribute("kvplane.factor", factor)
+            if legs is not None:
+                span.set_attribute("kvplane.legs", legs.reason.value)
+                if legs.prefill_worker is not None:
+                    span.set_attribute("kvplane.prefill_worker", legs.prefill_worker)
         return Decision(
             ranked=ranked,
             candidates=facts.worker_ids,
@@ -248,7 +275,46 @@ class RoutingPlanner:
             index_answered=answered,
             factor=factor,
             seconds=time.perf_counter() - started,
+            legs=legs,
+            prefill_ranked=prefill_ranked if legs is not None and legs.split else None,
         )
+
+    def _plan_legs(
+        self,
+        request: RequestFacts,
+        facts: CandidateFacts,
+        roster: Roster,
+        rows: Rows,
+        ranked: RankedWorkers,
+    ) -> tuple[LegPlan | None, RankedWorkers | None]:
+        """Whole or split (router/scoring/disaggregation.py), for the best-ranked
+        worker; (None, None) for a model none of whose workers transfers KV."""
+        takes_prefill = roster.takes_prefill_legs[rows]
+        takes_decode = roster.takes_decode_legs[rows]
+        if not ranked or not (takes_prefill.any() or takes_decode.any()):
+            return None, None
+        best = int(ranked.rows[0])
+        decode_id = ranked.worker_id(0)
+        if roster.prefill_only[rows].all():
+            return LegPlan(decode_id, None, LegReason.NO_DECODE_WORKER), None
+        if not takes_prefill.any():
+            return LegPlan(decode_id, None, LegReason.NO_PREFILL_WORKER), None
+        if self.disaggregation.mode == "never":
+            return LegPlan(decode_id, None, LegReason.NEVER), None
+        peers = (
+            takes_prefill
+            & (roster.kv_connectors[rows] == roster.kv_connectors[rows[best]])
+            & (np.arange(len(rows)) != best)
+        )
+        prefill_ranked = None
+        if takes_decode[best] and peers.any():
+            prefill_ranked, _ = self.policy.rank(request, facts._replace(excluded=~peers), self.rng)
+        decode = DecodeSide(ranked[0], float(facts.running_requests[best]))
+        prefill = prefill_ranked[0] if prefill_ranked else None
+        plan = plan_legs(
+            request.prompt_tokens, decode, prefill, self.policy.weights, self.disaggregation
+        )
+        return plan, prefill_ranked
 
     def routed(self, decision: Decision, worker_id: str) -> None:
         """The request went to `worker_id`: its prefix is predicted there from now on."""

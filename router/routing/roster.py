@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvplane.core.types import WorkerInfo
+from kvplane.core.types import WorkerInfo, WorkerRole
 from router.tenants import POOL_LABEL
 
 Rows = npt.NDArray[np.intp]
@@ -35,6 +35,21 @@ class Roster:
             model: _read_only(np.array(rows, dtype=np.intp)) for model, rows in by_model.items()
         }
         self._all_rows = _read_only(np.arange(count, dtype=np.intp))
+        # Prefill/decode disaggregation (router/scoring/disaggregation.py): which legs
+        # each takes. Whole requests and decode legs never go to a prefill worker while
+        # another can take them; a prefill leg goes where the engine can hand its KV on.
+        self.prefill_only = np.array(
+            [info.role is WorkerRole.PREFILL for info in infos], dtype=np.bool_
+        ).reshape(count)
+        self.takes_prefill_legs = np.array(
+            [info.transfers_kv and info.role is not WorkerRole.DECODE for info in infos],
+            dtype=np.bool_,
+        ).reshape(count)
+        self.takes_decode_legs = np.array(
+            [info.transfers_kv and info.role is not WorkerRole.PREFILL for info in infos],
+            dtype=np.bool_,
+        ).reshape(count)
+        self.kv_connectors = _objects([info.kv_connector for info in infos])
         # Each worker's longest prompt plus output; unknown (its engine does not say)
         # takes anything. A prompt over a worker's length is not routed there
         # (router/scoring/score.py eligible), so an agent that registers a short one

@@ -41,6 +41,11 @@ class RoutingPolicy(Protocol):
     def name(self) -> str:
         """The policy's name in settings (`[scoring] policy`) and reports."""
 
+    @property
+    def weights(self) -> ScoringSettings:
+        """The scoring settings it ranks with (also the prefill rate and KV size that
+        price a disaggregated request's legs)."""
+
     def rank(
         self, request: RequestFacts, workers: CandidateFacts, rng: np.random.Generator
     ) -> Ranking:

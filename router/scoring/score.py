@@ -69,6 +69,9 @@ class CandidateFacts(NamedTuple):
     labels: Sequence[Mapping[str, str]]
     pools: npt.NDArray[np.object_]  # a dedicated tenant's pool each belongs to, or None
     max_model_len: Column  # the longest prompt plus output its engine takes; inf: unknown
+    # Workers that cannot take this request, or this leg of it (a prefill-only worker,
+    # for a whole request); None: none excluded.
+    excluded: Flags | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,13 +150,16 @@ def queue_estimate(
 
 def eligible(request: RequestFacts, facts: CandidateFacts) -> Flags:
     """The workers that can take the request: `dedicated` is a hard filter (only the
-    tenant's own pool), and no worker takes a prompt over its max_model_len."""
+    tenant's own pool), no worker takes a prompt over its max_model_len, and none that
+    the facts exclude."""
     rows = len(facts.worker_ids)
     if request.counted_as_engines:
         most = request.prompt_tokens_at_most
         allowed = facts.max_model_len >= (request.prompt_tokens if most is None else most)
     else:
         allowed = np.ones(rows, dtype=np.bool_)
+    if facts.excluded is not None:
+        allowed = allowed & ~facts.excluded
     if request.isolation != "dedicated":
         return allowed
     if request.pool is None:

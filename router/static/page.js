@@ -112,6 +112,7 @@ function renderWorkers(answer) {
       cell("worker_id", w.worker_id, "key"),
       cell("state", w.state),
       cell("model", w.model),
+      cell("role", w.kv_connector ? `${w.role} (${w.kv_connector})` : w.role),
       cell("engine", `${w.engine.kind} ${w.engine.version}`),
       cell("running", count(load.running), "number"),
       cell("waiting", count(load.waiting), "number"),
@@ -125,7 +126,10 @@ function renderWorkers(answer) {
     ]);
   });
   fill("workers", rows, "No worker has registered.");
-  const models = answer.routing.map((m) => `${m.model}: ${m.routing.replace("_", "-")}`);
+  // A model whose requests cannot be split as its workers' roles say is shouted.
+  const legs = (m) =>
+    ({ whole: "", split: ", split" })[m.legs] ?? `, ${m.legs.replaceAll("_", " ").toUpperCase()}`;
+  const models = answer.routing.map((m) => `${m.model}: ${m.routing.replace("_", "-")}${legs(m)}`);
   const index = answer.index_reachable ? "index reachable" : "INDEX UNREACHABLE: routing on load only";
   const live = answer.workers.filter((w) => w.state === "live").length;
   document.getElementById("summary").textContent =

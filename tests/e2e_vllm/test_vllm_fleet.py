@@ -253,7 +253,7 @@ def test_kvplane_check_proves_both_replicas_wired(vllm_fleet: VllmFleet) -> None
         assert checks["events"] == "pass", row
         assert checks["tokenizer"] == "pass", row  # vLLM's own usage.prompt_tokens
         assert checks["probe_tokenizer"] == checks["probe_index"] == "pass", row
-    assert verdict["routing"] == [{"model": MODEL, "routing": "cache_aware"}]
+    assert verdict["routing"] == [{"model": MODEL, "routing": "cache_aware", "legs": "whole"}]
     FIGURES["kvplane_check"] = {
         row["worker_id"]: {check["name"]: check["detail"] for check in row["checks"]}
         for row in verdict["workers"]

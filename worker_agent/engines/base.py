@@ -10,6 +10,7 @@ from typing import Protocol
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from kvplane.core.kv_transfer import KvTransferConfig
 from worker_agent.engines.kv_event_wire import DecodedBatch
 from worker_agent.events import (
     EngineCacheConfig,
@@ -33,6 +34,11 @@ class EngineAdapter(Protocol):
 
     def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
         """The cache configuration the engine exposes in its metrics, if any."""
+        ...
+
+    def parse_kv_transfer_config(self, metrics_text: str) -> KvTransferConfig | None:
+        """The engine's KV connector and role, as far as its metrics show them; None
+        where they do not."""
         ...
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
@@ -79,6 +85,18 @@ def metric_samples(metrics_text: str, names: Collection[str]) -> list[Sample]:
         ]
     except Exception as error:  # the parser raises bare ValueError, TypeError, ...
         raise ValueError(f"unreadable metrics: {type(error).__name__}") from None
+
+
+def metric_families(metrics_text: str) -> set[str]:
+    """The names of the families a Prometheus text exposition declares (`# TYPE`) or
+    has samples of, whether or not any sample has a value yet."""
+    names = set()
+    for line in metrics_text.splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split(" ", 3)[2])
+        elif name := _sample_name(line):
+            names.add(name)
+    return names
 
 
 def _sample_name(line: str) -> str:

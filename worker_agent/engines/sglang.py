@@ -8,6 +8,7 @@ field."""
 
 from __future__ import annotations
 
+from kvplane.core.kv_transfer import KvTransferConfig
 from kvplane.core.types import Tier
 from worker_agent.engines.base import (
     mean,
@@ -64,6 +65,9 @@ class SglangAdapter:
 
     def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
         return None  # SGLang's metrics count tokens, not blocks of a known size
+
+    def parse_kv_transfer_config(self, metrics_text: str) -> KvTransferConfig | None:
+        return None  # SGLang's bootstrap protocol is not routed (docs/pd-disaggregation.md)
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
         return prefix_cache_counters(metrics_text, _PROMPT_TOKENS, _CACHED_TOKENS, _PREFILLED)

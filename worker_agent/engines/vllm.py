@@ -3,8 +3,15 @@ configuration from its Prometheus metrics (current names and the pre-0.12 `gpu_`
 
 from __future__ import annotations
 
+from kvplane.core.kv_transfer import KvTransferConfig, kv_transfer_config
 from kvplane.core.types import Tier
-from worker_agent.engines.base import mean, metric_samples, prefix_cache_counters, total
+from worker_agent.engines.base import (
+    mean,
+    metric_families,
+    metric_samples,
+    prefix_cache_counters,
+    total,
+)
 from worker_agent.engines.kv_event_wire import DecodedBatch, WireDialect, decode_batch
 from worker_agent.events import (
     EngineCacheConfig,
@@ -36,6 +43,8 @@ _LOAD_METRICS = frozenset(
 _PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 _PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _PREFILLED = "vllm:time_to_first_token_seconds_count"
+_NIXL_PREFIX = "vllm:nixl_"
+_KV_FETCH_GAUGE = "vllm:num_requests_kv_fetch_by_stage"
 
 
 class VllmAdapter:
@@ -62,6 +71,18 @@ class VllmAdapter:
                     num_blocks=_int_label(sample.labels.get("num_gpu_blocks")),
                 )
         return None
+
+    def parse_kv_transfer_config(self, metrics_text: str) -> KvTransferConfig | None:
+        """vLLM labels no metric with its connector or role; their families tell part of
+        it (vLLM 0.34, vllm/v1/metrics/loggers.py): NixlConnector's `vllm:nixl_*` exist
+        only with that connector, and the KV-fetch gauge only on an engine that consumes
+        KV (kv_consumer or kv_both, which the metrics cannot tell apart: both read as
+        kv_both, and agent.role names a decode pool)."""
+        families = metric_families(metrics_text)
+        if not any(name.startswith(_NIXL_PREFIX) for name in families):
+            return None
+        consumes = _KV_FETCH_GAUGE in families
+        return kv_transfer_config("NixlConnector", "kv_both" if consumes else "kv_producer")
 
     def parse_prefix_cache(self, metrics_text: str) -> PrefixCacheCounters | None:
         return prefix_cache_counters(metrics_text, _PREFIX_QUERIES, _PREFIX_HITS, _PREFILLED)

@@ -15,6 +15,13 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DISK: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
 
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+
 class EventsState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EVENTS_STATE_UNSPECIFIED: _ClassVar[EventsState]
@@ -44,6 +51,10 @@ TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
 EVENTS_STATE_UNSPECIFIED: EventsState
 EVENTS_STATE_NOT_CONNECTED: EventsState
 EVENTS_STATE_NEVER_SEEN: EventsState
@@ -84,7 +95,7 @@ class ControlMessage(_message.Message):
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "base_url", "model", "block_size", "key_scheme_version", "kv_capacity_blocks", "engine_kind", "engine_version", "labels", "max_model_len")
+    __slots__ = ("worker_id", "incarnation", "base_url", "model", "block_size", "key_scheme_version", "kv_capacity_blocks", "engine_kind", "engine_version", "labels", "max_model_len", "role", "kv_connector")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +114,8 @@ class Register(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: int
     base_url: str
@@ -114,7 +127,9 @@ class Register(_message.Message):
     engine_version: str
     labels: _containers.ScalarMap[str, str]
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., key_scheme_version: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engine_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    role: WorkerRole
+    kv_connector: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., key_scheme_version: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engine_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., max_model_len: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_connector: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("parent_key", "keys", "first_position", "tier")

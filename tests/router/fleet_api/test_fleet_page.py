@@ -81,6 +81,11 @@ def worker_cells(worker: dict[str, Any]) -> dict[str, str]:
         "worker_id": worker["worker_id"],
         "state": worker["state"],
         "model": worker["model"],
+        "role": (
+            f"{worker['role']} ({worker['kv_connector']})"
+            if worker["kv_connector"]
+            else worker["role"]
+        ),
         "engine": f"{worker['engine']['kind']} {worker['engine']['version']}",
         "running": count(load.get("running")),
         "waiting": count(load.get("waiting")),

@@ -61,7 +61,9 @@ async def test_hits_only_the_routers_own_predictions_foresaw_flag_the_worker() -
     vouching = next(c for c in row["wiring"]["checks"] if c["name"] == "index_vouches")
     assert vouching["status"] == "fail"
     assert row["wiring"]["blind"]
-    assert answer["routing"] == [{"model": "kvplane-tiny", "routing": "predictions_only"}]
+    assert answer["routing"] == [
+        {"model": "kvplane-tiny", "routing": "predictions_only", "legs": "whole"}
+    ]
 
 
 def _value(metrics: str, name: str) -> float:

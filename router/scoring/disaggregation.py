@@ -1,0 +1,130 @@
+"""Pure: whether a request is split into a prefill leg and a decode leg, and the terms
+that decided it (docs/pd-disaggregation.md).
+
+The decode worker is chosen first, as for a whole request (its cached prefix, load and
+memory). Then the request is served whole there, computing what the decode worker does
+not hold, or split: the best prefill worker computes what *it* does not hold and the
+decode worker pulls what it lacks. Whichever costs less wins (`conditional`); the
+decode worker's own queue is the same wait either way, so it is left out of both.
+
+    whole = uncached on decode x (1 + decode_stall_weight x streams running there)
+            / prefill rate
+    split = (uncached on prefill + prefill's queue, in tokens) / prefill rate
+            + uncached on decode x KV bytes per token / link bandwidth + leg overhead
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from kvplane.core.config import DisaggregationSettings, ScoringSettings
+from kvplane.core.types import WorkerInfo, WorkerRole
+from router.scoring.score import ScoreBreakdown
+
+ModelLegs = Literal["whole", "split", "no_prefill_worker", "no_decode_worker"]
+
+
+class LegReason(enum.StrEnum):
+    """Why a request was served whole or split (a metric label: a closed set)."""
+
+    SPLIT_CHEAPER = "split_cheaper"
+    WHOLE_CHEAPER = "whole_cheaper"
+    ALWAYS = "always"  # `mode = always`
+    NEVER = "never"  # `mode = never`
+    NO_PREFILL_WORKER = "no_prefill_worker"  # decode workers, and no live prefill worker
+    NO_DECODE_WORKER = "no_decode_worker"  # prefill workers only: they serve whole requests
+    NO_TRANSFER = "no_transfer"  # the decode worker has no connector, or no peer shares it
+
+
+@dataclass(frozen=True, slots=True)
+class LegPlan:
+    """How a request is served: by `decode_worker` whole, or after `prefill_worker`'s
+    leg; the costs compared (seconds; None where there was nothing to compare)."""
+
+    decode_worker: str
+    prefill_worker: str | None  # None: whole on decode_worker
+    reason: LegReason
+    whole_s: float | None = None
+    split_s: float | None = None
+    transfer_bytes: int = 0  # KV the decode worker pulls when split
+
+    @property
+    def split(self) -> bool:
+        return self.prefill_worker is not None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSide:
+    """The decode worker's facts the plan reads."""
+
+    breakdown: ScoreBreakdown
+    running_requests: float
+
+
+def plan_legs(
+    prompt_tokens: int,
+    decode: DecodeSide,
+    prefill: ScoreBreakdown | None,
+    scoring: ScoringSettings,
+    settings: DisaggregationSettings,
+) -> LegPlan:
+    """Whole or split, for a request of `prompt_tokens` whose decode worker is chosen;
+    `prefill`: the best prefill worker that can hand its KV to that one (None: none)."""
+    decode_id = decode.breakdown.worker_id
+    if prefill is None:
+        return LegPlan(decode_id, None, LegReason.NO_TRANSFER)
+    if settings.mode == "never":
+        return LegPlan(decode_id, None, LegReason.NEVER)
+    rate = scoring.prefill_tokens_per_s
+    uncached_on_decode = max(0, prompt_tokens - decode.breakdown.cached_tokens)
+    uncached_on_prefill = max(0, prompt_tokens - prefill.cached_tokens)
+    transfer_bytes = uncached_on_decode * scoring.kv_bytes_per_token
+    stall = 1.0 + settings.decode_stall_weight * decode.running_requests
+    whole_s = uncached_on_decode * stall / rate
+    split_s = (
+        (uncached_on_prefill + prefill.queue_penalty) / rate
+        + transfer_bytes / settings.link_bytes_per_s
+        + settings.leg_overhead_s
+    )
+    if settings.mode == "always":
+        reason = LegReason.ALWAYS
+    else:
+        reason = LegReason.SPLIT_CHEAPER if split_s < whole_s else LegReason.WHOLE_CHEAPER
+    chosen = None if reason is LegReason.WHOLE_CHEAPER else prefill.worker_id
+    return LegPlan(decode_id, chosen, reason, whole_s, split_s, transfer_bytes)
+
+
+def model_legs(live: Iterable[WorkerInfo]) -> dict[str, ModelLegs]:
+    """Per model, from its live workers: whether its requests can be split (`split`:
+    a worker takes prefill legs and another decode legs), are whole because none of its
+    workers transfers KV (`whole`), or are whole because one side has no live worker."""
+    prefill: dict[str, int] = {}
+    decode: dict[str, int] = {}
+    serving: dict[str, int] = {}  # workers that take whole requests
+    for info in live:
+        model = info.model
+        prefill.setdefault(model, 0)
+        decode.setdefault(model, 0)
+        serving.setdefault(model, 0)
+        if info.transfers_kv and info.role is not WorkerRole.DECODE:
+            prefill[model] += 1
+        if info.transfers_kv and info.role is not WorkerRole.PREFILL:
+            decode[model] += 1
+        if info.role is not WorkerRole.PREFILL:
+            serving[model] += 1
+    legs: dict[str, ModelLegs] = {}
+    for model in sorted(serving):
+        if not serving[model]:
+            legs[model] = "no_decode_worker"
+        elif not prefill[model] and not decode[model]:
+            legs[model] = "whole"
+        elif not prefill[model]:
+            legs[model] = "no_prefill_worker"
+        elif prefill[model] + decode[model] >= 2:
+            legs[model] = "split"
+        else:  # one worker that could take either leg: there is no peer to split with
+            legs[model] = "whole"
+    return legs

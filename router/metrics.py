@@ -251,7 +251,8 @@ class RouterMetrics:
         self.disaggregation_fallbacks = Counter(
             "kvplane_disaggregation_fallbacks",
             "Split requests that did not run as planned, by what happened instead: "
-            "prefill_failed (every prefill worker failed: whole on decode), no_kv_params "
+            "prefill_failed (every prefill worker failed: whole on decode), prefill_refused "
+            "(a 4xx: whole on decode, whose answer the client gets), no_kv_params "
             "(the prefill handed nothing on: decode computed the prompt), kv_load_failed "
             "(the decode worker could not pull: whole on decode), no_prefill_worker "
             "(whole on decode: none was live)",

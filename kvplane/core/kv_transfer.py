@@ -42,8 +42,9 @@ def parse_kv_transfer_config(text: str) -> KvTransferConfig | None:
     connector = fields.get("kv_connector")
     if connector is None:
         return None
-    role = fields.get("kv_role", "kv_both")
-    return kv_transfer_config(connector, role)
+    if fields.get("kv_role") is None:  # vLLM refuses it too (vllm/config/kv_transfer.py)
+        raise ValueError("kv_transfer_config needs kv_role with kv_connector")
+    return kv_transfer_config(connector, fields["kv_role"])
 
 
 def kv_transfer_config(connector: object, role: object) -> KvTransferConfig:

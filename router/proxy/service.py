@@ -335,7 +335,8 @@ class ProxyService:
         while workers:
             worker_id = workers.popleft()
             if leg is Leg.DECODE and not _takes_decode_legs(routed, worker_id):
-                body, leg = routed.body, Leg.WHOLE  # a failover to a worker that cannot pull
+                # A failover to a worker that cannot pull: it computes the prompt.
+                body, leg, prefill_worker = routed.body, Leg.WHOLE, None
             dispatch = lifecycle.dispatch(routed, worker_id, leg)
             url = dispatch.base_url.rstrip("/") + parsed.endpoint.value
             try:
@@ -416,8 +417,8 @@ class ProxyService:
     ) -> _HandedOn | None:
         """A split request's prefill leg, on its prefill workers in turn: the decode
         leg's body, with the KV the prefill handed on; None where the request is to be
-        served whole instead (every prefill worker failed or refused, or the one that
-        answered handed nothing on), counted with the reason."""
+        served whole instead (every prefill worker failed, or one refused the request or
+        handed nothing on), counted with the reason."""
         parsed, salt = routed.parsed, lifecycle.tenant.cache_salt
         body = prefill_leg_body(parsed, salt)
         url_path = parsed.endpoint.value
@@ -446,9 +447,10 @@ class ProxyService:
             assert full_body is not None  # a prefill leg is never streamed
             dispatch.settle("ok", response_usage(full_body), answer.status)
             if answer.status >= 400:
-                # Failed, or refused: served whole, the decode worker's own answer (and
-                # refusal, for a request no engine takes) goes to the client.
-                continue
+                # Refused (its failures raise AttemptFailed): served whole, so that the
+                # client gets the decode worker's own answer, or refusal.
+                self._fallback("prefill_refused", worker_id, answer.status)
+                return None
             try:
                 params = handed_on_params(full_body)
             except MissingParams as missing:

@@ -99,32 +99,33 @@ def plan_legs(
 
 def model_legs(live: Iterable[WorkerInfo]) -> dict[str, ModelLegs]:
     """Per model, from its live workers: whether its requests can be split (`split`:
-    a worker takes prefill legs and another decode legs), are whole because none of its
-    workers transfers KV (`whole`), or are whole because one side has no live worker."""
-    prefill: dict[str, int] = {}
-    decode: dict[str, int] = {}
-    serving: dict[str, int] = {}  # workers that take whole requests
+    one worker takes prefill legs and another decode legs, with the same connector),
+    are whole because no two of its workers can hand KV to each other (`whole`), or are
+    whole because one side has no live worker."""
+    prefill: dict[tuple[str, str], set[str]] = {}  # (model, connector) -> worker ids
+    decode: dict[tuple[str, str], set[str]] = {}
+    roles: dict[str, set[WorkerRole]] = {}
     for info in live:
-        model = info.model
-        prefill.setdefault(model, 0)
-        decode.setdefault(model, 0)
-        serving.setdefault(model, 0)
+        roles.setdefault(info.model, set()).add(info.role)
+        group = (info.model, info.kv_connector)
         if info.transfers_kv and info.role is not WorkerRole.DECODE:
-            prefill[model] += 1
+            prefill.setdefault(group, set()).add(info.worker_id)
         if info.transfers_kv and info.role is not WorkerRole.PREFILL:
-            decode[model] += 1
-        if info.role is not WorkerRole.PREFILL:
-            serving[model] += 1
+            decode.setdefault(group, set()).add(info.worker_id)
     legs: dict[str, ModelLegs] = {}
-    for model in sorted(serving):
-        if not serving[model]:
+    for model, model_roles in sorted(roles.items()):
+        groups = [group for group in prefill.keys() | decode.keys() if group[0] == model]
+        if model_roles == {WorkerRole.PREFILL}:
             legs[model] = "no_decode_worker"
-        elif not prefill[model] and not decode[model]:
-            legs[model] = "whole"
-        elif not prefill[model]:
-            legs[model] = "no_prefill_worker"
-        elif prefill[model] + decode[model] >= 2:
+        elif any(_pairs(prefill.get(group, set()), decode.get(group, set())) for group in groups):
             legs[model] = "split"
-        else:  # one worker that could take either leg: there is no peer to split with
+        elif WorkerRole.DECODE in model_roles and not any(prefill.get(g) for g in groups):
+            legs[model] = "no_prefill_worker"
+        else:
             legs[model] = "whole"
     return legs
+
+
+def _pairs(prefill: set[str], decode: set[str]) -> bool:
+    """Whether some worker of `prefill` can hand KV to another of `decode`."""
+    return bool(prefill and decode) and len(prefill | decode) != 1

@@ -238,3 +238,15 @@ def test_a_model_without_prefill_workers_is_refused_when_so_configured() -> None
         assert response.status_code == 503
         assert "no live prefill worker" in response.json()["error"]["message"]
         assert fleet.metric("kvplane_requests_total", outcome="no_prefill_worker") == 1
+
+
+def test_a_request_the_prefill_refuses_gets_the_decode_workers_refusal(fleet: Fleet) -> None:
+    before = fleet.metric("kvplane_disaggregation_fallbacks_total", reason="prefill_refused")
+    body = {"model": "no-such-model", "prompt": _prompt("refused"), "max_tokens": 4}
+    response = httpx.post(fleet.router_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 404  # the engine's own answer, as a whole request gets
+    assert response.headers["x-kvplane-worker"] == "decode-a"
+    assert fleet.metric("kvplane_disaggregation_fallbacks_total", reason="prefill_refused") == (
+        before + 1
+    )
+    assert fleet.metric("kvplane_prefill_legs_total", outcome="engine_refused") >= 1

@@ -461,6 +461,11 @@ class RouterMetrics:
                 self.worker_load.labels(worker=worker, kind="running").set(load.running)
                 self.worker_load.labels(worker=worker, kind="waiting").set(load.waiting)
                 self.worker_load.labels(worker=worker, kind="kv_usage").set(load.kv_usage)
+                if load.kv_load_failures or load.kv_leases_expired:
+                    kinds = (("kv_load_failures", load.kv_load_failures),
+                             ("kv_leases_expired", load.kv_leases_expired))  # fmt: skip
+                    for kind, count in kinds:
+                        self.worker_load.labels(worker=worker, kind=kind).set(count)
             for skipped in (
                 () if load is None or load.wiring is None else load.wiring.skipped_events
             ):

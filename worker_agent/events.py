@@ -84,6 +84,9 @@ class EngineLoad:
     running: int
     waiting: int
     kv_usage: float  # 0.0 to 1.0
+    # Failed KV transfers since the engine started (disaggregated fleets; 0 elsewhere).
+    kv_load_failures: int = 0
+    kv_leases_expired: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,7 +252,14 @@ class ControlPlanePublisher:
                 load, self._load = self._load, None
                 if not self._repeats_last_report(load):
                     await stream.send(
-                        load_message(load.running, load.waiting, load.kv_usage, wiring=self._wiring)
+                        load_message(
+                            load.running,
+                            load.waiting,
+                            load.kv_usage,
+                            wiring=self._wiring,
+                            kv_load_failures=load.kv_load_failures,
+                            kv_leases_expired=load.kv_leases_expired,
+                        )
                     )
                     self._last_report = (load, self._wiring)
                     self._last_report_at = self._renewed_at = time.monotonic()

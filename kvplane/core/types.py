@@ -158,3 +158,6 @@ class LoadReport:
     timestamp_ms: int  # the agent's wall clock; 0 when it sent none
     engine_down: bool = False
     wiring: WiringReport | None = None  # None: the agent sent none
+    # The engine's failed KV transfers since it started (see Load in the proto).
+    kv_load_failures: int = 0
+    kv_leases_expired: int = 0

@@ -176,6 +176,8 @@ def load_message(
     *,
     engine_down: bool = False,
     wiring: WiringReport | None = None,
+    kv_load_failures: int = 0,
+    kv_leases_expired: int = 0,
 ) -> pb.AgentMessage:
     return pb.AgentMessage(
         load=pb.Load(
@@ -185,6 +187,8 @@ def load_message(
             timestamp_ms=time.time_ns() // 1_000_000,
             engine_down=engine_down,
             wiring=None if wiring is None else wiring_to_wire(wiring),
+            kv_load_failures=kv_load_failures,
+            kv_leases_expired=kv_leases_expired,
         )
     )
 
@@ -360,6 +364,8 @@ def parse_load(message: pb.Load) -> LoadReport | Rejection:
         timestamp_ms=message.timestamp_ms,
         engine_down=message.engine_down,
         wiring=wiring,
+        kv_load_failures=message.kv_load_failures,
+        kv_leases_expired=message.kv_leases_expired,
     )
 
 

@@ -324,6 +324,8 @@ class FleetApi:
                         waiting=load.waiting,
                         kv_usage=load.kv_usage,
                         engine_down=load.engine_down,
+                        kv_load_failures=load.kv_load_failures,
+                        kv_leases_expired=load.kv_leases_expired,
                     ),
                     router_in_flight=traffic.in_flight,
                     router_prefilling=traffic.prefilling,

@@ -124,6 +124,14 @@ class WorkerLoad(BaseModel):
     waiting: int
     kv_usage: float
     engine_down: bool
+    kv_load_failures: int = Field(
+        description="pulls of a disaggregated request's KV its engine could not complete, "
+        "since it started (it failed or recomputed them: vLLM's kv_load_failure_policy)"
+    )
+    kv_leases_expired: int = Field(
+        description="prompts it prefilled whose KV no decode worker pulled in time, since "
+        "it started"
+    )
 
 
 CheckStatusName = Literal["pass", "warn", "fail", "unknown"]

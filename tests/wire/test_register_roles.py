@@ -12,6 +12,8 @@ from kvplane.wire.codec import (
     MAX_ENGINE_FIELD_CHARS,
     Limits,
     Rejection,
+    load_message,
+    parse_load,
     parse_register,
     register_message,
 )
@@ -108,3 +110,13 @@ def test_the_longest_connector_is_accepted() -> None:
     assert isinstance(info, WorkerInfo)
     assert info.kv_connector == connector
     assert info.role is WorkerRole.DECODE
+
+
+def test_the_engines_transfer_failures_ride_the_load_report() -> None:
+    message = load_message(1, 2, 0.5, kv_load_failures=7, kv_leases_expired=3).load
+    report = parse_load(pb.Load.FromString(message.SerializeToString()))
+    assert not isinstance(report, Rejection)
+    assert (report.kv_load_failures, report.kv_leases_expired) == (7, 3)
+    older = parse_load(pb.Load(running=1, waiting=0, kv_usage=0.1))
+    assert not isinstance(older, Rejection)
+    assert (older.kv_load_failures, older.kv_leases_expired) == (0, 0)

@@ -155,3 +155,29 @@ def test_metric_families_of_bare_samples_and_nothing() -> None:
     assert metric_families(text) == {"vllm:num_requests_waiting", "vllm:nixl_num_descriptors_count"}
     assert metric_families("") == set()
     assert metric_families("# HELP vllm:x Something.\n\n") == set()
+
+
+def _load_exposition(*, nixl: bool) -> str:
+    registry = CollectorRegistry()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        Gauge(name, name, LABELS, registry=registry).labels(MODEL, "0").set(1)
+    Gauge("vllm:kv_cache_usage_perc", "usage", LABELS, registry=registry).labels(MODEL, "0").set(
+        0.5
+    )
+    if nixl:
+        failed = Counter("vllm:nixl_num_failed_transfers", "failed", LABELS, registry=registry)
+        expired = Counter("vllm:nixl_num_kv_expired_reqs", "expired", LABELS, registry=registry)
+        failed.labels(MODEL, "0").inc(2)
+        failed.labels(MODEL, "1").inc(3)
+        expired.labels(MODEL, "0").inc(1)
+    return generate_latest(registry).decode()
+
+
+def test_the_load_carries_nixls_failure_counts_summed_over_engines() -> None:
+    load = VLLM.parse_load(_load_exposition(nixl=True))
+    assert (load.kv_load_failures, load.kv_leases_expired) == (5, 1)
+
+
+def test_an_engine_without_nixl_reports_no_failures() -> None:
+    load = VLLM.parse_load(_load_exposition(nixl=False))
+    assert (load.running, load.kv_load_failures, load.kv_leases_expired) == (1, 0, 0)

@@ -30,12 +30,17 @@ VLLM_DIALECT = WireDialect(
 )  # fmt: skip
 
 
+# NixlConnector's failures (vLLM 0.34 nixl/stats.py), where the engine has them.
+_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
+_NIXL_EXPIRED_LEASES = "vllm:nixl_num_kv_expired_reqs_total"
 _LOAD_METRICS = frozenset(
     {
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",
+        _NIXL_FAILED_TRANSFERS,
+        _NIXL_EXPIRED_LEASES,
     }
 )
 
@@ -61,7 +66,13 @@ class VllmAdapter:
         usage = mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
         if running is None or waiting is None or usage is None:
             raise ValueError("the engine's metrics lack vLLM's request and KV cache gauges")
-        return EngineLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0))
+        return EngineLoad(
+            int(running),
+            int(waiting),
+            min(max(usage, 0.0), 1.0),
+            kv_load_failures=int(total(samples, _NIXL_FAILED_TRANSFERS) or 0),
+            kv_leases_expired=int(total(samples, _NIXL_EXPIRED_LEASES) or 0),
+        )
 
     def parse_cache_config(self, metrics_text: str) -> EngineCacheConfig | None:
         for sample in metric_samples(metrics_text, ("vllm:cache_config_info",)):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvplane/wire/v1/control_plane.proto\x12\nkvplane.v1\"\xb1\x01\n\x0c\x41gentMessage\x12(\n\x08register\x18\x01 \x01(\x0b\x32\x14.kvplane.v1.RegisterH\x00\x12)\n\tkv_events\x18\x02 \x01(\x0b\x32\x14.kvplane.v1.KvEventsH\x00\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x10.kvplane.v1.LoadH\x00\x12\"\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x11.kvplane.v1.DrainH\x00\x42\x06\n\x04\x62ody\"\x84\x01\n\x0e\x43ontrolMessage\x12\x1e\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0f.kvplane.v1.AckH\x00\x12$\n\x06resync\x18\x02 \x01(\x0b\x32\x12.kvplane.v1.ResyncH\x00\x12$\n\x06reject\x18\x03 \x01(\x0b\x32\x12.kvplane.v1.RejectH\x00\x42\x06\n\x04\x62ody\"\x80\x03\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1a\n\x12key_scheme_version\x18\x06 \x01(\r\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x04\x12\x13\n\x0b\x65ngine_kind\x18\x08 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\t \x01(\t\x12\x30\n\x06labels\x18\n \x03(\x0b\x32 .kvplane.v1.Register.LabelsEntry\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12$\n\x04role\x18\x0c \x01(\x0e\x32\x16.kvplane.v1.WorkerRole\x12\x14\n\x0ckv_connector\x18\r \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"|\n\x0c\x42locksStored\x12\x17\n\nparent_key\x18\x01 \x01(\x06H\x00\x88\x01\x01\x12\x0c\n\x04keys\x18\x02 \x03(\x06\x12\x16\n\x0e\x66irst_position\x18\x03 \x01(\r\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvplane.v1.TierB\r\n\x0b_parent_key\"=\n\rBlocksRemoved\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvplane.v1.Tier\"\x12\n\x10\x41llBlocksCleared\"\x9d\x01\n\x07KvEvent\x12*\n\x06stored\x18\x01 \x01(\x0b\x32\x18.kvplane.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x02 \x01(\x0b\x32\x19.kvplane.v1.BlocksRemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.kvplane.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x08KvEvents\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12#\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x13.kvplane.v1.KvEvent\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x04\x12\x14\n\x0c\x61\x63k_deferred\x18\x04 \x01(\x08\"\x89\x01\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x04\x12\x13\n\x0b\x65ngine_down\x18\x05 \x01(\x08\x12\"\n\x06wiring\x18\x06 \x01(\x0b\x32\x12.kvplane.v1.Wiring\"\xd6\x01\n\x06Wiring\x12\'\n\x06\x65vents\x18\x01 \x01(\x0e\x32\x17.kvplane.v1.EventsState\x12\'\n\x06replay\x18\x02 \x01(\x0e\x32\x17.kvplane.v1.ReplayState\x12\x19\n\x11\x65ngine_block_size\x18\x03 \x01(\r\x12\x15\n\revents_detail\x18\x04 \x01(\t\x12\x15\n\rreplay_detail\x18\x05 \x01(\t\x12\x31\n\x0eskipped_events\x18\x06 \x03(\x0b\x32\x19.kvplane.v1.SkippedEvents\"B\n\rSkippedEvents\x12\x12\n\nevent_type\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\x07\n\x05\x44rain\"r\n\x03\x41\x63k\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x13\n\x0b\x64\x65\x66\x65rs_acks\x18\x03 \x01(\x08\x12\x18\n\x10max_batch_events\x18\x04 \x01(\r\x12\x18\n\x10max_batch_blocks\x18\x05 \x01(\r\"\x18\n\x06Resync\x12\x0e\n\x06reason\x18\x01 \x01(\t\">\n\x06Reject\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.kvplane.v1.RejectCode\x12\x0e\n\x06reason\x18\x02 \x01(\t*\\\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*\x9b\x01\n\x0b\x45ventsState\x12\x1c\n\x18\x45VENTS_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45VENTS_STATE_NOT_CONNECTED\x10\x01\x12\x1b\n\x17\x45VENTS_STATE_NEVER_SEEN\x10\x02\x12\x18\n\x14\x45VENTS_STATE_FLOWING\x10\x03\x12\x17\n\x13\x45VENTS_STATE_SILENT\x10\x04*{\n\x0bReplayState\x12\x1c\n\x18REPLAY_STATE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bREPLAY_STATE_NOT_CONFIGURED\x10\x01\x12\x13\n\x0fREPLAY_STATE_OK\x10\x02\x12\x18\n\x14REPLAY_STATE_FAILING\x10\x03*\xed\x01\n\nRejectCode\x12\x1b\n\x17REJECT_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bREJECT_CODE_UNAUTHENTICATED\x10\x01\x12\x1f\n\x1bREJECT_CODE_INVALID_MESSAGE\x10\x02\x12\x1e\n\x1aREJECT_CODE_NOT_REGISTERED\x10\x03\x12!\n\x1dREJECT_CODE_STALE_INCARNATION\x10\x04\x12\x1c\n\x18REJECT_CODE_INCOMPATIBLE\x10\x05\x12\x1f\n\x1bREJECT_CODE_BATCH_TOO_LARGE\x10\x06\x32S\n\x0c\x43ontrolPlane\x12\x43\n\x07\x43onnect\x12\x18.kvplane.v1.AgentMessage\x1a\x1a.kvplane.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvplane/wire/v1/control_plane.proto\x12\nkvplane.v1\"\xb1\x01\n\x0c\x41gentMessage\x12(\n\x08register\x18\x01 \x01(\x0b\x32\x14.kvplane.v1.RegisterH\x00\x12)\n\tkv_events\x18\x02 \x01(\x0b\x32\x14.kvplane.v1.KvEventsH\x00\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x10.kvplane.v1.LoadH\x00\x12\"\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x11.kvplane.v1.DrainH\x00\x42\x06\n\x04\x62ody\"\x84\x01\n\x0e\x43ontrolMessage\x12\x1e\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0f.kvplane.v1.AckH\x00\x12$\n\x06resync\x18\x02 \x01(\x0b\x32\x12.kvplane.v1.ResyncH\x00\x12$\n\x06reject\x18\x03 \x01(\x0b\x32\x12.kvplane.v1.RejectH\x00\x42\x06\n\x04\x62ody\"\x80\x03\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1a\n\x12key_scheme_version\x18\x06 \x01(\r\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x04\x12\x13\n\x0b\x65ngine_kind\x18\x08 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\t \x01(\t\x12\x30\n\x06labels\x18\n \x03(\x0b\x32 .kvplane.v1.Register.LabelsEntry\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12$\n\x04role\x18\x0c \x01(\x0e\x32\x16.kvplane.v1.WorkerRole\x12\x14\n\x0ckv_connector\x18\r \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"|\n\x0c\x42locksStored\x12\x17\n\nparent_key\x18\x01 \x01(\x06H\x00\x88\x01\x01\x12\x0c\n\x04keys\x18\x02 \x03(\x06\x12\x16\n\x0e\x66irst_position\x18\x03 \x01(\r\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvplane.v1.TierB\r\n\x0b_parent_key\"=\n\rBlocksRemoved\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvplane.v1.Tier\"\x12\n\x10\x41llBlocksCleared\"\x9d\x01\n\x07KvEvent\x12*\n\x06stored\x18\x01 \x01(\x0b\x32\x18.kvplane.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x02 \x01(\x0b\x32\x19.kvplane.v1.BlocksRemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.kvplane.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x08KvEvents\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12#\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x13.kvplane.v1.KvEvent\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x04\x12\x14\n\x0c\x61\x63k_deferred\x18\x04 \x01(\x08\"\xbe\x01\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x04\x12\x13\n\x0b\x65ngine_down\x18\x05 \x01(\x08\x12\"\n\x06wiring\x18\x06 \x01(\x0b\x32\x12.kvplane.v1.Wiring\x12\x18\n\x10kv_load_failures\x18\x07 \x01(\x04\x12\x19\n\x11kv_leases_expired\x18\x08 \x01(\x04\"\xd6\x01\n\x06Wiring\x12\'\n\x06\x65vents\x18\x01 \x01(\x0e\x32\x17.kvplane.v1.EventsState\x12\'\n\x06replay\x18\x02 \x01(\x0e\x32\x17.kvplane.v1.ReplayState\x12\x19\n\x11\x65ngine_block_size\x18\x03 \x01(\r\x12\x15\n\revents_detail\x18\x04 \x01(\t\x12\x15\n\rreplay_detail\x18\x05 \x01(\t\x12\x31\n\x0eskipped_events\x18\x06 \x03(\x0b\x32\x19.kvplane.v1.SkippedEvents\"B\n\rSkippedEvents\x12\x12\n\nevent_type\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\x07\n\x05\x44rain\"r\n\x03\x41\x63k\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x13\n\x0b\x64\x65\x66\x65rs_acks\x18\x03 \x01(\x08\x12\x18\n\x10max_batch_events\x18\x04 \x01(\r\x12\x18\n\x10max_batch_blocks\x18\x05 \x01(\r\"\x18\n\x06Resync\x12\x0e\n\x06reason\x18\x01 \x01(\t\">\n\x06Reject\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.kvplane.v1.RejectCode\x12\x0e\n\x06reason\x18\x02 \x01(\t*\\\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*\x9b\x01\n\x0b\x45ventsState\x12\x1c\n\x18\x45VENTS_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45VENTS_STATE_NOT_CONNECTED\x10\x01\x12\x1b\n\x17\x45VENTS_STATE_NEVER_SEEN\x10\x02\x12\x18\n\x14\x45VENTS_STATE_FLOWING\x10\x03\x12\x17\n\x13\x45VENTS_STATE_SILENT\x10\x04*{\n\x0bReplayState\x12\x1c\n\x18REPLAY_STATE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bREPLAY_STATE_NOT_CONFIGURED\x10\x01\x12\x13\n\x0fREPLAY_STATE_OK\x10\x02\x12\x18\n\x14REPLAY_STATE_FAILING\x10\x03*\xed\x01\n\nRejectCode\x12\x1b\n\x17REJECT_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bREJECT_CODE_UNAUTHENTICATED\x10\x01\x12\x1f\n\x1bREJECT_CODE_INVALID_MESSAGE\x10\x02\x12\x1e\n\x1aREJECT_CODE_NOT_REGISTERED\x10\x03\x12!\n\x1dREJECT_CODE_STALE_INCARNATION\x10\x04\x12\x1c\n\x18REJECT_CODE_INCOMPATIBLE\x10\x05\x12\x1f\n\x1bREJECT_CODE_BATCH_TOO_LARGE\x10\x06\x32S\n\x0c\x43ontrolPlane\x12\x43\n\x07\x43onnect\x12\x18.kvplane.v1.AgentMessage\x1a\x1a.kvplane.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTER_LABELSENTRY']._loaded_options = None
   _globals['_REGISTER_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=1873
-  _globals['_TIER']._serialized_end=1965
-  _globals['_WORKERROLE']._serialized_start=1967
-  _globals['_WORKERROLE']._serialized_end=2079
-  _globals['_EVENTSSTATE']._serialized_start=2082
-  _globals['_EVENTSSTATE']._serialized_end=2237
-  _globals['_REPLAYSTATE']._serialized_start=2239
-  _globals['_REPLAYSTATE']._serialized_end=2362
-  _globals['_REJECTCODE']._serialized_start=2365
-  _globals['_REJECTCODE']._serialized_end=2602
+  _globals['_TIER']._serialized_start=1926
+  _globals['_TIER']._serialized_end=2018
+  _globals['_WORKERROLE']._serialized_start=2020
+  _globals['_WORKERROLE']._serialized_end=2132
+  _globals['_EVENTSSTATE']._serialized_start=2135
+  _globals['_EVENTSSTATE']._serialized_end=2290
+  _globals['_REPLAYSTATE']._serialized_start=2292
+  _globals['_REPLAYSTATE']._serialized_end=2415
+  _globals['_REJECTCODE']._serialized_start=2418
+  _globals['_REJECTCODE']._serialized_end=2655
   _globals['_AGENTMESSAGE']._serialized_start=52
   _globals['_AGENTMESSAGE']._serialized_end=229
   _globals['_CONTROLMESSAGE']._serialized_start=232
@@ -62,19 +62,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENTS']._serialized_start=1122
   _globals['_KVEVENTS']._serialized_end=1231
   _globals['_LOAD']._serialized_start=1234
-  _globals['_LOAD']._serialized_end=1371
-  _globals['_WIRING']._serialized_start=1374
-  _globals['_WIRING']._serialized_end=1588
-  _globals['_SKIPPEDEVENTS']._serialized_start=1590
-  _globals['_SKIPPEDEVENTS']._serialized_end=1656
-  _globals['_DRAIN']._serialized_start=1658
-  _globals['_DRAIN']._serialized_end=1665
-  _globals['_ACK']._serialized_start=1667
-  _globals['_ACK']._serialized_end=1781
-  _globals['_RESYNC']._serialized_start=1783
-  _globals['_RESYNC']._serialized_end=1807
-  _globals['_REJECT']._serialized_start=1809
-  _globals['_REJECT']._serialized_end=1871
-  _globals['_CONTROLPLANE']._serialized_start=2604
-  _globals['_CONTROLPLANE']._serialized_end=2687
+  _globals['_LOAD']._serialized_end=1424
+  _globals['_WIRING']._serialized_start=1427
+  _globals['_WIRING']._serialized_end=1641
+  _globals['_SKIPPEDEVENTS']._serialized_start=1643
+  _globals['_SKIPPEDEVENTS']._serialized_end=1709
+  _globals['_DRAIN']._serialized_start=1711
+  _globals['_DRAIN']._serialized_end=1718
+  _globals['_ACK']._serialized_start=1720
+  _globals['_ACK']._serialized_end=1834
+  _globals['_RESYNC']._serialized_start=1836
+  _globals['_RESYNC']._serialized_end=1860
+  _globals['_REJECT']._serialized_start=1862
+  _globals['_REJECT']._serialized_end=1924
+  _globals['_CONTROLPLANE']._serialized_start=2657
+  _globals['_CONTROLPLANE']._serialized_end=2740
 # @@protoc_insertion_point(module_scope)

@@ -178,20 +178,24 @@ class KvEvents(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ..., ack_deferred: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms", "engine_down", "wiring")
+    __slots__ = ("running", "waiting", "kv_usage", "timestamp_ms", "engine_down", "wiring", "kv_load_failures", "kv_leases_expired")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
     WIRING_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     timestamp_ms: int
     engine_down: bool
     wiring: Wiring
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ..., engine_down: _Optional[bool] = ..., wiring: _Optional[_Union[Wiring, _Mapping]] = ...) -> None: ...
+    kv_load_failures: int
+    kv_leases_expired: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., timestamp_ms: _Optional[int] = ..., engine_down: _Optional[bool] = ..., wiring: _Optional[_Union[Wiring, _Mapping]] = ..., kv_load_failures: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ...) -> None: ...
 
 class Wiring(_message.Message):
     __slots__ = ("events", "replay", "engine_block_size", "events_detail", "replay_detail", "skipped_events")

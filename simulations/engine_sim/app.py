@@ -19,6 +19,7 @@ from kvplane.core.tokenizer import load_tokenizer
 from simulations.engine_sim.config import EngineSimConfig
 from simulations.engine_sim.engine import SimEngine
 from simulations.engine_sim.kv_events import EventEncoder, use_int_hashes
+from simulations.engine_sim.kv_transfer import PullClient
 from simulations.engine_sim.metrics import EngineMetrics
 from simulations.engine_sim.publisher import EventPublisher
 from simulations.engine_sim.server import create_engine_app, die_now
@@ -54,7 +55,12 @@ def cache_config_labels(config: EngineSimConfig) -> dict[str, str]:
 @contextlib.asynccontextmanager
 async def running_engine_sim(config: EngineSimConfig) -> AsyncIterator[RunningEngineSim]:
     tokenizer = load_tokenizer(config.tokenizer)
-    metrics = EngineMetrics(config.model_names[0], cache_config_labels(config))
+    transfer = config.kv_transfer_config
+    metrics = EngineMetrics(
+        config.model_names[0],
+        cache_config_labels(config),
+        kv_role=transfer.kv_role if transfer.enabled else None,
+    )
     async with contextlib.AsyncExitStack() as stack:
         publisher = None
         events = config.kv_events_config
@@ -67,7 +73,11 @@ async def running_engine_sim(config: EngineSimConfig) -> AsyncIterator[RunningEn
             publisher.start()
         engine = SimEngine(config, tokenizer.plain_token_ids(), metrics, publisher)
         stack.push_async_callback(cancel_task, asyncio.create_task(engine.run()))
-        app = create_engine_app(engine, tokenizer, config)
+        pull_client = None
+        if config.kv_transfer_config.enabled:
+            pull_client = PullClient()
+            stack.push_async_callback(pull_client.close)
+        app = create_engine_app(engine, tokenizer, config, pull_client=pull_client)
         (http_port,) = await stack.enter_async_context(
             serving_http((app, bind_http(config.host, config.port)))
         )
@@ -84,13 +94,15 @@ async def serve_engine_sim(config: EngineSimConfig) -> None:
     loop.add_signal_handler(signal.SIGUSR1, die_now)
     async with running_engine_sim(config) as running:
         log.info(
-            "engine simulator serving %s on %s:%d (%d blocks of %d tokens), KV events %s",
+            "engine simulator serving %s on %s:%d (%d blocks of %d tokens), KV events %s, "
+            "KV transfer %s",
             ", ".join(config.model_names),
             config.host,
             running.http_port,
             config.num_blocks,
             config.block_size,
             running.events_endpoint or "off",
+            config.kv_transfer_config.kv_role if config.kv_transfer_config.enabled else "off",
         )
         await wait_for_stop_signal()
         log.info("stopping")

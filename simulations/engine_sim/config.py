@@ -2,7 +2,8 @@
 
 Flags are generated from the fields below, so `--help` documents each one with its
 default. Where vLLM has a flag for the same setting the field carries vLLM's name and
-format (`--block-size`, `--num-gpu-blocks-override`, `--kv-events-config '{...}'`, ...),
+format (`--block-size`, `--num-gpu-blocks-override`, `--kv-events-config '{...}'`,
+`--kv-transfer-config '{...}'`, ...),
 so the simulator drops into a script or manifest written for vLLM. Every field can also
 be set from the environment as `KVPLANE_ENGINE_SIM_<FIELD>`; flags win.
 """
@@ -24,6 +25,9 @@ from simulations.engine_sim.timing import TimingModel
 
 _DEFAULT_TIMING = TimingModel()
 
+# The one KV connector the simulator models (vLLM's pull-mode P/D: kv_transfer.py).
+NIXL_CONNECTOR = "NixlConnector"
+
 
 class KVEventsConfig(BaseModel):
     """vLLM's `--kv-events-config` JSON, with vLLM's defaults."""
@@ -41,6 +45,40 @@ class KVEventsConfig(BaseModel):
     @property
     def publishing(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+class KVTransferConfig(BaseModel):
+    """vLLM's `--kv-transfer-config` JSON: the fields the simulator reads, vLLM's names."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kv_connector: str | None = None  # None: no P/D
+    # Required with a connector, as vLLM requires it. NixlConnector itself treats every
+    # role alike (either engine may serve either leg), and so does the simulator.
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None
+    kv_buffer_device: Literal["cuda", "cpu"] = "cuda"  # reported only: there is no device
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)  # not read
+
+    @model_validator(mode="after")
+    def _role_of_a_connector(self) -> KVTransferConfig:
+        if self.kv_connector is not None and self.kv_role is None:
+            # vLLM's words (vllm/config/kv_transfer.py).
+            raise ValueError("Please specify kv_role when kv_connector is set")
+        return self
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _simulated_connector(cls, name: str | None) -> str | None:
+        if name is not None and name != NIXL_CONNECTOR:
+            raise ValueError(
+                f"the simulator models only {NIXL_CONNECTOR}'s transfers, not {name!r}"
+            )
+        return name
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_connector is not None
 
 
 class EngineSimConfig(BaseSettings):
@@ -85,6 +123,13 @@ class EngineSimConfig(BaseSettings):
         "endpoint, replay_endpoint, buffer_steps, hwm, topic",
     )
 
+    kv_transfer_config: KVTransferConfig = Field(
+        KVTransferConfig(),
+        description="prefill/decode disaggregation, vLLM's JSON: kv_connector (NixlConnector "
+        "or none), kv_role, kv_buffer_device, kv_load_failure_policy (fail or recompute), "
+        "kv_connector_extra_config (ignored)",
+    )
+
     # Scheduling (vLLM's flags).
     max_num_seqs: int = Field(256, ge=1, description="most requests running at once")
     max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one step")
@@ -111,6 +156,23 @@ class EngineSimConfig(BaseSettings):
         description="decode step cost per token of context across the batch",
     )
 
+    # The P/D transfer model (simulator only): see simulations/engine_sim/kv_transfer.py.
+    kv_bytes_per_token: int = Field(
+        131_072,
+        ge=1,
+        description="the model's KV cache bytes per token (default: an 8B model such as "
+        "Llama 3 8B in fp16, K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes)",
+    )
+    kv_transfer_bytes_per_s: float = Field(
+        25e9, gt=0, description="bandwidth of the link a decode engine pulls KV blocks over"
+    )
+    kv_lease_s: float = Field(
+        30.0,
+        ge=0,
+        description="how long a prefill engine keeps a finished request's blocks for the "
+        "decode engine to pull (vLLM's kv_lease_duration)",
+    )
+
     # Wire forms and hashing (simulator only).
     kv_events_format: WireFormat = Field(
         WireFormat.VLLM_0_32, description="which vLLM release's event bytes to send"
@@ -130,7 +192,7 @@ class EngineSimConfig(BaseSettings):
         "INFO", description="logging threshold"
     )
 
-    @field_validator("kv_events_config", mode="before")
+    @field_validator("kv_events_config", "kv_transfer_config", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -144,6 +206,17 @@ class EngineSimConfig(BaseSettings):
     def _check_lora_names(self) -> EngineSimConfig:
         if set(self.lora_names) & set(self.model_names):
             raise ValueError("a LoRA module cannot have a served model's name")
+        return self
+
+    @model_validator(mode="after")
+    def _check_pulled_blocks_can_be_cached(self) -> EngineSimConfig:
+        # The decode side receives pulled blocks into its prefix cache (vLLM writes them
+        # into the request's own blocks, which the simulator does not model apart).
+        if self.kv_transfer_config.enabled and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-transfer-config with a connector needs --enable-prefix-caching: the "
+                "simulator caches the blocks a decode engine pulls"
+            )
         return self
 
     @property

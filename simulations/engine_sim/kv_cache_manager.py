@@ -69,6 +69,41 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return hits
 
+    def num_cached_blocks(self, digests: Sequence[bytes]) -> int:
+        """How many of `digests`, from the first, are in the prefix cache: a look, not a
+        query (the stats do not count it)."""
+        count = 0
+        while count < len(digests) and self.pool.cached_block(digests[count]) is not None:
+            count += 1
+        return count
+
+    def blocks_of(self, request: CacheRequest) -> list[KVBlock]:
+        """The blocks the request holds, in order."""
+        return list(self._blocks.get(request.request_id, ()))
+
+    def cache_received_blocks(self, request: CacheRequest, first: int, count: int) -> int:
+        """Cache blocks `first` to `first + count - 1` of the request, computed by another
+        engine, as if this engine had computed them: free blocks take their contents
+        (evicting as any allocation does) and enter the prefix cache, with their
+        `BlocksStored`, then go back to the free queue's tail, reusable and evictable.
+        Returns how many were cached: as many as there were free blocks for. Needs the
+        prefix cache on (the engine simulator's configuration sees to it)."""
+        count = min(count, self.pool.num_free_blocks)
+        blocks = self.pool.allocate(count)
+        size, stop = self.block_size, first + count
+        self.pool.cache_full_blocks(
+            blocks=blocks,
+            digests=request.block_digests[first:stop],
+            parent_digest=request.block_digests[first - 1] if first else None,
+            token_ids=request.token_ids_between(first * size, stop * size),
+            block_size=size,
+            lora_name=request.lora_name,
+            extra_keys=[request.block_extra_keys(index) for index in range(first, stop)],
+            scope=request.scope,
+        )
+        self.pool.free(reversed(blocks))
+        return count
+
     def held_tokens(self, request: CacheRequest) -> int:
         """Tokens the request's blocks have room for (computed or not)."""
         return len(self._blocks.get(request.request_id, ())) * self.block_size

@@ -57,6 +57,8 @@ class _GenerationRequest(_OpenAIModel):
     # Echoed by the render endpoints; generation has no priority scheduling to apply it.
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     request_id: str | None = None  # the render endpoints' ids build on it, as vLLM's do
+    # P/D legs (kv_transfer.py); read only when the engine has a KV connector, as in vLLM.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("cache_salt")
     @classmethod

@@ -34,6 +34,21 @@ class SimRequest:
     # Prompt tokens found in the prefix cache when first scheduled (usage.cached_tokens).
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    # The prefill leg of a P/D pair: its blocks are lent when it finishes (their ids
+    # then), for the decode engine to pull.
+    remote_decode: bool = False
+    lent_block_ids: list[int] | None = None
+    # The decode leg of a P/D pair: whether its pull is done (it then waits to be
+    # scheduled), the prompt tokens the pull cached (a range; None: no blocks pulled),
+    # and of its cached tokens when first scheduled, how many those were (vLLM's
+    # external tokens, not local prefix-cache hits; set then for every request, 0
+    # without a pull).
+    remote_kv_loaded: bool = False
+    pulled_tokens: tuple[int, int] | None = None
+    num_external_tokens: int | None = None
+    # What the prefill engine's answer said it found cached, which a decode leg reports
+    # as its usage's cached tokens instead of its own (vLLM's output processor).
+    remote_prefill_cached_tokens: int | None = None
     hasher: BlockHasher = field(init=False)
     rng: random.Random = field(init=False)
 
@@ -53,6 +68,14 @@ class SimRequest:
     @property
     def block_digests(self) -> list[bytes]:
         return self.hasher.digests
+
+    @property
+    def usage_cached_tokens(self) -> int:
+        """`usage.prompt_tokens_details.cached_tokens`: the prefill engine's hits for a
+        decode leg whose parameters name them, else this engine's (local and pulled)."""
+        if self.remote_prefill_cached_tokens is not None:
+            return self.remote_prefill_cached_tokens
+        return self.num_cached_tokens or 0
 
     @property
     def is_finished(self) -> bool:

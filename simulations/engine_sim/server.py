@@ -13,13 +13,16 @@
   (`?prefixes=1`: and every token up to its end), and hits on another scope's blocks,
   for tests that compare the router's index with the engines.
 - `POST /sim/faults`: inject faults at run time (stall, drop event batches, restart, die,
-  slow metrics).
+  slow metrics, P/D faults).
+- `POST /sim/kv/pull` (with a KV connector): a decode engine takes over a finished prefill
+  leg's blocks (kv_transfer.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -41,6 +44,18 @@ from simulations.engine_sim import protocol
 from simulations.engine_sim.block_hash import wire_hash
 from simulations.engine_sim.config import EngineSimConfig
 from simulations.engine_sim.engine import EngineStopped, SimEngine
+from simulations.engine_sim.kv_transfer import (
+    PULL_PATH,
+    KVLoadFailed,
+    PullClient,
+    PullRefused,
+    PullRequest,
+    RemotePrefill,
+    asks_remote_decode,
+    prefill_answer_params,
+    remote_prefill,
+    remote_prefill_cached_tokens,
+)
 from simulations.engine_sim.protocol import ChatCompletionRequest, CompletionRequest
 from simulations.engine_sim.request import SimRequest
 from simulations.engine_sim.scheduler import RequestProgress, RequestTooLarge
@@ -110,6 +125,18 @@ class FaultRequest(BaseModel):
     # /metrics answers only after this long (0: at once again), as a scrape can when an
     # engine's server is busy; /health is not affected, and a restart keeps it.
     metrics_stall_s: float | None = Field(None, ge=0, le=3600)
+    # P/D, with a KV connector. A prefill leg answers without kv_transfer_params and
+    # lends nothing (finish reason "stop"), as vLLM does for an aborted leg, and as
+    # releases before 0.34 did at an EOS stop (0.34 answers them at EOS too):
+    pd_no_params: bool | None = None
+    pd_fail_transfer: bool | None = None  # this engine refuses every pull
+    # The lease of blocks lent from now on (0: they expire at once); null: the
+    # configured --kv-lease-s again.
+    pd_lease_s: float | None = Field(None, ge=0, le=3600)
+
+    @property
+    def touches_pd(self) -> bool:
+        return bool({"pd_no_params", "pd_fail_transfer", "pd_lease_s"} & self.model_fields_set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +152,9 @@ class _Admitted:
     seed: int | None
     stream: bool
     include_usage: bool
+    remote_decode: bool  # the prefill leg of a P/D pair
+    remote_prefill: RemotePrefill | None  # the decode leg's blocks to pull
+    remote_prefill_cached_tokens: int | None  # the prefill's hits, for the decode's usage
 
 
 def die_now() -> None:
@@ -137,8 +167,11 @@ def create_engine_app(
     tokenizer: PromptTokenizer,
     config: EngineSimConfig,
     *,
+    pull_client: PullClient | None = None,
     die: Callable[[], None] = die_now,
 ) -> Starlette:
+    """The simulator's HTTP API; P/D (kv_transfer.py) is on when a `pull_client` is
+    given, for the decode legs' pulls."""
     output_text = {
         token_id: tokenizer.decode([token_id]) for token_id in range(tokenizer.vocab_size)
     }
@@ -167,6 +200,7 @@ def create_engine_app(
         except RequestTooLarge as error:
             raise RequestError(str(error)) from None
         prefix = "chatcmpl" if chat else "cmpl"
+        transfer_params = parsed.kv_transfer_params if pull_client is not None else None
         return _Admitted(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             model=model,
@@ -177,6 +211,10 @@ def create_engine_app(
             seed=parsed.seed,
             stream=parsed.stream,
             include_usage=parsed.include_usage,
+            remote_decode=asks_remote_decode(transfer_params),
+            remote_prefill=remote_prefill(transfer_params),
+            # vLLM's output processor reads this with or without a connector.
+            remote_prefill_cached_tokens=remote_prefill_cached_tokens(parsed.kv_transfer_params),
         )
 
     async def generation(request: Request, chat: bool) -> Response:
@@ -198,7 +236,18 @@ def create_engine_app(
             lora_name=admitted.lora_name,
             cache_salt=admitted.cache_salt,
             sampling_seed=_sampling_seed(admitted, config.seed),
+            remote_decode=admitted.remote_decode,
         )
+        sim_request.remote_prefill_cached_tokens = admitted.remote_prefill_cached_tokens
+        if pull_client is not None and admitted.remote_prefill is not None:
+            try:
+                await engine.pull_remote_prefix(sim_request, admitted.remote_prefill, pull_client)
+            except KVLoadFailed as failure:
+                message = f"KV load failed for request {admitted.request_id}: {failure}"
+                if config.kv_transfer_config.kv_load_failure_policy == "fail":
+                    log.warning("%s; the request fails", message)
+                    return _kv_load_failed(admitted, chat)
+                log.warning("%s; computing the prompt instead", message)
         progress = engine.generate(sim_request)
         if admitted.stream:
             return StreamingResponse(
@@ -216,11 +265,24 @@ def create_engine_app(
         usage = protocol.usage_body(
             len(admitted.prompt_token_ids),
             len(output),
-            sim_request.num_cached_tokens or 0,
+            sim_request.usage_cached_tokens,
             config.enable_prompt_tokens_details,
         )
         build = protocol.chat_body if chat else protocol.completion_body
-        return _json_response(build(admitted.request_id, admitted.model, text, "length", usage))
+        body = build(admitted.request_id, admitted.model, text, _finish_reason(sim_request), usage)
+        if sim_request.lent_block_ids is not None:
+            host, port = request.scope["server"]  # this socket: where the decode pulls from
+            body["kv_transfer_params"] = prefill_answer_params(
+                sim_request.lent_block_ids,
+                engine.lender.engine_id,
+                sim_request.request_id,
+                sim_request.num_computed_tokens,
+                host,
+                port,
+                # Finished with its first output: vLLM has its prefill statistics.
+                (sim_request.num_cached_tokens or 0) if len(output) == 1 else None,
+            )
+        return _json_response(body)
 
     async def completions(request: Request) -> Response:
         return await generation(request, chat=False)
@@ -308,6 +370,19 @@ def create_engine_app(
             }
         )
 
+    async def kv_pull(request: Request) -> Response:
+        try:
+            pull = PullRequest.model_validate(await _json_body(request))
+        except RequestError as error:
+            return _error(str(error))
+        except ValidationError as error:
+            return _error(protocol.validation_message(error))
+        try:
+            engine.lender.hand_over(pull.remote_request_id, pull.remote_engine_id, pull.num_blocks)
+        except PullRefused as refusal:
+            return _error(str(refusal), refusal.status, refusal.error_type)
+        return _json_response({"num_blocks": pull.num_blocks})
+
     async def faults(request: Request) -> Response:
         nonlocal metrics_stall_s
         try:
@@ -316,6 +391,8 @@ def create_engine_app(
             return _error(str(error))
         except ValidationError as error:
             return _error(protocol.validation_message(error))
+        if fault.touches_pd and pull_client is None:
+            return _error("P/D is off: no --kv-transfer-config connector", 409, "Conflict")
         if fault.die:
             die()
         if fault.stall_s is not None:
@@ -332,6 +409,12 @@ def create_engine_app(
             engine.restart()
         if fault.metrics_stall_s is not None:
             metrics_stall_s = fault.metrics_stall_s
+        if fault.pd_no_params is not None:
+            engine.lender.withhold = fault.pd_no_params
+        if fault.pd_fail_transfer is not None:
+            engine.lender.refuse_pulls = fault.pd_fail_transfer
+        if "pd_lease_s" in fault.model_fields_set:
+            engine.lender.lease_override_s = fault.pd_lease_s
         log.warning("fault injected: %s", fault.model_dump(exclude_defaults=True))
         return _json_response({"ok": True})
 
@@ -342,6 +425,7 @@ def create_engine_app(
         ]
     else:
         scale_out = [Route(path, scale_out_disabled, methods=["POST"]) for path in _SCALE_OUT_PATHS]
+    transfers = [] if pull_client is None else [Route(PULL_PATH, kv_pull, methods=["POST"])]
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -354,6 +438,7 @@ def create_engine_app(
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/sim/blocks", blocks, methods=["GET"]),
             Route("/sim/faults", faults, methods=["POST"]),
+            *transfers,
         ]
     )
 
@@ -537,9 +622,9 @@ async def _sse(
                     role = {"role": "assistant", "content": ""}
                     yield _event(protocol.chat_chunk(request_id, model, role, None))
                 sent += 1
-                cached = step.request.num_cached_tokens or 0
+                cached = step.request.usage_cached_tokens
                 text = output_text[step.new_token_id]
-                finish = "length" if step.finished else None
+                finish = _finish_reason(step.request) if step.finished else None
                 if chat:
                     yield _event(protocol.chat_chunk(request_id, model, {"content": text}, finish))
                 else:
@@ -556,6 +641,37 @@ async def _sse(
                 )
                 yield _event(protocol.usage_chunk(request_id, model, chat, usage))
     yield b"data: [DONE]\n\n"
+
+
+def _finish_reason(request: SimRequest) -> str:
+    # Every output is length-capped, except a prefill leg whose parameters a fault
+    # withholds: that models a release before vLLM 0.34 stopping at EOS.
+    return "stop" if request.remote_decode and request.lent_block_ids is None else "length"
+
+
+# What vLLM 0.34 answers for a request its engine finished with an error, such as a KV
+# load that failed under kv_load_failure_policy "fail": GenerationError's message
+# (vllm/exceptions.py), as an InternalServerError (its serve/exception_handling).
+_GENERATION_ERROR = protocol.error_body("Internal server error", 500, "InternalServerError")
+
+
+def _kv_load_failed(admitted: _Admitted, chat: bool) -> Response:
+    """vLLM's answer to a request whose KV load failed under the "fail" policy: HTTP 500
+    with the generation error; streamed, HTTP 200, then (chat) the role chunk, which
+    vLLM sends with the engine's first output, here the error, then the error event
+    and `data: [DONE]`. Chat serialises the error compactly (pydantic), completions
+    with `json.dumps`' spacing, as vLLM's two stream generators do."""
+    if not admitted.stream:
+        return _json_response(_GENERATION_ERROR, 500)
+    events = []
+    if chat:
+        role = {"role": "assistant", "content": ""}
+        events.append(_event(protocol.chat_chunk(admitted.request_id, admitted.model, role, None)))
+        events.append(_event(_GENERATION_ERROR))
+    else:
+        events.append(b"data: " + json.dumps(_GENERATION_ERROR).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
 def _event(body: dict[str, Any]) -> bytes:

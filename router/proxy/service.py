@@ -73,6 +73,8 @@ WORKER_HEADER = "x-kvplane-worker"
 CACHED_TOKENS_HEADER = "x-kvplane-cached-tokens"
 ATTEMPTS_HEADER = "x-kvplane-attempts"  # workers tried, this one included
 PREFILL_WORKER_HEADER = "x-kvplane-prefill-worker"  # a split request's prefill leg's
+# ... and the prompt tokens that worker's engine found cached (absent: it did not say).
+PREFILL_CACHED_TOKENS_HEADER = "x-kvplane-prefill-cached-tokens"
 _T = TypeVar("_T")
 
 _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -87,6 +89,14 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
             ATTEMPTS_HEADER: required_header(
                 {"type": "integer", "minimum": 1}, "the workers tried, this one included"
             ),
+            PREFILL_WORKER_HEADER: {
+                "description": "a split request's prefill worker (docs/pd-disaggregation.md)",
+                "schema": {"type": "string"},
+            },
+            PREFILL_CACHED_TOKENS_HEADER: {
+                "description": "the prompt tokens the prefill worker's engine found cached",
+                "schema": {"type": "integer", "minimum": 0},
+            },
         },
         "content": {"text/event-stream": {"schema": StreamEvent.model_json_schema()}},
     },
@@ -116,6 +126,7 @@ class _HandedOn:
 
     body: bytes
     worker_id: str
+    cached_tokens: int | None  # the prompt tokens the prefill engine found cached
 
 
 def _takes_decode_legs(routed: RoutedRequest, worker_id: str) -> bool:
@@ -321,6 +332,7 @@ class ProxyService:
         headers = {"content-type": "application/json"}
         failures: list[str] = []
         body, leg, prefill_worker = routed.body, Leg.WHOLE, None
+        prefill_cached: int | None = None
         legs = routed.decision.legs
         if legs is not None and legs.split:
             headers[REQUEST_ID_HEADER] = leg_request_id()
@@ -331,6 +343,7 @@ class ProxyService:
                 return Response(status_code=499)
             if handed_on is not None:
                 body, leg, prefill_worker = handed_on.body, Leg.DECODE, handed_on.worker_id
+                prefill_cached = handed_on.cached_tokens
         workers = deque(routed.worker_ids(self.settings.max_attempts))
         while workers:
             worker_id = workers.popleft()
@@ -382,6 +395,8 @@ class ProxyService:
             response_headers[ATTEMPTS_HEADER] = str(dispatch.attempt)
             if prefill_worker is not None:
                 response_headers[PREFILL_WORKER_HEADER] = prefill_worker
+                if prefill_cached is not None:
+                    response_headers[PREFILL_CACHED_TOKENS_HEADER] = str(prefill_cached)
             if full_body is not None:
                 return WholeAnswerResponse(
                     full_body,
@@ -445,7 +460,8 @@ class ProxyService:
                 dispatch.abandon()
                 raise
             assert full_body is not None  # a prefill leg is never streamed
-            dispatch.settle("ok", response_usage(full_body), answer.status)
+            usage = response_usage(full_body)
+            dispatch.settle("ok", usage, answer.status)
             if answer.status >= 400:
                 # Refused (its failures raise AttemptFailed): served whole, so that the
                 # client gets the decode worker's own answer, or refusal.
@@ -456,7 +472,8 @@ class ProxyService:
             except MissingParams as missing:
                 self._fallback("no_kv_params", worker_id, answer.status, str(missing))
                 return None
-            return _HandedOn(decode_leg_body(parsed, salt, params), worker_id)
+            cached = None if usage is None else usage.cached_tokens
+            return _HandedOn(decode_leg_body(parsed, salt, params), worker_id, cached)
         self._fallback("prefill_failed", None, None)
         return None
 

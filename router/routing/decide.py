@@ -25,7 +25,7 @@ from router.index.base import LocationIndex, LocationIndexError, PrefixMatch, in
 from router.routing.pool import WorkerPool
 from router.routing.predicted import PredictedPrefixes
 from router.routing.roster import Roster, Rows
-from router.scoring.disaggregation import DecodeSide, LegPlan, LegReason, plan_legs
+from router.scoring.disaggregation import LegPlan, LegReason, LegSide, plan_legs
 from router.scoring.policy import RoutingPolicy
 from router.scoring.score import TIERS, CandidateFacts, RankedWorkers, RequestFacts
 from router.tenants import Tenant
@@ -142,6 +142,16 @@ class Decision:
     def _row(self, worker_id: str) -> int:
         roster_row = self.roster.position.get(worker_id)
         return -1 if roster_row is None else int(self.candidate_of_row[roster_row])
+
+
+def _leg_side(facts: CandidateFacts, ranked: RankedWorkers, position: int) -> LegSide:
+    row = int(ranked.rows[position])
+    return LegSide(
+        worker_id=ranked.worker_id(position),
+        cached_tokens=ranked[position].cached_tokens,
+        queued_prefill_tokens=float(facts.queued_prefill_tokens[row]),
+        running_requests=float(facts.running_requests[row]),
+    )
 
 
 def servable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -309,8 +319,8 @@ class RoutingPlanner:
         prefill_ranked = None
         if takes_decode[best] and peers.any():
             prefill_ranked, _ = self.policy.rank(request, facts._replace(excluded=~peers), self.rng)
-        decode = DecodeSide(ranked[0], float(facts.running_requests[best]))
-        prefill = prefill_ranked[0] if prefill_ranked else None
+        decode = _leg_side(facts, ranked, 0)
+        prefill = _leg_side(facts, prefill_ranked, 0) if prefill_ranked else None
         plan = plan_legs(
             request.prompt_tokens, decode, prefill, self.policy.weights, self.disaggregation
         )

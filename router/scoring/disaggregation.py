@@ -3,14 +3,18 @@ that decided it (docs/pd-disaggregation.md).
 
 The decode worker is chosen first, as for a whole request (its cached prefix, load and
 memory). Then the request is served whole there, computing what the decode worker does
-not hold, or split: the best prefill worker computes what *it* does not hold and the
-decode worker pulls what it lacks. Whichever costs less wins (`conditional`); the
-decode worker's own queue is the same wait either way, so it is left out of both.
+not hold after the prompts queued there, or split: the best prefill worker computes
+what *it* does not hold after its own queue, and the decode worker pulls what it lacks.
+Whichever costs less wins (`conditional`).
 
-    whole = uncached on decode x (1 + decode_stall_weight x streams running there)
-            / prefill rate
-    split = (uncached on prefill + prefill's queue, in tokens) / prefill rate
+    whole = (queued on decode + uncached on decode
+             x (1 + decode_stall_weight x streams running there)) / prefill rate
+    split = (queued on prefill + uncached on prefill) / prefill rate
             + uncached on decode x KV bytes per token / link bandwidth + leg overhead
+
+(Queued: prompt tokens of requests there still before their first token, as this
+router knows them. A stream running on the decode worker stalls while it computes a
+prompt, which is what disaggregation spares them.)
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from typing import Literal
 
 from kvplane.core.config import DisaggregationSettings, ScoringSettings
 from kvplane.core.types import WorkerInfo, WorkerRole
-from router.scoring.score import ScoreBreakdown
 
 ModelLegs = Literal["whole", "split", "no_prefill_worker", "no_decode_worker"]
 
@@ -57,35 +60,37 @@ class LegPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeSide:
-    """The decode worker's facts the plan reads."""
+class LegSide:
+    """A worker's facts the plan reads."""
 
-    breakdown: ScoreBreakdown
+    worker_id: str
+    cached_tokens: int  # of the prompt, believed held there
+    queued_prefill_tokens: float  # of other requests there, before their first token
     running_requests: float
 
 
 def plan_legs(
     prompt_tokens: int,
-    decode: DecodeSide,
-    prefill: ScoreBreakdown | None,
+    decode: LegSide,
+    prefill: LegSide | None,
     scoring: ScoringSettings,
     settings: DisaggregationSettings,
 ) -> LegPlan:
     """Whole or split, for a request of `prompt_tokens` whose decode worker is chosen;
     `prefill`: the best prefill worker that can hand its KV to that one (None: none)."""
-    decode_id = decode.breakdown.worker_id
+    decode_id = decode.worker_id
     if prefill is None:
         return LegPlan(decode_id, None, LegReason.NO_TRANSFER)
     if settings.mode == "never":
         return LegPlan(decode_id, None, LegReason.NEVER)
     rate = scoring.prefill_tokens_per_s
-    uncached_on_decode = max(0, prompt_tokens - decode.breakdown.cached_tokens)
+    uncached_on_decode = max(0, prompt_tokens - decode.cached_tokens)
     uncached_on_prefill = max(0, prompt_tokens - prefill.cached_tokens)
     transfer_bytes = uncached_on_decode * scoring.kv_bytes_per_token
     stall = 1.0 + settings.decode_stall_weight * decode.running_requests
-    whole_s = uncached_on_decode * stall / rate
+    whole_s = (decode.queued_prefill_tokens + uncached_on_decode * stall) / rate
     split_s = (
-        (uncached_on_prefill + prefill.queue_penalty) / rate
+        (prefill.queued_prefill_tokens + uncached_on_prefill) / rate
         + transfer_bytes / settings.link_bytes_per_s
         + settings.leg_overhead_s
     )

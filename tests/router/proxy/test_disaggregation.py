@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ADMIN_TOKEN = "pd-admin"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 MODEL = "kvplane-tiny"
-NIXL = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +58,11 @@ def _metric(text: str, name: str, labels: dict[str, str]) -> float:
 
 
 @contextmanager
-def pd_fleet(roles: dict[str, str], router_env: dict[str, str]) -> Iterator[Fleet]:
-    """A router and, per worker id, an engine simulator with NixlConnector and an agent
-    registering it with its role."""
+def pd_fleet(
+    roles: dict[str, str], router_env: dict[str, str], **kv_transfer: str
+) -> Iterator[Fleet]:
+    """A router and, per worker id, an engine simulator with NixlConnector (and
+    `kv_transfer`'s settings) and an agent registering it with its role."""
     grpc_port, http_port = free_port(), free_port()
     router_url = f"http://127.0.0.1:{http_port}"
     with ExitStack() as stack:
@@ -78,7 +80,7 @@ def pd_fleet(roles: dict[str, str], router_env: dict[str, str]) -> Iterator[Flee
             stack.enter_context(
                 spawn_kvplane(
                     ["engine-sim", "--port", str(port), "--time-scale", "0",
-                     "--kv-transfer-config", NIXL,
+                     "--kv-transfer-config", json.dumps(NIXL | kv_transfer),
                      "--kv-events-config",
                      json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}"})],
                     engine_url + "/health",
@@ -87,6 +89,7 @@ def pd_fleet(roles: dict[str, str], router_env: dict[str, str]) -> Iterator[Flee
             stack.enter_context(
                 spawn_kvplane(
                     ["agent", "--worker-id", worker_id, "--engine-url", engine_url, "--role", role,
+                     "--load-interval-s", "0.2",
                      "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
                      "--control-plane-address", f"127.0.0.1:{grpc_port}"],
                     None,
@@ -142,6 +145,7 @@ def test_a_split_request_runs_both_legs_and_the_client_gets_one_answer(fleet: Fl
     assert response.status_code == 200, response.text
     assert response.headers["x-kvplane-worker"] == "decode-a"
     assert response.headers["x-kvplane-prefill-worker"] in PREFILL
+    assert response.headers["x-kvplane-prefill-cached-tokens"] == "0"  # a new prompt
     answer = response.json()
     assert answer["object"] == "text_completion"
     assert answer["usage"]["completion_tokens"] == 4  # the decode's, not the prefill's one
@@ -200,6 +204,30 @@ def test_a_failed_pull_is_counted_and_the_decode_worker_computes_it(
         before + 1
     )
     assert fleet.metric("kvplane_requests_total", outcome="engine_error") == 0
+    # The engines' own counts reach the router with their agents' load reports.
+    if "pd_lease_s" in fault:
+        _wait_for(lambda: _load(fleet, *PREFILL, kind="kv_leases_expired") >= 1, "leases")
+    _wait_for(lambda: _load(fleet, "decode-a", kind="kv_load_failures") >= 1, "failed pulls")
+
+
+def _load(fleet: Fleet, *worker_ids: str, kind: str) -> int:
+    workers = fleet.workers()
+    return sum((workers[w]["load"] or {}).get(kind, 0) for w in worker_ids)
+
+
+def test_a_pull_the_decode_recomputes_is_seen_in_its_agents_reports() -> None:
+    roles = {"prefill-a": "prefill", "decode-a": "decode"}
+    env = {"KVPLANE_DISAGGREGATION__MODE": "always"}
+    with pd_fleet(roles, env, kv_load_failure_policy="recompute") as fleet:
+        fleet.fault(["prefill-a"], pd_fail_transfer=True)
+        response = _complete(fleet, _prompt("recomputed"))
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvplane-prefill-worker"] == "prefill-a"
+        # The engine recomputed it: its answer says nothing, its agent does.
+        assert fleet.metric("kvplane_disaggregation_fallbacks_total") == 0
+        _wait_for(lambda: _load(fleet, "decode-a", kind="kv_load_failures") == 1, "the count")
+        metrics = httpx.get(fleet.router_url + "/metrics", headers=ADMIN).text
+        assert 'kvplane_worker_load{kind="kv_load_failures",worker="decode-a"} 1.0' in metrics
 
 
 def test_a_client_cannot_send_kv_transfer_params(fleet: Fleet) -> None:

@@ -8,13 +8,12 @@ import pytest
 from kvplane.core.config import DisaggregationSettings, ScoringSettings
 from kvplane.core.types import WorkerInfo, WorkerRole
 from router.scoring.disaggregation import (
-    DecodeSide,
     LegPlan,
     LegReason,
+    LegSide,
     model_legs,
     plan_legs,
 )
-from router.scoring.score import ScoreBreakdown
 from tests.router.conftest import worker
 
 WEIGHTS = ScoringSettings()  # 12,500 prefill tokens/s, 131,072 KV bytes a token
@@ -26,17 +25,18 @@ OVERHEAD = CONDITIONAL.leg_overhead_s
 LONG = 8000  # prompt tokens
 
 
-def scored(worker_id: str, cached: int = 0, queue: float = 0.0) -> ScoreBreakdown:
-    return ScoreBreakdown(worker_id, cached, float(cached), queue, 0.0, 0.0)
+def scored(worker_id: str, cached: int = 0, queue: float = 0.0) -> LegSide:
+    """A prefill worker holding `cached` of the prompt, `queue` prompt tokens queued."""
+    return LegSide(worker_id, cached, queue, 0.0)
 
 
-def decode_side(cached: int = 0, running: float = 0.0) -> DecodeSide:
-    return DecodeSide(scored("d", cached), running)
+def decode_side(cached: int = 0, running: float = 0.0, queued: float = 0.0) -> LegSide:
+    return LegSide("d", cached, queued, running)
 
 
 def plan(
-    decode: DecodeSide,
-    prefill: ScoreBreakdown | None,
+    decode: LegSide,
+    prefill: LegSide | None,
     settings: DisaggregationSettings = CONDITIONAL,
     prompt_tokens: int = LONG,
 ) -> LegPlan:
@@ -215,3 +215,13 @@ def test_each_model_is_judged_by_its_own_workers() -> None:
 
 def test_no_live_worker_no_model() -> None:
     assert model_legs([]) == {}
+
+
+def test_the_prompts_queued_on_the_decode_worker_are_paid_by_the_whole_request() -> None:
+    # 1,000 tokens to compute either way; 5,000 queued on the decode worker ahead of it.
+    whole = plan(decode_side(cached=7000), scored("p", cached=7000))
+    assert whole.reason is LegReason.WHOLE_CHEAPER
+    busy = plan(decode_side(cached=7000, queued=5000.0), scored("p", cached=7000))
+    assert busy.reason is LegReason.SPLIT_CHEAPER
+    assert busy.whole_s == pytest.approx((5000 + 1000) / RATE)
+    assert busy.split_s == pytest.approx(1000 / RATE + 1000 * KV_BYTES / LINK + OVERHEAD)

@@ -5,6 +5,11 @@ One cell: start the engines, start the router (kvplane with its agents, or a pee
 read the router's CPU, send the workload, read the CPU again and the engines'
 counters, collect the evidence that what was measured was in play, and stop every
 process. A cell that fails says why in its result; the others go on.
+
+In front of a disaggregated fleet the evidence says whether P/D was in play
+(`pd_in_play`): the decode engines pulled prompt tokens from the prefill engines, and,
+for kvplane, it split requests (its `kvplane_legs_decided_total{split="true"}`). A cell
+where it was not says why (`pd_not_in_play`) and the table says so.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from typing import Any
 
 from benchmarks.live.client import Outcome, Traffic, run_workload
 from benchmarks.live.engines import (
+    EXTERNAL_KV_TRANSFER,
+    LOCAL_CACHE_HIT,
+    LOCAL_COMPUTE,
     MODEL,
     EngineShape,
     EngineTotals,
@@ -50,6 +58,7 @@ class CellResult:
     rate_per_s: float
     situation: str
     run: int
+    fleet: str = "aggregated"  # or "pd": two prefill and two decode engines
     version: str = ""
     commands: list[str] = field(default_factory=list)
     workload_description: str = ""
@@ -79,6 +88,21 @@ class CellResult:
     cpu_ms_per_request_by_part: dict[str, float] = field(default_factory=dict)
     rest_cpu_ms_per_s: float = 0.0  # the same processes with no traffic, before it
     evidence: dict[str, Any] = field(default_factory=dict)
+    # Where the engines' prompt tokens came from (vllm:prompt_tokens_by_source), summed
+    # over engines: computed (the fleet's prefill work), hit in the engine's own cache,
+    # pulled from another engine (P/D). NaN where the engines do not export them.
+    prompt_tokens_computed: float = float("nan")
+    prompt_tokens_cache_hit: float = float("nan")
+    prompt_tokens_pulled: float = float("nan")
+    prompt_tokens_by_engine: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The router's own P/D counters over the traffic (kvplane's): split or whole and why
+    # ("kvplane_legs_decided_total{reason=...,split=true}": n), fallbacks by reason,
+    # prefill legs by outcome. Empty for a router that has none.
+    pd_counters: dict[str, float] = field(default_factory=dict)
+    # In front of a disaggregated fleet: whether P/D was in play, and if not, why. None
+    # for an aggregated fleet.
+    pd_in_play: bool | None = None
+    pd_not_in_play: str = ""
     # Tenant workloads: blocks cached in the engines' unsalted scope at the end that were
     # not there when the traffic began (kvplane's wiring probes, `kvplane check`, are
     # unsalted: random words of their own). Any at all means a router dropped the
@@ -88,6 +112,19 @@ class CellResult:
     @property
     def key(self) -> str:
         return cell_key(self.router, self.workload, self.load, self.situation, self.run)
+
+    @property
+    def split_requests(self) -> float:
+        """Requests the router decided to split (kvplane's counters; 0 without them)."""
+        return _counted(self.pd_counters, "kvplane_legs_decided_total", "split=true")
+
+    @property
+    def whole_requests(self) -> float:
+        return _counted(self.pd_counters, "kvplane_legs_decided_total", "split=false")
+
+    @property
+    def fallbacks(self) -> float:
+        return _counted(self.pd_counters, "kvplane_disaggregation_fallbacks_total")
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,13 +136,23 @@ class CellResult:
         return cls(**{name: value for name, value in document.items() if name in known})
 
 
+def _counted(counters: dict[str, float], series: str, label: str = "") -> float:
+    """The sum of a series' counts whose labels hold `label` ("split=true")."""
+    return sum(
+        value
+        for name, value in counters.items()
+        if name.partition("{")[0] == series and label in name.partition("{")[2]
+    )
+
+
 def run_cell(
     cell: Cell, *, duration_s: float, trace: Path, log_root: Path, shape: EngineShape
 ) -> CellResult:
     spec = cell.router
+    shape = cell.shape(shape)
     result = CellResult(
         spec.name, spec.family, spec.policy, cell.workload, cell.load, cell.rate_per_s,
-        cell.situation, cell.run,
+        cell.situation, cell.run, "pd" if shape.disaggregated else "aggregated",
     )  # fmt: skip
     reason = spec.unavailable()
     if reason is not None:
@@ -122,6 +169,7 @@ def run_cell(
         totals_before = fleet.totals()
         unsalted_before = fleet.unsalted_blocks() if workload.tenants else set()
         result.rest_cpu_ms_per_s = _rest_cpu_ms_per_s(deployment)
+        pd_before = deployment.pd_counters() if deployment.pd_counters else {}
         cpu_before = deployment.cpu_seconds()
         traffic = Traffic(
             deployment.urls,
@@ -158,6 +206,15 @@ def run_cell(
         if workload.tenants:
             result.unsalted_blocks = len(fleet.unsalted_blocks() - unsalted_before)
         result.evidence = deployment.in_play()
+        if deployment.pd_counters is not None:
+            after = deployment.pd_counters()
+            result.pd_counters = {
+                name: value - pd_before.get(name, 0.0)
+                for name, value in after.items()
+                if value - pd_before.get(name, 0.0)
+            }
+        if shape.disaggregated:
+            _pd_in_play(result, fleet, kvplane_counters=deployment.pd_counters is not None)
     except (StartFailed, BlindFleet, OSError, RuntimeError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
     finally:
@@ -239,12 +296,43 @@ def _figures(
     mean = statistics.fmean(counts) if counts else 0.0
     result.imbalance = max(counts) / mean if mean else 0.0
     result.preemptions = sum(total.preemptions for total in totals.values())
+    result.prompt_tokens_by_engine = {
+        name: dict(sorted(total.prompt_tokens_by_source.items())) for name, total in totals.items()
+    }
+    if any(total.prompt_tokens_by_source for total in totals.values()):
+        by_source = [total.prompt_tokens_by_source for total in totals.values()]
+        result.prompt_tokens_computed = sum(s.get(LOCAL_COMPUTE, 0.0) for s in by_source)
+        result.prompt_tokens_cache_hit = sum(s.get(LOCAL_CACHE_HIT, 0.0) for s in by_source)
+        result.prompt_tokens_pulled = sum(s.get(EXTERNAL_KV_TRANSFER, 0.0) for s in by_source)
     routed = sum(not outcome.direct for outcome in outcomes)
     result.cpu_ms_per_request = result.router_cpu_s * 1000 / routed if routed else 0.0
     result.cpu_ms_per_request_by_part = {
         part: round(seconds * 1000 / routed, 3) if routed else 0.0
         for part, seconds in result.cpu_s_by_part.items()
     }
+
+
+def _pd_in_play(result: CellResult, fleet: RunningEngines, *, kvplane_counters: bool) -> None:
+    """Whether P/D was in play in a disaggregated cell: its decode engines pulled prompt
+    tokens, and a router that counts its decisions (kvplane) split requests. Otherwise
+    `pd_not_in_play` says what was missing."""
+    decode = {engine.name for engine in fleet.of_role("decode")}
+    by_engine = result.prompt_tokens_by_engine
+    missing = []
+    if not any(by_engine.get(name) for name in decode):
+        missing.append("the engines do not count prompt tokens by source")
+    elif not any(by_engine[name].get(EXTERNAL_KV_TRANSFER, 0.0) > 0 for name in decode):
+        missing.append("the decode engines pulled no prompt token")
+    if kvplane_counters and result.split_requests <= 0:
+        whole = {
+            name.partition("reason=")[2].partition(",")[0].rstrip("}"): value
+            for name, value in result.pd_counters.items()
+            if name.startswith("kvplane_legs_decided_total") and "split=false" in name
+        }
+        reasons = ", ".join(f"{reason} {value:.0f}" for reason, value in whole.items())
+        missing.append(f"no request split (whole: {reasons or 'none counted'})")
+    result.pd_in_play = not missing
+    result.pd_not_in_play = "; ".join(missing)
 
 
 def _rest_cpu_ms_per_s(deployment: Deployment) -> float:

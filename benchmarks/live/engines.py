@@ -3,6 +3,12 @@ each publishing vLLM's KV events on ZMQ, and what the report reads from them.
 
 Small KV caches, so that placement matters; the simulator's default timing model, so
 that a cache miss costs prefill time as it would on a GPU.
+
+A disaggregated fleet (`EngineShape.prefill_engines`) gives every engine vLLM's
+NixlConnector as `kv_both` (as NixlConnector deployments do) and names the pools by
+role: the first engines take prefill legs, the others decode legs. The report reads,
+besides the prefix cache's counters, where each engine's prompt tokens came from
+(`vllm:prompt_tokens_by_source`): computed, hit in its own cache, or pulled.
 """
 
 from __future__ import annotations
@@ -22,6 +28,19 @@ from kvplane.core.serving import free_port
 MODEL = "kvplane-tiny"
 BLOCK_SIZE = 16
 UNSALTED_SCOPE = "/"  # the simulator's cache scope of requests without a cache_salt
+# vLLM's NixlConnector as NixlConnector deployments configure it: every engine kv_both,
+# the pools named by role where a router needs them (kvplane's agents, vllm-router's
+# --prefill/--decode).
+PD_KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+# vLLM's `vllm:prompt_tokens_by_source{source}`: where an engine's prompt tokens came
+# from. Prefill work is `local_compute`; `external_kv_transfer` is what a decode engine
+# pulled from a prefill engine instead of computing it.
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source"
+LOCAL_COMPUTE, LOCAL_CACHE_HIT, EXTERNAL_KV_TRANSFER = (
+    "local_compute",
+    "local_cache_hit",
+    "external_kv_transfer",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +52,29 @@ class EngineShape:
     kv_blocks: int = 512
     max_num_seqs: int = 16
     time_scale: float | None = None  # the simulator's own (None: real time); 0: at once
+    # A disaggregated fleet: the first `prefill_engines` engines take prefill legs, the
+    # others decode legs, every one with NixlConnector (kv_both). 0: an aggregated fleet,
+    # no connector.
+    prefill_engines: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_engines > 0
+
+    def role(self, number: int) -> str:
+        """The role of the engine numbered `number` (from 1): prefill, decode or both."""
+        if not self.disaggregated:
+            return "both"
+        return "prefill" if number <= self.prefill_engines else "decode"
+
+    def engine_name(self, number: int) -> str:
+        """`engine-N` in an aggregated fleet; `prefill-N` and `decode-N` (each pool
+        numbered from 1) in a disaggregated one."""
+        if not self.disaggregated:
+            return f"engine-{number}"
+        if number <= self.prefill_engines:
+            return f"prefill-{number}"
+        return f"decode-{number - self.prefill_engines}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +84,7 @@ class Engine:
     base_url: str
     events_endpoint: str  # where it publishes, for subscribers: tcp://127.0.0.1:PORT
     replay_endpoint: str
+    role: str = "both"  # prefill, decode (a disaggregated fleet's pools) or both
 
 
 @dataclass(slots=True)
@@ -52,12 +95,20 @@ class EngineTotals:
     hit_tokens: float = 0.0
     requests: float = 0.0
     preemptions: float = 0.0
+    # Prompt tokens by where they came from (`vllm:prompt_tokens_by_source`): the source
+    # names vLLM's (local_compute, local_cache_hit, external_kv_transfer). Empty where
+    # the engine does not export them.
+    prompt_tokens_by_source: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: EngineTotals) -> None:
         self.queried_tokens += other.queried_tokens
         self.hit_tokens += other.hit_tokens
         self.requests += other.requests
         self.preemptions += other.preemptions
+        for source, tokens in other.prompt_tokens_by_source.items():
+            self.prompt_tokens_by_source[source] = (
+                self.prompt_tokens_by_source.get(source, 0.0) + tokens
+            )
 
     def since(self, before: EngineTotals) -> EngineTotals:
         """What was counted after `before` was read."""
@@ -66,7 +117,21 @@ class EngineTotals:
             self.hit_tokens - before.hit_tokens,
             self.requests - before.requests,
             self.preemptions - before.preemptions,
+            {
+                source: tokens - before.prompt_tokens_by_source.get(source, 0.0)
+                for source, tokens in self.prompt_tokens_by_source.items()
+            },
         )
+
+    @property
+    def computed_tokens(self) -> float:
+        """Prompt tokens the engine computed: its prefill work."""
+        return self.prompt_tokens_by_source.get(LOCAL_COMPUTE, 0.0)
+
+    @property
+    def pulled_tokens(self) -> float:
+        """Prompt tokens the engine pulled from another engine (P/D's decode side)."""
+        return self.prompt_tokens_by_source.get(EXTERNAL_KV_TRANSFER, 0.0)
 
 
 @dataclass(slots=True)
@@ -78,6 +143,9 @@ class RunningEngines:
     @property
     def urls(self) -> list[str]:
         return [engine.base_url for engine in self.engines]
+
+    def of_role(self, role: str) -> list[Engine]:
+        return [engine for engine in self.engines if engine.role == role]
 
     def restart(self, index: int) -> None:
         """An engine restarted in place: its cache and counters are gone, nothing is
@@ -146,7 +214,11 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
         ]  # fmt: skip
         if shape.time_scale is not None:
             command += ["--time-scale", str(shape.time_scale)]
-        name = f"engine-{number}"
+        if shape.disaggregated:
+            # The transfer model's defaults: an 8B model's KV (128 KiB a token) over a
+            # 25 GB/s link, vLLM's 30 s lease.
+            command += ["--kv-transfer-config", json.dumps(PD_KV_TRANSFER_CONFIG)]
+        name = shape.engine_name(number)
         engines.append(
             Engine(
                 name,
@@ -154,6 +226,7 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
                 f"http://127.0.0.1:{port}",
                 f"tcp://127.0.0.1:{events}",
                 f"tcp://127.0.0.1:{replay}",
+                shape.role(number),
             )
         )
     wait_ready((engine.child, engine.base_url + "/health") for engine in engines)
@@ -162,16 +235,25 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
 
 def scrape(base_url: str) -> EngineTotals:
     """The engine's vLLM counters that the report uses."""
-    text = httpx2.get(f"{base_url}/metrics", timeout=5).text
+    return parse_totals(httpx2.get(f"{base_url}/metrics", timeout=5).text)
+
+
+def parse_totals(text: str) -> EngineTotals:
+    """The counters the report uses, from an engine's Prometheus text."""
     values: dict[str, float] = {}
+    by_source: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if sample.name == PROMPT_TOKENS_BY_SOURCE + "_total":
+                source = sample.labels.get("source", "")
+                by_source[source] = by_source.get(source, 0.0) + sample.value
     return EngineTotals(
         queried_tokens=values.get("vllm:prefix_cache_queries_total", 0.0),
         hit_tokens=values.get("vllm:prefix_cache_hits_total", 0.0),
         requests=values.get("vllm:e2e_request_latency_seconds_count", 0.0),
         preemptions=values.get("vllm:num_preemptions_total", 0.0),
+        prompt_tokens_by_source=by_source,
     )
 
 

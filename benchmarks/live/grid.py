@@ -9,21 +9,33 @@ one that reads engine events should not:
 - `engine-restart`: one engine restarts (cache emptied, nothing announced) halfway;
 - `eviction`: a working set several times the fleet's cache (`shared-64`);
 - `bypass`: a quarter of the conversations reach the engines around the router.
+
+And one where the fleet itself changes:
+- `pd`: prefill/decode disaggregation. The P/D routers (`PD_ROUTERS`) each in front of
+  two prefill and two decode engines (vLLM's NixlConnector), and `kvplane kvplane` in
+  front of the usual four aggregated engines, with the same requests: whether splitting
+  pays, and whose splitting pays more. On long shared prompts and on chats
+  (`PD_WORKLOADS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from benchmarks.live.routers import ROUTERS, RouterSpec
+from benchmarks.live.engines import EngineShape
+from benchmarks.live.routers import PD_ROUTERS, ROUTERS, RouterSpec
 
 # Offered load, in requests per second: light; medium; heavy, about where four engines
 # with the default timing model (about 12k prefill tokens/s each) saturate when they
 # recompute most of each 2,176-token shared-prompt request, as round-robin makes them.
 LOADS: dict[str, float] = {"light": 5.0, "medium": 15.0, "heavy": 30.0}
-SITUATIONS = ("steady", "two-replicas", "engine-restart", "eviction", "bypass")
+SITUATIONS = ("steady", "two-replicas", "engine-restart", "eviction", "bypass", "pd")
 EVICTION_WORKLOAD = "shared-64"
+PD = "pd"
+PD_WORKLOADS = ("shared-8", "multi-turn")
+PD_PREFILL_ENGINES = 2  # of the fleet's four: two prefill, two decode
+PD_AGGREGATED_ROUTER = "kvplane kvplane"  # the pd point's aggregated reference
 BYPASS_SHARE = 0.25
 LONGER_WORKLOADS: dict[str, float] = {"mooncake": 3.0}
 """Workloads whose cells run this many times the profile's traffic, at the same rate.
@@ -67,6 +79,13 @@ class Cell:
         """What the table groups by: every router and run of a point side by side."""
         return (self.workload, self.situation, self.load)
 
+    def shape(self, base: EngineShape) -> EngineShape:
+        """The cell's engines: `base`, split into prefill and decode pools for a router
+        in front of a disaggregated fleet."""
+        if not self.router.disaggregated:
+            return base
+        return replace(base, prefill_engines=PD_PREFILL_ENGINES)
+
 
 @dataclass(frozen=True, slots=True)
 class Profile:
@@ -100,7 +119,7 @@ PROFILES: dict[str, Profile] = {
         2,
         ("shared-8", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
         ("light", "medium", "heavy"),
-        ("two-replicas", "engine-restart", "eviction", "bypass"),
+        ("two-replicas", "engine-restart", "eviction", "bypass", PD),
         "shared-8",
         "medium",
         "all",
@@ -114,7 +133,32 @@ def _cache_aware(router: RouterSpec) -> bool:
     return router.policy not in ("round-robin", "round_robin", "trivial-picker")
 
 
-def cells(profile: Profile, routers: Sequence[RouterSpec] = ROUTERS) -> list[Cell]:
+def _situation_routers(
+    profile: Profile,
+    situation: str,
+    routers: Sequence[RouterSpec],
+    pd_routers: Sequence[RouterSpec],
+) -> list[RouterSpec]:
+    """The routers a point of `situation` runs: for `pd`, the P/D routers and kvplane's
+    aggregated reference; for the others, the aggregated routers (the cache-aware ones
+    only, where the profile says so)."""
+    if situation == PD:
+        return [
+            *(router for router in routers if router.name == PD_AGGREGATED_ROUTER),
+            *pd_routers,
+        ]
+    return [
+        router
+        for router in routers
+        if situation == "steady" or profile.situation_routers == "all" or _cache_aware(router)
+    ]
+
+
+def cells(
+    profile: Profile,
+    routers: Sequence[RouterSpec] = ROUTERS,
+    pd_routers: Sequence[RouterSpec] = PD_ROUTERS,
+) -> list[Cell]:
     """Every cell of the profile, point by point (so a run cut short leaves whole
     points); within a point every router's first run, then every router's second, so
     that a slow spell of the machine does not fall on one router's runs only."""
@@ -124,15 +168,14 @@ def cells(profile: Profile, routers: Sequence[RouterSpec] = ROUTERS) -> list[Cel
         for load in profile.steady_loads
     ]
     for situation in profile.situations:
+        if situation == PD:
+            points += [(workload, profile.situation_load, PD) for workload in PD_WORKLOADS]
+            continue
         workload = EVICTION_WORKLOAD if situation == "eviction" else profile.situation_workload
         points.append((workload, profile.situation_load, situation))
     result = []
     for workload, load, situation in points:
-        chosen = [
-            router
-            for router in routers
-            if situation == "steady" or profile.situation_routers == "all" or _cache_aware(router)
-        ]
+        chosen = _situation_routers(profile, situation, routers, pd_routers)
         for run in range(1, profile.runs + 1):
             result += [Cell(router, workload, load, situation, run) for router in chosen]
     return result

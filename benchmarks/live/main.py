@@ -3,6 +3,7 @@ write the JSON and the plot."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import time
@@ -48,6 +49,22 @@ def resume_points(
         else:
             to_run += point_cells
     return kept, to_run
+
+
+def _pd_line(result: CellResult) -> str:
+    """What a cell's progress line adds in front of a disaggregated fleet, or for a
+    point whose engines count prompt tokens by source: computed, pulled, split."""
+    if math.isnan(result.prompt_tokens_computed) and result.fleet != "pd":
+        return ""
+    text = (
+        f", prompt tokens computed {result.prompt_tokens_computed:.0f}, "
+        f"pulled {result.prompt_tokens_pulled:.0f}"
+    )
+    if result.pd_counters:
+        text += f", split {result.split_requests:.0f}, fallbacks {result.fallbacks:.0f}"
+    if result.pd_in_play is False:
+        text += f"; P/D NOT in play: {result.pd_not_in_play}"
+    return text
 
 
 def _longer(chosen: Sequence[Cell]) -> str:
@@ -167,7 +184,7 @@ def run_live_benchmark(
             if result.error
             else f"hit {result.engine_hit_rate:.1%}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
             f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req, "
-            f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest"
+            f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest{_pd_line(result)}"
         )
         print(f"[{number}/{len(to_run)}] {cell.key}: {figures}", flush=True)
         if json_path is not None:  # after every cell: a run cut short keeps what it measured

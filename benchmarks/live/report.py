@@ -1,5 +1,10 @@
 """The bake-off's report: one table per point (workload, situation, load) with every
-router's figures and every run side by side, the JSON, and a plot."""
+router's figures and every run side by side, the JSON, and a plot.
+
+A point with a disaggregated fleet (the `pd` situation) shows, besides, where the
+prompt tokens came from (computed: the fleet's prefill work; pulled: moved from prefill
+to decode engines) and kvplane's own P/D counters (requests split and whole, fallbacks),
+and says of each run where P/D was not in play."""
 
 from __future__ import annotations
 
@@ -42,46 +47,55 @@ def render_tables(results: Sequence[CellResult]) -> str:
     sections = []
     for (workload, situation, load), point in _points(results).items():
         rate = point[0].rate_per_s
-        rows: list[tuple[str, ...]] = [
-            (
-                "router",
-                "hit %",
-                "cached %",
-                "TTFT p50 ms",
-                "TTFT p90 ms",
-                "TTFT p99 ms",
-                "req/s",
-                "failed",
-                "busiest/mean",
-                "CPU ms/req",
-                "at rest ms/s",
-            )
-        ]
+        pd = any(result.fleet == "pd" for result in point)
+        header_row = (
+            "router",
+            "hit %",
+            "cached %",
+            "TTFT p50 ms",
+            "TTFT p90 ms",
+            "TTFT p99 ms",
+            "req/s",
+            "failed",
+            "busiest/mean",
+            "CPU ms/req",
+            "at rest ms/s",
+        )
+        rows: list[tuple[str, ...]] = [header_row + (PD_COLUMNS if pd else ())]
         notes = []
         for router, runs in _by_router(point).items():
             ok = [run for run in runs if run.error is None]
             if not ok:
                 notes.append(f"{router}: no figures: {runs[0].error}")
                 continue
-            rows.append(
-                (
-                    router,
-                    _runs([run.engine_hit_rate * 100 for run in ok], ".1f"),
-                    _runs([run.client_cached_share * 100 for run in ok], ".1f"),
-                    _runs([run.ttft_p50_ms for run in ok], ".0f"),
-                    _runs([run.ttft_p90_ms for run in ok], ".0f"),
-                    _runs([run.ttft_p99_ms for run in ok], ".0f"),
-                    _runs([run.requests_per_s for run in ok], ".1f"),
-                    _runs([float(run.failed) for run in ok], ".0f"),
-                    _runs([run.imbalance for run in ok], ".2f"),
-                    _runs([run.cpu_ms_per_request for run in ok], ".1f"),
-                    _runs([run.rest_cpu_ms_per_s for run in ok], ".1f"),
-                )
+            row = (
+                router,
+                _runs([run.engine_hit_rate * 100 for run in ok], ".1f"),
+                _runs([run.client_cached_share * 100 for run in ok], ".1f"),
+                _runs([run.ttft_p50_ms for run in ok], ".0f"),
+                _runs([run.ttft_p90_ms for run in ok], ".0f"),
+                _runs([run.ttft_p99_ms for run in ok], ".0f"),
+                _runs([run.requests_per_s for run in ok], ".1f"),
+                _runs([float(run.failed) for run in ok], ".0f"),
+                _runs([run.imbalance for run in ok], ".2f"),
+                _runs([run.cpu_ms_per_request for run in ok], ".1f"),
+                _runs([run.rest_cpu_ms_per_s for run in ok], ".1f"),
             )
+            rows.append(row + (pd_figures(ok) if pd else ()))
             notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]
+            notes += [
+                f"{router} run {run.run}: P/D NOT in play: {run.pd_not_in_play}"
+                for run in ok
+                if run.pd_in_play is False
+            ]
             split = _cpu_split(ok)
             if split:
                 notes.append(f"{router}: CPU ms/req by part: {split}")
+            notes += [
+                f"{router} run {run.run}: fallbacks: {_fallback_reasons(run)}"
+                for run in ok
+                if run.fallbacks
+            ]
             if any(run.unsalted_blocks for run in ok):
                 notes.append(
                     f"{router}: tenants SHARED cache (it dropped their cache_salt; "
@@ -90,6 +104,58 @@ def render_tables(results: Sequence[CellResult]) -> str:
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
     return "\n\n".join(sections)
+
+
+PD_COLUMNS = ("computed ktok", "pulled ktok", "split / whole", "fallbacks")
+"""A disaggregated point's columns: prompt tokens computed on the fleet and pulled
+between its engines (thousands, from the engines' `vllm:prompt_tokens_by_source`), and
+kvplane's own counts of requests split and served whole, and of fallbacks
+(`kvplane_legs_decided_total`, `kvplane_disaggregation_fallbacks_total`); `-` for a
+router that counts none."""
+
+
+def pd_figures(runs: Sequence[CellResult]) -> tuple[str, str, str, str]:
+    """The `PD_COLUMNS` of a router's runs."""
+    counted = [run for run in runs if run.pd_counters or _counts_legs(run)]
+    decisions = (
+        " / ".join(f"{run.split_requests:.0f}/{run.whole_requests:.0f}" for run in runs)
+        if counted
+        else "-"
+    )
+    fallbacks = _runs([run.fallbacks for run in runs], ".0f") if counted else "-"
+    return (
+        _runs([run.prompt_tokens_computed / 1000 for run in runs], ".1f"),
+        _runs([run.prompt_tokens_pulled / 1000 for run in runs], ".1f"),
+        decisions,
+        fallbacks,
+    )
+
+
+def _counts_legs(run: CellResult) -> bool:
+    """kvplane in front of a disaggregated fleet counts its decisions, even none."""
+    return run.family == "kvplane" and run.fleet == "pd"
+
+
+def _fallback_reasons(run: CellResult) -> str:
+    """`no_kv_params 3, kv_load_failed 1`: a run's fallbacks by reason."""
+    return ", ".join(
+        f"{name.partition('reason=')[2].rstrip('}')} {value:.0f}"
+        for name, value in run.pd_counters.items()
+        if name.startswith("kvplane_disaggregation_fallbacks_total")
+    )
+
+
+def _pd_summary(runs: Sequence[CellResult]) -> str:
+    """A disaggregated point's runs in the Markdown summary: TTFT p90, prompt tokens
+    computed and pulled (thousands), and kvplane's requests split."""
+    ok = [run for run in runs if run.error is None]
+    computed, pulled, decisions, _ = pd_figures(ok)
+    text = f"{_runs([run.ttft_p90_ms for run in ok], '.0f')} ms · {computed} · {pulled}"
+    if decisions != "-":
+        text += f" · split {' / '.join(f'{run.split_requests:.0f}' for run in ok)}"
+    if any(run.pd_in_play is False for run in ok):
+        text += " (P/D not in play)"
+    return text
 
 
 def _cpu_split(runs: Sequence[CellResult]) -> str:
@@ -152,11 +218,23 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
         return "\n".join(lines)
 
     against_peers = render_standings(standings(results))
+    pd_points = [point for point in cells if point[1] == "pd"]
+    pd_tables = (
+        [
+            "Prefill/decode disaggregation (`pd`): TTFT p90, then prompt tokens computed "
+            "on the fleet and pulled between its engines (thousands), then the requests "
+            "kvplane split, of every run:",
+            table("situations", pd_points, _pd_summary).replace("**situations**", "**pd**"),
+        ]
+        if pd_points
+        else []
+    )
     return (
         "\n\n".join(
             [
                 "Engine hit rate, then TTFT p90, of every run (run 1 / run 2):",
                 *(table(name, points, _hit_and_p90) for name, points in tables.items()),
+                *pd_tables,
                 "CPU ms per request (the router's processes, kvplane's agents included), "
                 "every run:",
                 *(table(name, points, _cpu) for name, points in tables.items()),

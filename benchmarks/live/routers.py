@@ -10,6 +10,13 @@ Every deployment reports evidence that what it measures was in play (`in_play`):
 kvplane, the workers registered and the index entries on each replica; for a peer that
 reads engine events, what its metrics say it received.
 
+Disaggregated fleets (the `pd` situation: prefill and decode engines, vLLM's
+NixlConnector) get their own routers: kvplane with its agents naming each engine's
+role (`--role prefill`/`decode`), splitting where it pays (`kvplane pd-conditional`,
+its default) or always (`kvplane pd-always`), and vllm-router in its P/D mode
+(`vllm-router pd-cache_aware`). Their evidence says whether P/D was in play: kvplane's
+split decisions and fallbacks, from its own metrics (`pd_counters`).
+
 Envoy (`make envoy-env`) stands in front of the engines twice: as the gateway that asks
 kvplane's endpoint picker (`kvplane-envoy kvplane`: the routers as `kvplane kvplane`
 starts them, each with `--picker-port`, and one Envoy per replica with
@@ -26,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +75,10 @@ class Deployment:
     charged: list[Child]
     in_play: Callable[[], dict[str, Any]] = lambda: {}
     parts: dict[str, str] = field(default_factory=dict)
+    # The router's own P/D counters summed over its replicas (kvplane's
+    # kvplane_legs_decided_total and kvplane_disaggregation_fallbacks_total, by label),
+    # read before and after the traffic; None for a router that has none.
+    pd_counters: Callable[[], dict[str, float]] | None = None
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of each charged process, by name."""
@@ -92,6 +104,9 @@ class RouterSpec:
     start: Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment] = field(
         compare=False, repr=False
     )
+    # In front of a disaggregated fleet (prefill and decode engines), in the `pd`
+    # situation only.
+    disaggregated: bool = False
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
@@ -171,7 +186,46 @@ def _start_kvplane(
         [*kvplane.routers, *kvplane.agents],
         kvplane.in_play,
         kvplane.parts,
+        pd_counters_of(kvplane.urls),
     )
+
+
+# kvplane's P/D routers: the policy's name in the table, `[disaggregation] mode`.
+KVPLANE_PD_MODES = {"pd-conditional": "conditional", "pd-always": "always"}
+
+
+def _kvplane_pd_starter(
+    mode: str,
+) -> Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment]:
+    """kvplane (its own policy) in front of a disaggregated fleet, splitting requests as
+    `[disaggregation] mode` says: `conditional` (the default, set all the same so that
+    the command line says it) or `always`."""
+
+    def start(
+        spec: RouterSpec,
+        fleet: RunningEngines,
+        children: Children,
+        replicas: int,
+        workload: Workload,
+    ) -> Deployment:
+        kvplane = launch_kvplane(
+            "kvplane",
+            fleet,
+            children,
+            replicas,
+            workload.tenants,
+            picker=False,
+            settings={"KVPLANE_DISAGGREGATION__MODE": mode},
+        )
+        return Deployment(
+            [url + "/v1" for url in kvplane.urls],
+            [*kvplane.routers, *kvplane.agents],
+            kvplane.in_play,
+            kvplane.parts,
+            pd_counters_of(kvplane.urls),
+        )
+
+    return start
 
 
 def launch_kvplane(
@@ -182,11 +236,14 @@ def launch_kvplane(
     tenants: tuple[str, ...],
     *,
     picker: bool,
+    settings: dict[str, str] | None = None,
 ) -> KvplaneFleet:
     """kvplane's replicas (sharing a Redis of the cell's own when there are several) and
     an agent beside each engine, every worker registered with every replica and the
-    fleet's wiring checked; with `picker`, each replica serves the endpoint picker too."""
-    env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN}
+    fleet's wiring checked; with `picker`, each replica serves the endpoint picker too.
+    `settings`: the routers' environment besides (KVPLANE_DISAGGREGATION__MODE...). In a
+    disaggregated fleet each agent names its engine's pool (`--role`)."""
+    env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN, **(settings or {})}
     flags = ["--policy", policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
         flags += ["--index", "redis", "--redis-url", own_redis(children)]
@@ -222,6 +279,8 @@ def launch_kvplane(
             "--block-size", str(BLOCK_SIZE),
             *_LOG_LEVEL,
         ]  # fmt: skip
+        if engine.role != "both":
+            command += ["--role", engine.role]
         agents.append(children.launch(f"kvplane-agent-{engine.name}", command))
     urls = [f"http://127.0.0.1:{http}" for _, http, _ in routers]
     _wait_registered(urls, len(fleet.engines), [*[r[0] for r in routers], *agents])
@@ -249,10 +308,47 @@ def launch_kvplane(
                 # How its requests ended: `ok` through the proxy, `handed_off` where the
                 # picker named the engine and Envoy carried the request.
                 "requests_by_outcome": requests_by_outcome(url),
+                # Split or whole, and why; fallbacks; prefill legs (all since it
+                # started): whether P/D was in play.
+                "disaggregation": disaggregation_counters(url),
+                "workers_by_role": dict(Counter(str(row.get("role")) for row in workers)),
             }
         return evidence
 
     return KvplaneFleet(urls, pickers, [r[0] for r in routers], agents, in_play)
+
+
+_DISAGGREGATION_SERIES = {
+    "kvplane_legs_decided_total": ("split", "reason"),
+    "kvplane_disaggregation_fallbacks_total": ("reason",),
+    "kvplane_prefill_legs_total": ("outcome",),
+}
+
+
+def disaggregation_counters(url: str) -> dict[str, float]:
+    """One replica's P/D counters, by their labels: `kvplane_legs_decided_total{split,
+    reason}`, `kvplane_disaggregation_fallbacks_total{reason}`,
+    `kvplane_prefill_legs_total{outcome}`."""
+    totals: dict[str, float] = {}
+    for name, labels in _DISAGGREGATION_SERIES.items():
+        found = _metric_totals(url, name.__eq__, labels=labels)
+        if "metrics" in found:  # unreadable
+            raise RuntimeError(f"{url}/metrics: {found['metrics']}")
+        totals.update(found)
+    return totals
+
+
+def pd_counters_of(urls: Sequence[str]) -> Callable[[], dict[str, float]]:
+    """kvplane's P/D counters summed over its replicas, for `Deployment.pd_counters`."""
+
+    def read() -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for url in urls:
+            for name, value in disaggregation_counters(url).items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    return read
 
 
 _TOKENISATION_SERIES = frozenset(
@@ -569,6 +665,51 @@ def _vllm_router(policy: str) -> PeerCommand:
     return PeerCommand(_vllm_router_argv(policy), counts_workers=False, log_level="error")
 
 
+# vllm-router's P/D mode: the prefill pool by its cache-aware policy (token ids from the
+# engines' render endpoints), the decode pool by power_of_two, as its own --help's P/D
+# example pairs them ("PD mode with different policies for prefill and decode").
+VLLM_ROUTER_PD_DECODE_POLICY = "power_of_two"
+
+
+def vllm_router_pd_argv(
+    prefill_policy: str,
+    decode_policy: str,
+    port: int,
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+) -> list[str]:
+    """vllm-router in vLLM P/D mode (NixlConnector's two legs, as vLLM's toy proxy):
+    `--prefill URL` (no bootstrap port: NIXL pulls) and `--decode URL` per engine."""
+    command = [
+        str(peers_venv() / "bin" / "vllm-router"),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--vllm-pd-disaggregation",
+    ]  # fmt: skip
+    for url in prefill_urls:
+        command += ["--prefill", url]
+    for url in decode_urls:
+        command += ["--decode", url]
+    return [
+        *command,
+        "--prefill-policy", prefill_policy,
+        "--decode-policy", decode_policy,
+        "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
+
+
+def _vllm_router_pd(prefill_policy: str) -> PeerCommand:
+    def argv(port: int, fleet: RunningEngines) -> list[str]:
+        return vllm_router_pd_argv(
+            prefill_policy,
+            VLLM_ROUTER_PD_DECODE_POLICY,
+            port,
+            [engine.base_url for engine in fleet.of_role("prefill")],
+            [engine.base_url for engine in fleet.of_role("decode")],
+        )
+
+    return PeerCommand(argv, counts_workers=False, log_level="error")
+
+
 def _kvplane(policy: str) -> RouterSpec:
     return RouterSpec(f"kvplane {policy}", "kvplane", policy, _start_kvplane)
 
@@ -615,4 +756,20 @@ ROUTERS: tuple[RouterSpec, ...] = (
     _peer("vllm-router", "cache_aware", _vllm_router("cache_aware")),
     _peer("vllm-router", "kv_aware", _vllm_router("kv_aware")),
     _peer("vllm-router", "round_robin", _vllm_router("round_robin")),
+)
+
+# In front of a disaggregated fleet (the `pd` situation), set against `kvplane kvplane`
+# in front of an aggregated one with the same requests.
+PD_ROUTERS: tuple[RouterSpec, ...] = (
+    *(
+        RouterSpec(f"kvplane {name}", "kvplane", name, _kvplane_pd_starter(mode), True)
+        for name, mode in KVPLANE_PD_MODES.items()
+    ),
+    RouterSpec(
+        "vllm-router pd-cache_aware",
+        "vllm-router",
+        "pd-cache_aware",
+        _peer_starter(_vllm_router_pd("cache_aware")),
+        True,
+    ),
 )

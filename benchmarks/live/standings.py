@@ -12,6 +12,11 @@ Ties are counted as the tables show the figures: hit rates to 0.1 point, TTFT to
 millisecond. A peer that let tenants share cache (it dropped their `cache_salt`) is
 marked: its hit rate is one kvplane refuses to earn that way.
 
+In the `pd` situation a router stands only against those in front of the same kind of
+fleet: kvplane's P/D routers against vllm-router's P/D mode; kvplane's aggregated
+reference there (`kvplane kvplane`) has no peer, and is read against kvplane's own P/D
+rows in the point's table.
+
 kvplane behind Envoy (`kvplane-envoy kvplane`) stands as kvplane does: its routing, at
 a gateway. Envoy alone (`envoy round_robin`) is no peer: it is no LLM router, only the
 floor for what the picker adds at a gateway, and stands in neither column.
@@ -104,8 +109,8 @@ def _pairs(results: Sequence[CellResult]) -> Iterator[tuple[CellResult, list[Cel
             result
             for result in measured
             if result.family not in KVPLANE_FAMILIES | NOT_PEERS
-            and (result.workload, result.situation, result.load, result.run)
-            == (kvplane.workload, kvplane.situation, kvplane.load, kvplane.run)
+            and (result.workload, result.situation, result.load, result.run, result.fleet)
+            == (kvplane.workload, kvplane.situation, kvplane.load, kvplane.run, kvplane.fleet)
         ]
         if peers:
             yield kvplane, peers

@@ -281,8 +281,8 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         "--markdown", type=Path, help="also write a summary in Markdown (hit rate, TTFT p90)"
     )
     live.add_argument("--logs", type=Path, help="keep every process's log under this folder, "
-                      "and each cell's requests (requests.jsonl: turn, TTFT, tokens; "
-                      "no text)")  # fmt: skip
+                      "and each cell's requests (requests.jsonl: turn, TTFT, e2e latency, "
+                      "inter-token gaps, tokens; no text)")  # fmt: skip
     live.set_defaults(handler=_run_bench_live)
     return parser
 

@@ -6,16 +6,19 @@ read the router's CPU, send the workload, read the CPU again and the engines'
 counters, collect the evidence that what was measured was in play, and stop every
 process. A cell that fails says why in its result; the others go on.
 
-In front of a disaggregated fleet the evidence says whether P/D was in play
-(`pd_in_play`): the decode engines pulled prompt tokens from the prefill engines, and,
-for kvplane, it split requests (its `kvplane_legs_decided_total{split="true"}`). A cell
-where it was not says why (`pd_not_in_play`) and the table says so.
+In front of a fleet that can split requests the evidence says whether P/D was in play
+(`pd_in_play`): the engines that take decode legs pulled prompt tokens from others,
+and, for kvplane, it split requests (its `kvplane_legs_decided_total{split="true"}`). A
+cell where it was not says why (`pd_not_in_play`) and the table says so; for a fleet's
+aggregated reference (`kvplane both-never`) it is the other way round: P/D in play there
+is what the table flags (`pd_unexpected`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shlex
 import statistics
 import tempfile
@@ -28,6 +31,7 @@ from typing import Any
 from benchmarks.live.client import Outcome, Traffic, run_workload
 from benchmarks.live.engines import (
     EXTERNAL_KV_TRANSFER,
+    FLEET_AGGREGATED,
     LOCAL_CACHE_HIT,
     LOCAL_COMPUTE,
     MODEL,
@@ -58,7 +62,10 @@ class CellResult:
     rate_per_s: float
     situation: str
     run: int
-    fleet: str = "aggregated"  # or "pd": two prefill and two decode engines
+    # `engines.FLEET_*`: "aggregated"; "pd": two prefill and two decode engines;
+    # "pd-both": four engines each with NixlConnector, taking either leg
+    fleet: str = FLEET_AGGREGATED
+    pd_reference: bool = False  # its fleet's aggregated reference: it must split nothing
     version: str = ""
     commands: list[str] = field(default_factory=list)
     workload_description: str = ""
@@ -74,6 +81,16 @@ class CellResult:
     # Per turn ("0": conversations' first requests, which no cache holds; then later
     # turns, or depths in a tree): where a router's p90 comes from.
     ttft_p90_ms_by_turn: dict[str, float] = field(default_factory=dict)
+    # Inter-token latency: the gaps between successive content chunks of a streamed
+    # answer after its first (the engines stream a token a chunk), pooled over every
+    # request of the cell (`itl_gaps` of them), each gap one sample; then the end-to-end
+    # latency of the answered requests (sent to the stream's end).
+    itl_p50_ms: float = float("nan")
+    itl_p90_ms: float = float("nan")
+    itl_p99_ms: float = float("nan")
+    itl_gaps: int = 0
+    e2e_p50_ms: float = float("nan")
+    e2e_p90_ms: float = float("nan")
     requests_per_s: float = 0.0
     output_tokens_per_s: float = 0.0
     engine_requests: dict[str, float] = field(default_factory=dict)
@@ -126,6 +143,21 @@ class CellResult:
     def fallbacks(self) -> float:
         return _counted(self.pd_counters, "kvplane_disaggregation_fallbacks_total")
 
+    @property
+    def pd_unexpected(self) -> str:
+        """What the table and the progress line flag about P/D in this cell, or "": P/D
+        not in play in front of a fleet that can split, or in play for the fleet's
+        aggregated reference, which must split nothing."""
+        if self.pd_reference and self.pd_in_play:
+            pulled = 0.0 if math.isnan(self.prompt_tokens_pulled) else self.prompt_tokens_pulled
+            return (
+                f"P/D in play in the never-split reference: split "
+                f"{self.split_requests:.0f}, pulled {pulled:.0f} prompt tokens"
+            )
+        if not self.pd_reference and self.pd_in_play is False:
+            return f"P/D NOT in play: {self.pd_not_in_play}"
+        return ""
+
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -152,7 +184,7 @@ def run_cell(
     shape = cell.shape(shape)
     result = CellResult(
         spec.name, spec.family, spec.policy, cell.workload, cell.load, cell.rate_per_s,
-        cell.situation, cell.run, "pd" if shape.disaggregated else "aggregated",
+        cell.situation, cell.run, shape.fleet, spec.reference,
     )  # fmt: skip
     reason = spec.unavailable()
     if reason is not None:
@@ -213,8 +245,13 @@ def run_cell(
                 for name, value in after.items()
                 if value - pd_before.get(name, 0.0)
             }
-        if shape.disaggregated:
-            _pd_in_play(result, fleet, kvplane_counters=deployment.pd_counters is not None)
+        if shape.connector:
+            _pd_in_play(
+                result,
+                fleet,
+                kvplane_counters=deployment.pd_counters is not None,
+                reference=spec.reference,
+            )
     except (StartFailed, BlindFleet, OSError, RuntimeError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
     finally:
@@ -249,8 +286,9 @@ def _restarter(fleet: RunningEngines) -> Callable[[], Awaitable[None]]:
 
 
 REQUESTS_FILE = "requests.jsonl"
-"""Beside a cell's logs: one line per request (its turn, TTFT, tokens, when it was sent;
-never its text), to read a percentile's requests against the router's decisions."""
+"""Beside a cell's logs: one line per request (its turn, TTFT, end-to-end latency,
+inter-token gaps, tokens, when it was sent; never its text), to read a percentile's
+requests against the router's decisions."""
 
 
 def _write_requests(path: Path, outcomes: list[Outcome]) -> None:
@@ -268,17 +306,7 @@ def _figures(
 ) -> None:
     result.requests = len(outcomes)
     result.failed = sum(not outcome.ok for outcome in outcomes)
-    ttfts = [outcome.ttft_s for outcome in outcomes if outcome.ttft_s is not None]
-    result.ttft_p50_ms = percentile(ttfts, 0.5) * 1000
-    result.ttft_p90_ms = percentile(ttfts, 0.9) * 1000
-    result.ttft_p99_ms = percentile(ttfts, 0.99) * 1000
-    by_turn: dict[int, list[float]] = {}
-    for outcome in outcomes:
-        if outcome.ttft_s is not None:
-            by_turn.setdefault(outcome.turn, []).append(outcome.ttft_s)
-    result.ttft_p90_ms_by_turn = {
-        str(turn): percentile(by_turn[turn], 0.9) * 1000 for turn in sorted(by_turn)
-    }
+    latencies(result, outcomes)
     done = [outcome for outcome in outcomes if outcome.ok]
     prompt = sum(outcome.prompt_tokens for outcome in done)
     result.client_cached_share = sum(o.cached_tokens for o in done) / prompt if prompt else 0.0
@@ -312,17 +340,57 @@ def _figures(
     }
 
 
-def _pd_in_play(result: CellResult, fleet: RunningEngines, *, kvplane_counters: bool) -> None:
-    """Whether P/D was in play in a disaggregated cell: its decode engines pulled prompt
-    tokens, and a router that counts its decisions (kvplane) split requests. Otherwise
-    `pd_not_in_play` says what was missing."""
-    decode = {engine.name for engine in fleet.of_role("decode")}
+def latencies(result: CellResult, outcomes: list[Outcome]) -> None:
+    """The cell's TTFT (every request's first content chunk, by turn too), inter-token
+    latency (every gap between successive content chunks of every request, pooled) and
+    end-to-end latency (the answered requests') percentiles, in ms."""
+    ttfts = [outcome.ttft_s for outcome in outcomes if outcome.ttft_s is not None]
+    result.ttft_p50_ms = percentile(ttfts, 0.5) * 1000
+    result.ttft_p90_ms = percentile(ttfts, 0.9) * 1000
+    result.ttft_p99_ms = percentile(ttfts, 0.99) * 1000
+    by_turn: dict[int, list[float]] = {}
+    for outcome in outcomes:
+        if outcome.ttft_s is not None:
+            by_turn.setdefault(outcome.turn, []).append(outcome.ttft_s)
+    result.ttft_p90_ms_by_turn = {
+        str(turn): percentile(by_turn[turn], 0.9) * 1000 for turn in sorted(by_turn)
+    }
+    gaps = [gap for outcome in outcomes for gap in outcome.itl_s]
+    result.itl_gaps = len(gaps)
+    result.itl_p50_ms = percentile(gaps, 0.5) * 1000
+    result.itl_p90_ms = percentile(gaps, 0.9) * 1000
+    result.itl_p99_ms = percentile(gaps, 0.99) * 1000
+    ends = [o.latency_s for o in outcomes if o.ok and o.latency_s is not None]
+    result.e2e_p50_ms = percentile(ends, 0.5) * 1000
+    result.e2e_p90_ms = percentile(ends, 0.9) * 1000
+
+
+def _pd_in_play(
+    result: CellResult,
+    fleet: RunningEngines,
+    *,
+    kvplane_counters: bool,
+    reference: bool = False,
+) -> None:
+    """Whether P/D was in play in a cell whose fleet can split: the engines that take
+    decode legs (the decode pool, or every engine of the `pd-both` fleet) pulled prompt
+    tokens, and a router that counts its decisions (kvplane) split requests.
+    `pd_not_in_play` says what was missing. For a fleet's aggregated `reference` (it
+    must split nothing) P/D in play is any split or any pull, and what it says of one
+    that stayed whole is the evidence (`whole: never N`)."""
+    decode = {engine.name for engine in fleet.engines if engine.role != "prefill"}
+    pools = any(engine.role == "decode" for engine in fleet.engines)
     by_engine = result.prompt_tokens_by_engine
+    pulled = any(by_engine.get(name, {}).get(EXTERNAL_KV_TRANSFER, 0.0) > 0 for name in decode)
     missing = []
     if not any(by_engine.get(name) for name in decode):
         missing.append("the engines do not count prompt tokens by source")
-    elif not any(by_engine[name].get(EXTERNAL_KV_TRANSFER, 0.0) > 0 for name in decode):
-        missing.append("the decode engines pulled no prompt token")
+    elif not pulled:
+        missing.append(
+            "the decode engines pulled no prompt token"
+            if pools
+            else "no engine pulled a prompt token"
+        )
     if kvplane_counters and result.split_requests <= 0:
         whole = {
             name.partition("reason=")[2].partition(",")[0].rstrip("}"): value
@@ -331,8 +399,11 @@ def _pd_in_play(result: CellResult, fleet: RunningEngines, *, kvplane_counters: 
         }
         reasons = ", ".join(f"{reason} {value:.0f}" for reason, value in whole.items())
         missing.append(f"no request split (whole: {reasons or 'none counted'})")
-    result.pd_in_play = not missing
     result.pd_not_in_play = "; ".join(missing)
+    if reference:
+        result.pd_in_play = pulled or result.split_requests > 0
+        return
+    result.pd_in_play = not missing
 
 
 def _rest_cpu_ms_per_s(deployment: Deployment) -> float:

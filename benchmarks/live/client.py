@@ -4,16 +4,20 @@ around it) and timing each request.
 
 Conversations start on the workload's schedule whatever the router does (open loop);
 a conversation's next step waits for its parent's response and carries it, as a chat
-client does. Time to first token is the time to the first chunk with content.
+client does. Time to first token is the time to the first chunk with content; the
+inter-token latencies are the gaps between successive chunks with content after it
+(`inter_token_gaps`: the engines stream a token a chunk); the end-to-end latency runs
+from sending the request to the stream's end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
@@ -29,7 +33,9 @@ Message = ChatCompletionMessageParam
 class Outcome:
     ok: bool
     ttft_s: float | None = None
-    latency_s: float | None = None
+    latency_s: float | None = None  # end to end: sent to the stream's end
+    # The gaps between successive chunks with content (`inter_token_gaps`), in order.
+    itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
@@ -165,6 +171,13 @@ async def _after(delay_s: float, work: Awaitable[None]) -> None:
     await work
 
 
+def inter_token_gaps(arrivals: Sequence[float]) -> list[float]:
+    """The inter-token latencies of one streamed answer: the gaps between successive
+    chunks with content, from the times they arrived (the first's is the TTFT's end);
+    none for an answer of fewer than two such chunks."""
+    return [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+
+
 async def _send(
     client: openai.AsyncOpenAI,
     model: str,
@@ -179,7 +192,7 @@ async def _send(
         extra["cache_salt"] = f"salt-{tenant}"
     sent_at = time.time()
     sent = time.perf_counter()
-    first: float | None = None
+    arrivals: list[float] = []  # of each chunk with content
     pieces: list[str] = []
     usage = None
     try:
@@ -193,8 +206,7 @@ async def _send(
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
-                if first is None:
-                    first = time.perf_counter()
+                arrivals.append(time.perf_counter())
                 pieces.append(chunk.choices[0].delta.content)
             if chunk.usage is not None:
                 usage = chunk.usage
@@ -202,10 +214,11 @@ async def _send(
         return Outcome(ok=False, error=type(error).__name__, sent_at=sent_at), ""
     ended = time.perf_counter()
     outcome = Outcome(
-        ok=first is not None,
-        ttft_s=None if first is None else first - sent,
+        ok=bool(arrivals),
+        ttft_s=arrivals[0] - sent if arrivals else None,
         latency_s=ended - sent,
-        error=None if first is not None else "no content streamed",
+        itl_s=inter_token_gaps(arrivals),
+        error=None if arrivals else "no content streamed",
         sent_at=sent_at,
     )
     if usage is not None:

@@ -6,7 +6,9 @@ that a cache miss costs prefill time as it would on a GPU.
 
 A disaggregated fleet (`EngineShape.prefill_engines`) gives every engine vLLM's
 NixlConnector as `kv_both` (as NixlConnector deployments do) and names the pools by
-role: the first engines take prefill legs, the others decode legs. The report reads,
+role: the first engines take prefill legs, the others decode legs. Or the same four
+engines every one `kv_both` and no pool named (`EngineShape.kv_both`, the `pd-both`
+fleet): any engine takes a whole request or either leg. The report reads,
 besides the prefix cache's counters, where each engine's prompt tokens came from
 (`vllm:prompt_tokens_by_source`): computed, hit in its own cache, or pulled.
 """
@@ -41,6 +43,14 @@ LOCAL_COMPUTE, LOCAL_CACHE_HIT, EXTERNAL_KV_TRANSFER = (
     "local_cache_hit",
     "external_kv_transfer",
 )
+# The kinds of fleet a cell runs on (`CellResult.fleet`): no connector; two prefill and
+# two decode engines; four engines each taking either leg or a whole request.
+FLEET_AGGREGATED, FLEET_PD, FLEET_BOTH = "aggregated", "pd", "pd-both"
+FLEET_LABELS = {
+    FLEET_AGGREGATED: "4 engines, no connector",
+    FLEET_PD: "2 prefill + 2 decode",
+    FLEET_BOTH: "4 kv_both, role both",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +66,26 @@ class EngineShape:
     # others decode legs, every one with NixlConnector (kv_both). 0: an aggregated fleet,
     # no connector.
     prefill_engines: int = 0
+    # Every engine with NixlConnector (kv_both) and no pool named: each takes a whole
+    # request or either leg (kvplane's agents `--role both`). Moot with prefill_engines.
+    kv_both: bool = False
 
     @property
     def disaggregated(self) -> bool:
+        """Split into prefill and decode pools."""
         return self.prefill_engines > 0
+
+    @property
+    def connector(self) -> bool:
+        """Every engine has NixlConnector (kv_both): pools or not, requests can split."""
+        return self.disaggregated or self.kv_both
+
+    @property
+    def fleet(self) -> str:
+        """`FLEET_PD`, `FLEET_BOTH` or `FLEET_AGGREGATED`."""
+        if self.disaggregated:
+            return FLEET_PD
+        return FLEET_BOTH if self.kv_both else FLEET_AGGREGATED
 
     def role(self, number: int) -> str:
         """The role of the engine numbered `number` (from 1): prefill, decode or both."""
@@ -85,6 +111,7 @@ class Engine:
     events_endpoint: str  # where it publishes, for subscribers: tcp://127.0.0.1:PORT
     replay_endpoint: str
     role: str = "both"  # prefill, decode (a disaggregated fleet's pools) or both
+    connector: bool = False  # NixlConnector (kv_both): it can take either leg of a split
 
 
 @dataclass(slots=True)
@@ -214,7 +241,7 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
         ]  # fmt: skip
         if shape.time_scale is not None:
             command += ["--time-scale", str(shape.time_scale)]
-        if shape.disaggregated:
+        if shape.connector:
             # The transfer model's defaults: an 8B model's KV (128 KiB a token) over a
             # 25 GB/s link, vLLM's 30 s lease.
             command += ["--kv-transfer-config", json.dumps(PD_KV_TRANSFER_CONFIG)]
@@ -227,6 +254,7 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
                 f"tcp://127.0.0.1:{events}",
                 f"tcp://127.0.0.1:{replay}",
                 shape.role(number),
+                shape.connector,
             )
         )
     wait_ready((engine.child, engine.base_url + "/health") for engine in engines)

@@ -11,11 +11,15 @@ one that reads engine events should not:
 - `bypass`: a quarter of the conversations reach the engines around the router.
 
 And one where the fleet itself changes:
-- `pd`: prefill/decode disaggregation. The P/D routers (`PD_ROUTERS`) each in front of
-  two prefill and two decode engines (vLLM's NixlConnector), and `kvplane kvplane` in
-  front of the usual four aggregated engines, with the same requests: whether splitting
-  pays, and whose splitting pays more. On long shared prompts and on chats
-  (`PD_WORKLOADS`).
+- `pd`: prefill/decode disaggregation, on long shared prompts and on chats
+  (`PD_WORKLOADS`), with the same requests on three fleets of four engines:
+  - two prefill and two decode engines (vLLM's NixlConnector): kvplane splitting where
+    it pays and always, and vllm-router's P/D mode (its reference, `PD_FLEET_REFERENCES`):
+    whose splitting pays more;
+  - four engines each with NixlConnector and no pool named (`pd-both`), any of them
+    taking either leg or a whole request: kvplane splitting where it pays, always, and
+    never (that fleet's aggregated reference): whether splitting pays on one fleet;
+  - the usual four engines, no connector, under `kvplane kvplane`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from benchmarks.live.engines import EngineShape
+from benchmarks.live.engines import FLEET_BOTH, FLEET_PD, EngineShape
 from benchmarks.live.routers import PD_ROUTERS, ROUTERS, RouterSpec
 
 # Offered load, in requests per second: light; medium; heavy, about where four engines
@@ -35,7 +39,11 @@ EVICTION_WORKLOAD = "shared-64"
 PD = "pd"
 PD_WORKLOADS = ("shared-8", "multi-turn")
 PD_PREFILL_ENGINES = 2  # of the fleet's four: two prefill, two decode
-PD_AGGREGATED_ROUTER = "kvplane kvplane"  # the pd point's aggregated reference
+PD_AGGREGATED_ROUTER = "kvplane kvplane"  # the pd point's reference on 4 plain engines
+# What each P/D fleet's other routers are read against, run by run (the same-fleet
+# comparison): vllm-router's P/D mode on the pools, kvplane never splitting on the
+# engines that each take either leg.
+PD_FLEET_REFERENCES = {FLEET_PD: "vllm-router pd-cache_aware", FLEET_BOTH: "kvplane both-never"}
 BYPASS_SHARE = 0.25
 LONGER_WORKLOADS: dict[str, float] = {"mooncake": 3.0}
 """Workloads whose cells run this many times the profile's traffic, at the same rate.
@@ -81,10 +89,13 @@ class Cell:
 
     def shape(self, base: EngineShape) -> EngineShape:
         """The cell's engines: `base`, split into prefill and decode pools for a router
-        in front of a disaggregated fleet."""
-        if not self.router.disaggregated:
-            return base
-        return replace(base, prefill_engines=PD_PREFILL_ENGINES)
+        in front of those, every engine with a connector and no pool for one in front of
+        the `pd-both` fleet."""
+        if self.router.fleet == FLEET_PD:
+            return replace(base, prefill_engines=PD_PREFILL_ENGINES)
+        if self.router.fleet == FLEET_BOTH:
+            return replace(base, prefill_engines=0, kv_both=True)
+        return base
 
 
 @dataclass(frozen=True, slots=True)

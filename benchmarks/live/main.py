@@ -12,8 +12,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
-from benchmarks.live.engines import EngineShape
-from benchmarks.live.grid import LONGER_WORKLOADS, PROFILES, Cell, cells, select, traffic_seconds
+from benchmarks.live.engines import FLEET_AGGREGATED, EngineShape
+from benchmarks.live.grid import (
+    LONGER_WORKLOADS,
+    PD,
+    PROFILES,
+    Cell,
+    cells,
+    select,
+    traffic_seconds,
+)
 from benchmarks.live.report import (
     read_json,
     render_summary_markdown,
@@ -21,7 +29,7 @@ from benchmarks.live.report import (
     write_json,
     write_plot,
 )
-from benchmarks.live.standings import render_standings, standings
+from benchmarks.live.standings import render_same_fleet, render_standings, same_fleet, standings
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
@@ -52,18 +60,22 @@ def resume_points(
 
 
 def _pd_line(result: CellResult) -> str:
-    """What a cell's progress line adds in front of a disaggregated fleet, or for a
-    point whose engines count prompt tokens by source: computed, pulled, split."""
-    if math.isnan(result.prompt_tokens_computed) and result.fleet != "pd":
-        return ""
-    text = (
+    """What a cell's progress line adds in the `pd` situation (inter-token and
+    end-to-end latency), in front of a fleet that can split, or for a point whose
+    engines count prompt tokens by source: computed, pulled, split."""
+    text = ""
+    if result.situation == PD:
+        text += f", ITL p90 {result.itl_p90_ms:.1f} ms, e2e p90 {result.e2e_p90_ms:.0f} ms"
+    if math.isnan(result.prompt_tokens_computed) and result.fleet == FLEET_AGGREGATED:
+        return text
+    text += (
         f", prompt tokens computed {result.prompt_tokens_computed:.0f}, "
         f"pulled {result.prompt_tokens_pulled:.0f}"
     )
     if result.pd_counters:
         text += f", split {result.split_requests:.0f}, fallbacks {result.fallbacks:.0f}"
-    if result.pd_in_play is False:
-        text += f"; P/D NOT in play: {result.pd_not_in_play}"
+    if result.pd_unexpected:
+        text += f"; {result.pd_unexpected}"
     return text
 
 
@@ -101,6 +113,9 @@ def _report(
     against_peers = render_standings(standings(results))
     if against_peers:
         print(f"\n{against_peers}")
+    on_one_fleet = render_same_fleet(same_fleet(results))
+    if on_one_fleet:
+        print(f"\n{on_one_fleet}")
     if plot_path is not None:
         write_plot(plot_path, results)
     if markdown_path is not None:

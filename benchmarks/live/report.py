@@ -1,10 +1,14 @@
 """The bake-off's report: one table per point (workload, situation, load) with every
 router's figures and every run side by side, the JSON, and a plot.
 
-A point with a disaggregated fleet (the `pd` situation) shows, besides, where the
-prompt tokens came from (computed: the fleet's prefill work; pulled: moved from prefill
-to decode engines) and kvplane's own P/D counters (requests split and whole, fallbacks),
-and says of each run where P/D was not in play."""
+A point of the `pd` situation shows, besides, each router's fleet (`PD_FLEET_SHORT`),
+its inter-token and end-to-end latency beside its TTFT (disaggregation's published
+benefit is inter-token latency: a decode engine that never prefills), where the prompt
+tokens came from (computed: the fleet's prefill work; pulled: moved between engines)
+and kvplane's own P/D counters (requests split and whole, fallbacks), its rows fleet by
+fleet, and says of each run where P/D was not as claimed (not in play; in play for the
+never-split reference). The same-fleet comparison (`standings.same_fleet`) follows the
+standings."""
 
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.live.bakeoff import CellResult
-from benchmarks.live.standings import render_standings, standings
+from benchmarks.live.engines import FLEET_AGGREGATED, FLEET_BOTH, FLEET_PD
+from benchmarks.live.grid import PD
+from benchmarks.live.standings import render_same_fleet, render_standings, same_fleet, standings
 from simulations.reporting import format_table
 
 
@@ -47,14 +53,16 @@ def render_tables(results: Sequence[CellResult]) -> str:
     sections = []
     for (workload, situation, load), point in _points(results).items():
         rate = point[0].rate_per_s
-        pd = any(result.fleet == "pd" for result in point)
+        pd = any(result.situation == PD or result.fleet != FLEET_AGGREGATED for result in point)
         header_row = (
             "router",
+            *(("fleet",) if pd else ()),
             "hit %",
             "cached %",
             "TTFT p50 ms",
             "TTFT p90 ms",
             "TTFT p99 ms",
+            *(PD_LATENCY_COLUMNS if pd else ()),
             "req/s",
             "failed",
             "busiest/mean",
@@ -63,18 +71,23 @@ def render_tables(results: Sequence[CellResult]) -> str:
         )
         rows: list[tuple[str, ...]] = [header_row + (PD_COLUMNS if pd else ())]
         notes = []
-        for router, runs in _by_router(point).items():
+        routers = list(_by_router(point).items())
+        if pd:  # fleet by fleet: each P/D fleet's routers side by side
+            routers.sort(key=lambda item: _FLEET_ORDER.get(item[1][0].fleet, len(_FLEET_ORDER)))
+        for router, runs in routers:
             ok = [run for run in runs if run.error is None]
             if not ok:
                 notes.append(f"{router}: no figures: {runs[0].error}")
                 continue
             row = (
                 router,
+                *((PD_FLEET_SHORT.get(ok[0].fleet, ok[0].fleet),) if pd else ()),
                 _runs([run.engine_hit_rate * 100 for run in ok], ".1f"),
                 _runs([run.client_cached_share * 100 for run in ok], ".1f"),
                 _runs([run.ttft_p50_ms for run in ok], ".0f"),
                 _runs([run.ttft_p90_ms for run in ok], ".0f"),
                 _runs([run.ttft_p99_ms for run in ok], ".0f"),
+                *(pd_latencies(ok) if pd else ()),
                 _runs([run.requests_per_s for run in ok], ".1f"),
                 _runs([float(run.failed) for run in ok], ".0f"),
                 _runs([run.imbalance for run in ok], ".2f"),
@@ -84,9 +97,7 @@ def render_tables(results: Sequence[CellResult]) -> str:
             rows.append(row + (pd_figures(ok) if pd else ()))
             notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]
             notes += [
-                f"{router} run {run.run}: P/D NOT in play: {run.pd_not_in_play}"
-                for run in ok
-                if run.pd_in_play is False
+                f"{router} run {run.run}: {run.pd_unexpected}" for run in ok if run.pd_unexpected
             ]
             split = _cpu_split(ok)
             if split:
@@ -104,6 +115,27 @@ def render_tables(results: Sequence[CellResult]) -> str:
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
     return "\n\n".join(sections)
+
+
+PD_FLEET_SHORT = {FLEET_AGGREGATED: "4 plain", FLEET_PD: "2P+2D", FLEET_BOTH: "4 both"}
+"""A `pd` point's `fleet` column: four engines with no connector (`kvplane kvplane`);
+two prefill and two decode engines; four engines each with NixlConnector, any of them
+taking either leg or a whole request (kvplane's agents `--role both`)."""
+_FLEET_ORDER = {FLEET_AGGREGATED: 0, FLEET_PD: 1, FLEET_BOTH: 2}
+
+PD_LATENCY_COLUMNS = ("ITL p50 ms", "ITL p90 ms", "e2e p90 ms")
+"""A `pd` point's latencies beside its TTFT: inter-token latency (every gap between
+successive content chunks of every streamed answer of the cell, pooled) and end-to-end
+latency (sent to the stream's end) of the answered requests."""
+
+
+def pd_latencies(runs: Sequence[CellResult]) -> tuple[str, str, str]:
+    """The `PD_LATENCY_COLUMNS` of a router's runs."""
+    return (
+        _runs([run.itl_p50_ms for run in runs], ".1f"),
+        _runs([run.itl_p90_ms for run in runs], ".1f"),
+        _runs([run.e2e_p90_ms for run in runs], ".0f"),
+    )
 
 
 PD_COLUMNS = ("computed ktok", "pulled ktok", "split / whole", "fallbacks")
@@ -132,8 +164,8 @@ def pd_figures(runs: Sequence[CellResult]) -> tuple[str, str, str, str]:
 
 
 def _counts_legs(run: CellResult) -> bool:
-    """kvplane in front of a disaggregated fleet counts its decisions, even none."""
-    return run.family == "kvplane" and run.fleet == "pd"
+    """kvplane in front of a fleet that can split counts its decisions, even none."""
+    return run.family == "kvplane" and run.fleet != FLEET_AGGREGATED
 
 
 def _fallback_reasons(run: CellResult) -> str:
@@ -146,15 +178,21 @@ def _fallback_reasons(run: CellResult) -> str:
 
 
 def _pd_summary(runs: Sequence[CellResult]) -> str:
-    """A disaggregated point's runs in the Markdown summary: TTFT p90, prompt tokens
-    computed and pulled (thousands), and kvplane's requests split."""
+    """A `pd` point's runs in the Markdown summary: TTFT p90, ITL p90, e2e p90, prompt
+    tokens computed and pulled (thousands), and kvplane's requests split."""
     ok = [run for run in runs if run.error is None]
     computed, pulled, decisions, _ = pd_figures(ok)
-    text = f"{_runs([run.ttft_p90_ms for run in ok], '.0f')} ms · {computed} · {pulled}"
+    _, itl, e2e = pd_latencies(ok)
+    text = (
+        f"{_runs([run.ttft_p90_ms for run in ok], '.0f')} ms · ITL {itl} ms · e2e {e2e} ms"
+        f" · {computed} · {pulled}"
+    )
     if decisions != "-":
         text += f" · split {' / '.join(f'{run.split_requests:.0f}' for run in ok)}"
-    if any(run.pd_in_play is False for run in ok):
+    if any(run.pd_in_play is False and not run.pd_reference for run in ok):
         text += " (P/D not in play)"
+    if any(run.pd_in_play and run.pd_reference for run in ok):
+        text += " (the never-split reference split)"
     return text
 
 
@@ -218,12 +256,16 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
         return "\n".join(lines)
 
     against_peers = render_standings(standings(results))
+    on_one_fleet = render_same_fleet(same_fleet(results))
     pd_points = [point for point in cells if point[1] == "pd"]
     pd_tables = (
         [
-            "Prefill/decode disaggregation (`pd`): TTFT p90, then prompt tokens computed "
-            "on the fleet and pulled between its engines (thousands), then the requests "
-            "kvplane split, of every run:",
+            "Prefill/decode disaggregation (`pd`): TTFT p90, inter-token latency (ITL) "
+            "p90, end-to-end p90, then prompt tokens computed on the fleet and pulled "
+            "between its engines (thousands), then the requests kvplane split, of every "
+            "run. `pd-*` on two prefill and two decode engines (with `vllm-router "
+            "pd-cache_aware`), `both-*` on four engines each taking either leg, "
+            "`kvplane kvplane` on four engines with no connector:",
             table("situations", pd_points, _pd_summary).replace("**situations**", "**pd**"),
         ]
         if pd_points
@@ -239,6 +281,7 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
                 "every run:",
                 *(table(name, points, _cpu) for name, points in tables.items()),
                 *([f"```\n{against_peers}\n```"] if against_peers else []),
+                *([f"```\n{on_one_fleet}\n```"] if on_one_fleet else []),
             ]
         )
         + "\n"

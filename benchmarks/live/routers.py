@@ -14,8 +14,13 @@ Disaggregated fleets (the `pd` situation: prefill and decode engines, vLLM's
 NixlConnector) get their own routers: kvplane with its agents naming each engine's
 role (`--role prefill`/`decode`), splitting where it pays (`kvplane pd-conditional`,
 its default) or always (`kvplane pd-always`), and vllm-router in its P/D mode
-(`vllm-router pd-cache_aware`). Their evidence says whether P/D was in play: kvplane's
-split decisions and fallbacks, from its own metrics (`pd_counters`).
+(`vllm-router pd-cache_aware`). And the same four engines with no pools (every one
+`kv_both`, kvplane's agents `--role both`: any engine takes a whole request or either
+leg), for a comparison on one fleet: kvplane splitting where it pays
+(`kvplane both-conditional`), always (`kvplane both-always`), and never
+(`kvplane both-never`, that fleet's aggregated reference). Their evidence says whether
+P/D was in play: kvplane's split decisions and fallbacks, from its own metrics
+(`pd_counters`).
 
 Envoy (`make envoy-env`) stands in front of the engines twice: as the gateway that asks
 kvplane's endpoint picker (`kvplane-envoy kvplane`: the routers as `kvplane kvplane`
@@ -45,7 +50,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import trivial_picker
 from benchmarks.live import envoy
-from benchmarks.live.engines import BLOCK_SIZE, MODEL, RunningEngines
+from benchmarks.live.engines import (
+    BLOCK_SIZE,
+    FLEET_AGGREGATED,
+    FLEET_BOTH,
+    FLEET_PD,
+    MODEL,
+    Engine,
+    RunningEngines,
+)
 from benchmarks.live.processes import Child, Children, Ready, StartFailed, wait_ready
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
@@ -104,9 +117,18 @@ class RouterSpec:
     start: Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment] = field(
         compare=False, repr=False
     )
-    # In front of a disaggregated fleet (prefill and decode engines), in the `pd`
-    # situation only.
-    disaggregated: bool = False
+    # The fleet it stands in front of (`engines.FLEET_*`): the usual aggregated one, or,
+    # in the `pd` situation only, prefill and decode pools (`pd`) or four engines that
+    # each take either leg (`pd-both`).
+    fleet: str = FLEET_AGGREGATED
+    # Its fleet's aggregated reference: it never splits a request (`kvplane both-never`),
+    # so P/D in play there is the anomaly.
+    reference: bool = False
+
+    @property
+    def disaggregated(self) -> bool:
+        """In front of a fleet whose engines can split requests (the `pd` situation)."""
+        return self.fleet != FLEET_AGGREGATED
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
@@ -190,16 +212,29 @@ def _start_kvplane(
     )
 
 
-# kvplane's P/D routers: the policy's name in the table, `[disaggregation] mode`.
+# kvplane's P/D routers: the policy's name in the table, `[disaggregation] mode`. In
+# front of the prefill and decode pools:
 KVPLANE_PD_MODES = {"pd-conditional": "conditional", "pd-always": "always"}
+# In front of four engines that each take either leg (`pd-both`); `never` is that
+# fleet's aggregated reference.
+KVPLANE_BOTH_MODES = {
+    "both-conditional": "conditional",
+    "both-always": "always",
+    "both-never": "never",
+}
+
+
+def disaggregation_settings(mode: str) -> dict[str, str]:
+    """The environment of kvplane's routers that sets `[disaggregation] mode`."""
+    return {"KVPLANE_DISAGGREGATION__MODE": mode}
 
 
 def _kvplane_pd_starter(
     mode: str,
 ) -> Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment]:
-    """kvplane (its own policy) in front of a disaggregated fleet, splitting requests as
-    `[disaggregation] mode` says: `conditional` (the default, set all the same so that
-    the command line says it) or `always`."""
+    """kvplane (its own policy) in front of a fleet that can split, splitting requests
+    as `[disaggregation] mode` says: `conditional` (the default, set all the same so
+    that the cell's settings say it), `always` or `never`."""
 
     def start(
         spec: RouterSpec,
@@ -215,7 +250,7 @@ def _kvplane_pd_starter(
             replicas,
             workload.tenants,
             picker=False,
-            settings={"KVPLANE_DISAGGREGATION__MODE": mode},
+            settings=disaggregation_settings(mode),
         )
         return Deployment(
             [url + "/v1" for url in kvplane.urls],
@@ -242,7 +277,7 @@ def launch_kvplane(
     an agent beside each engine, every worker registered with every replica and the
     fleet's wiring checked; with `picker`, each replica serves the endpoint picker too.
     `settings`: the routers' environment besides (KVPLANE_DISAGGREGATION__MODE...). In a
-    disaggregated fleet each agent names its engine's pool (`--role`)."""
+    fleet with a connector each agent names its engine's role (`kvplane_agent_argv`)."""
     env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN, **(settings or {})}
     flags = ["--policy", policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
@@ -267,21 +302,10 @@ def launch_kvplane(
         routers.append((children.launch(f"kvplane-router-{number}", command, env), http, grpc))
     wait_ready((child, f"http://127.0.0.1:{http}/readyz") for child, http, _ in routers)
     addresses = ",".join(f"127.0.0.1:{grpc}" for _, _, grpc in routers)
-    agents = []
-    for engine in fleet.engines:
-        command = [
-            sys.executable, "-m", "kvplane.cli", "agent",
-            "--worker-id", engine.name,
-            "--engine-url", engine.base_url,
-            "--kv-events-endpoint", engine.events_endpoint,
-            "--kv-events-replay-endpoint", engine.replay_endpoint,
-            "--control-plane-address", addresses,
-            "--block-size", str(BLOCK_SIZE),
-            *_LOG_LEVEL,
-        ]  # fmt: skip
-        if engine.role != "both":
-            command += ["--role", engine.role]
-        agents.append(children.launch(f"kvplane-agent-{engine.name}", command))
+    agents = [
+        children.launch(f"kvplane-agent-{engine.name}", kvplane_agent_argv(engine, addresses))
+        for engine in fleet.engines
+    ]
     urls = [f"http://127.0.0.1:{http}" for _, http, _ in routers]
     _wait_registered(urls, len(fleet.engines), [*[r[0] for r in routers], *agents])
     checked = {url: check_wiring(url) for url in urls}
@@ -316,6 +340,26 @@ def launch_kvplane(
         return evidence
 
     return KvplaneFleet(urls, pickers, [r[0] for r in routers], agents, in_play)
+
+
+def kvplane_agent_argv(engine: Engine, addresses: str) -> list[str]:
+    """The agent beside `engine`, streaming to the routers at `addresses` (gRPC,
+    comma-separated). Beside an engine with a connector it names the engine's role
+    (`--role prefill`, `decode`, or `both` where every engine takes either leg), as
+    NixlConnector deployments must (every engine is kv_both); none without one."""
+    command = [
+        sys.executable, "-m", "kvplane.cli", "agent",
+        "--worker-id", engine.name,
+        "--engine-url", engine.base_url,
+        "--kv-events-endpoint", engine.events_endpoint,
+        "--kv-events-replay-endpoint", engine.replay_endpoint,
+        "--control-plane-address", addresses,
+        "--block-size", str(BLOCK_SIZE),
+        *_LOG_LEVEL,
+    ]  # fmt: skip
+    if engine.connector or engine.role != "both":
+        command += ["--role", engine.role]
+    return command
 
 
 _DISAGGREGATION_SERIES = {
@@ -758,11 +802,14 @@ ROUTERS: tuple[RouterSpec, ...] = (
     _peer("vllm-router", "round_robin", _vllm_router("round_robin")),
 )
 
-# In front of a disaggregated fleet (the `pd` situation), set against `kvplane kvplane`
-# in front of an aggregated one with the same requests.
+# The `pd` situation's routers, set against `kvplane kvplane` in front of an aggregated
+# fleet with the same requests: in front of two prefill and two decode engines (kvplane
+# splitting where it pays or always, vllm-router's P/D mode), and in front of four
+# engines that each take either leg (kvplane splitting where it pays, always, never:
+# the last that fleet's aggregated reference).
 PD_ROUTERS: tuple[RouterSpec, ...] = (
     *(
-        RouterSpec(f"kvplane {name}", "kvplane", name, _kvplane_pd_starter(mode), True)
+        RouterSpec(f"kvplane {name}", "kvplane", name, _kvplane_pd_starter(mode), FLEET_PD)
         for name, mode in KVPLANE_PD_MODES.items()
     ),
     RouterSpec(
@@ -770,6 +817,17 @@ PD_ROUTERS: tuple[RouterSpec, ...] = (
         "vllm-router",
         "pd-cache_aware",
         _peer_starter(_vllm_router_pd("cache_aware")),
-        True,
+        FLEET_PD,
+    ),
+    *(
+        RouterSpec(
+            f"kvplane {name}",
+            "kvplane",
+            name,
+            _kvplane_pd_starter(mode),
+            FLEET_BOTH,
+            reference=mode == "never",
+        )
+        for name, mode in KVPLANE_BOTH_MODES.items()
     ),
 )

@@ -15,7 +15,13 @@ marked: its hit rate is one kvplane refuses to earn that way.
 In the `pd` situation a router stands only against those in front of the same kind of
 fleet: kvplane's P/D routers against vllm-router's P/D mode; kvplane's aggregated
 reference there (`kvplane kvplane`) has no peer, and is read against kvplane's own P/D
-rows in the point's table.
+rows in the point's table. The same-fleet comparison (`same_fleet`) then reads every
+router of a P/D fleet against that fleet's reference (`grid.PD_FLEET_REFERENCES`), run
+by run: on two prefill and two decode engines kvplane's conditional and always against
+vllm-router's P/D mode; on four engines that each take either leg kvplane's conditional
+and always against kvplane never splitting, whole requests on the very same engines.
+That is the comparison that says whether splitting pays: `kvplane kvplane` runs on
+other engines (no connector).
 
 kvplane behind Envoy (`kvplane-envoy kvplane`) stands as kvplane does: its routing, at
 a gateway. Envoy alone (`envoy round_robin`) is no peer: it is no LLM router, only the
@@ -29,6 +35,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from benchmarks.live.bakeoff import CellResult
+from benchmarks.live.engines import FLEET_LABELS
+from benchmarks.live.grid import PD, PD_FLEET_REFERENCES
 from simulations.reporting import format_table
 
 KVPLANE_FAMILIES = frozenset({"kvplane", "kvplane-envoy"})
@@ -169,4 +177,163 @@ def _mark(leads: bool) -> str:
 
 
 def _ratio(mine: float, theirs: float) -> str:
-    return f"{mine / theirs:.2f}" if theirs > 0 else "-"
+    return f"{mine / theirs:.2f}" if theirs > 0 and math.isfinite(mine) else "-"
+
+
+# --- P/D on one fleet ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SameFleet:
+    """One router's run of a `pd` point against its fleet's reference's run with the same
+    number: TTFT, inter-token and end-to-end p90, and prompt tokens computed."""
+
+    router: str
+    reference: str
+    fleet: str
+    workload: str
+    load: str
+    run: int
+    ttft_p90_ms: float
+    reference_ttft_p90_ms: float
+    itl_p90_ms: float
+    reference_itl_p90_ms: float
+    e2e_p90_ms: float
+    reference_e2e_p90_ms: float
+    computed_tokens: float
+    reference_computed_tokens: float
+    split_requests: float  # kvplane's count (0 for a router that counts none)
+    # What the tables flag about P/D in either run (`CellResult.pd_unexpected`).
+    flags: tuple[str, ...] = ()
+
+
+SAME_FLEET_FIGURES = (
+    ("TTFT p90 ms", "ttft_p90_ms", ".0f"),
+    ("ITL p90 ms", "itl_p90_ms", ".1f"),
+    ("e2e p90 ms", "e2e_p90_ms", ".0f"),
+)
+
+
+def same_fleet(results: Sequence[CellResult]) -> list[SameFleet]:
+    """Every run of a router in front of a P/D fleet against the run with its number of
+    that fleet's reference (`PD_FLEET_REFERENCES`), in the results' order; a run without
+    figures on either side is left out."""
+    measured = [
+        result
+        for result in results
+        if result.situation == PD and result.error is None and _has_figures(result)
+    ]
+    references = {
+        (result.fleet, result.workload, result.load, result.run): result
+        for result in measured
+        if PD_FLEET_REFERENCES.get(result.fleet) == result.router
+    }
+    found = []
+    for result in measured:
+        reference = references.get((result.fleet, result.workload, result.load, result.run))
+        if reference is None or reference.router == result.router:
+            continue
+        found.append(
+            SameFleet(
+                router=result.router,
+                reference=reference.router,
+                fleet=result.fleet,
+                workload=result.workload,
+                load=result.load,
+                run=result.run,
+                ttft_p90_ms=result.ttft_p90_ms,
+                reference_ttft_p90_ms=reference.ttft_p90_ms,
+                itl_p90_ms=result.itl_p90_ms,
+                reference_itl_p90_ms=reference.itl_p90_ms,
+                e2e_p90_ms=result.e2e_p90_ms,
+                reference_e2e_p90_ms=reference.e2e_p90_ms,
+                computed_tokens=result.prompt_tokens_computed,
+                reference_computed_tokens=reference.prompt_tokens_computed,
+                split_requests=result.split_requests,
+                flags=tuple(
+                    f"{run.router}: {run.pd_unexpected}"
+                    for run in (result, reference)
+                    if run.pd_unexpected
+                ),
+            )
+        )
+    return found
+
+
+def render_same_fleet(found: Sequence[SameFleet]) -> str:
+    """A table per P/D fleet, a row per router's run against the reference's (requests
+    split, then figures and ratios: under 1 is better for every one of them), a line per
+    run whose P/D was not as claimed, then a line per router with the range of its
+    ratios; empty where no fleet had its reference measured."""
+    sections = []
+    for fleet in dict.fromkeys(item.fleet for item in found):
+        # Point by point, each router's runs together.
+        points = list(dict.fromkeys((item.workload, item.load) for item in found))
+        names = list(dict.fromkeys(item.router for item in found))
+        mine = sorted(
+            (item for item in found if item.fleet == fleet),
+            key=lambda item: (
+                points.index((item.workload, item.load)),
+                names.index(item.router),
+                item.run,
+            ),
+        )
+        reference = mine[0].reference
+        rows: list[tuple[str, ...]] = [
+            (
+                f"on one fleet ({FLEET_LABELS.get(fleet, fleet)}), against {reference}",
+                "split",
+                *(column for title, _, _ in SAME_FLEET_FIGURES for column in (title, "ratio")),
+                "computed ktok",
+                "ratio",
+            )
+        ]
+        for item in mine:
+            row = [
+                f"{item.workload}, {item.load}, run {item.run}: {item.router}",
+                f"{item.split_requests:.0f}",
+            ]
+            for _, name, fmt in SAME_FLEET_FIGURES:
+                value, theirs = getattr(item, name), getattr(item, f"reference_{name}")
+                row += [f"{_figure(value, fmt)} vs {_figure(theirs, fmt)}", _ratio(value, theirs)]
+            row += [
+                f"{_figure(item.computed_tokens / 1000, '.1f')} vs "
+                f"{_figure(item.reference_computed_tokens / 1000, '.1f')}",
+                _ratio(item.computed_tokens, item.reference_computed_tokens),
+            ]
+            rows.append(tuple(row))
+        lines = [format_table(rows)]
+        lines += dict.fromkeys(
+            f"{item.workload}, {item.load}, run {item.run}: {flag}"
+            for item in mine
+            for flag in item.flags
+        )
+        for router in dict.fromkeys(item.router for item in mine):
+            runs = [item for item in mine if item.router == router]
+            spans = [
+                f"{title.removesuffix(' ms')} {_span(runs, name)}"
+                for title, name, _ in SAME_FLEET_FIGURES
+            ]
+            spans.append(f"computed {_span(runs, 'computed_tokens')}")
+            lines.append(
+                f"{router} against {reference}, {len(runs)} runs, ratios: " + ", ".join(spans)
+            )
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections)
+
+
+def _figure(value: float, fmt: str) -> str:
+    return "-" if math.isnan(value) else format(value, fmt)
+
+
+def _span(runs: Sequence[SameFleet], name: str) -> str:
+    """The range of a figure's ratios over `runs` ("0.85-1.10"; "-" where none has one)."""
+    ratios = [
+        getattr(run, name) / getattr(run, f"reference_{name}")
+        for run in runs
+        if getattr(run, f"reference_{name}") > 0 and math.isfinite(getattr(run, name))
+    ]
+    if not ratios:
+        return "-"
+    low, high = min(ratios), max(ratios)
+    return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"

@@ -17,6 +17,7 @@ from kvplane.core.config import RequestLimits, TenantSpec
 from kvplane.core.tokenizer import load_tokenizer
 from router.tenants import api_key_digest
 from tests.abuse.conftest import ADMIN, SECRET, SIM_OPTIONS, auth
+from tests.metrics_text import sample_sum
 from tests.router.proxy.conftest import (
     MODEL,
     TENANT_KEYS,
@@ -25,7 +26,6 @@ from tests.router.proxy.conftest import (
     router_settings,
     tenant_settings,
 )
-from tests.router.proxy.test_failures import sample_sum
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 LIMITED_KEY = "sk-limited"

@@ -28,8 +28,8 @@ from kvplane.wire.v1 import control_plane_pb2 as pb
 from simulations.engine_sim.app import running_engine_sim
 from simulations.engine_sim.config import EngineSimConfig
 from tests.abuse.conftest import ADMIN, auth, block_keys, still_serves
+from tests.metrics_text import sample_sum
 from tests.router.proxy.conftest import MODEL, RoutedFleet, routed_fleet, router_settings
-from tests.router.proxy.test_failures import sample_sum
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -1,9 +1,19 @@
-"""Where the bake-off's client sends requests, and how its tables show runs and errors."""
+"""Where the bake-off's client sends requests, how it times a streamed answer (TTFT,
+inter-token gaps, end to end), and how its tables show runs and errors."""
 
 from __future__ import annotations
 
-from benchmarks.live.bakeoff import CellResult
-from benchmarks.live.client import Traffic
+import asyncio
+import math
+from types import SimpleNamespace
+from typing import Any, cast
+
+import openai
+import pytest
+
+from benchmarks.live import client as client_module
+from benchmarks.live.bakeoff import CellResult, latencies
+from benchmarks.live.client import Outcome, Traffic, inter_token_gaps
 from benchmarks.live.report import render_summary_markdown, render_tables
 
 
@@ -91,3 +101,87 @@ def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
     assert any("90.0 % · 80 ms (tenants shared cache)" in line for line in lines)
     cpu = lines[lines.index(next(line for line in lines if line.startswith("CPU ms"))) :]
     assert "| kvplane kvplane | 10.0 / 20.0 | 10.0 |  |" in cpu
+
+
+# --- inter-token and end-to-end latency ----------------------------------------------
+
+
+def test_inter_token_gaps_are_the_gaps_between_content_chunks_after_the_first() -> None:
+    gaps = inter_token_gaps([10.200, 10.250, 10.310, 10.310, 10.400])
+    assert gaps == pytest.approx([0.050, 0.060, 0.0, 0.090])
+    assert inter_token_gaps([10.2]) == []  # one chunk: a TTFT, no gap
+    assert inter_token_gaps([]) == []
+
+
+def _chunk(content: str | None) -> SimpleNamespace:
+    delta = SimpleNamespace(content=content)
+    return SimpleNamespace(choices=[SimpleNamespace(delta=delta)], usage=None)
+
+
+class _Stream:
+    """A streamed answer: the role chunk (no content), then `pieces`, then usage."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self._chunks = [_chunk(""), *(_chunk(piece) for piece in pieces)]
+        self._chunks.append(SimpleNamespace(choices=[], usage=None))
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> SimpleNamespace:
+        if not self._chunks:
+            raise StopAsyncIteration
+        return self._chunks.pop(0)
+
+
+def test_a_streamed_answer_is_timed_from_its_chunks_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # perf_counter: sent, then each content chunk as it arrives, then the stream's end.
+    clock = iter([10.000, 10.200, 10.250, 10.310, 10.400, 10.500])
+    monkeypatch.setattr(
+        client_module, "time", SimpleNamespace(perf_counter=lambda: next(clock), time=lambda: 1.0)
+    )
+
+    async def create(**body: Any) -> _Stream:
+        assert body["stream"] is True
+        return _Stream(["a", "b", "c", "d"])
+
+    fake = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    outcome, text = asyncio.run(
+        client_module._send(cast(openai.AsyncOpenAI, fake), "m", [], 16, None)
+    )
+    assert text == "abcd"
+    assert outcome.ok
+    assert outcome.ttft_s == pytest.approx(0.200)
+    assert outcome.itl_s == pytest.approx([0.050, 0.060, 0.090])
+    assert outcome.latency_s == pytest.approx(0.500)
+
+
+def test_a_cells_itl_pools_every_gap_and_e2e_counts_answered_requests() -> None:
+    outcomes = [
+        Outcome(ok=True, ttft_s=0.1, latency_s=0.3, itl_s=[0.010, 0.010, 0.012]),
+        Outcome(ok=True, ttft_s=0.2, latency_s=0.5, itl_s=[0.008, 0.200]),  # a stall
+        Outcome(ok=True, ttft_s=0.1, latency_s=0.2, itl_s=[]),  # one token
+        Outcome(ok=False, error="timeout"),
+    ]
+    result = CellResult("r", "f", "p", "shared-8", "medium", 15.0, "pd", 1)
+    latencies(result, outcomes)
+    assert result.itl_gaps == 5
+    # Nearest rank over the five gaps pooled: 8, 10, 10, 12, 200 ms.
+    assert result.itl_p50_ms == pytest.approx(10.0)
+    assert result.itl_p90_ms == pytest.approx(200.0)
+    assert result.e2e_p50_ms == pytest.approx(300.0)
+    assert result.e2e_p90_ms == pytest.approx(500.0)
+    assert result.ttft_p90_ms == pytest.approx(200.0)
+    empty = CellResult("r", "f", "p", "shared-8", "medium", 15.0, "pd", 1)
+    latencies(empty, [Outcome(ok=False)])
+    assert (empty.itl_gaps, math.isnan(empty.itl_p90_ms), math.isnan(empty.e2e_p90_ms)) == (
+        0,
+        True,
+        True,
+    )
+    # Every cell's JSON carries them.
+    assert {"itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_gaps", "e2e_p90_ms"} <= set(
+        result.as_json()
+    )

@@ -26,7 +26,14 @@ from benchmarks.live.routers import PD_ROUTERS, ROUTERS, peers_python, vllm_rout
 from benchmarks.live.standings import standings
 from tests import heavy
 
-PD_NAMES = {"kvplane pd-conditional", "kvplane pd-always", "vllm-router pd-cache_aware"}
+PD_NAMES = {
+    "kvplane pd-conditional",
+    "kvplane pd-always",
+    "vllm-router pd-cache_aware",
+    "kvplane both-conditional",
+    "kvplane both-always",
+    "kvplane both-never",
+}
 
 
 def test_the_full_grid_runs_pd_on_its_workloads_and_pd_selects_it_alone() -> None:
@@ -36,7 +43,7 @@ def test_the_full_grid_runs_pd_on_its_workloads_and_pd_selects_it_alone() -> Non
     assert {cell.router.name for cell in pd} == PD_NAMES | {"kvplane kvplane"}
     assert {cell.workload for cell in pd} == set(PD_WORKLOADS) == {"shared-8", "multi-turn"}
     assert {cell.load for cell in pd} == {"medium"}
-    assert len(pd) == len(PD_WORKLOADS) * 4 * PROFILES["full"].runs
+    assert len(pd) == len(PD_WORKLOADS) * 7 * PROFILES["full"].runs
     # The P/D routers run nowhere else; the default grid has no pd point.
     assert all(cell.situation == "pd" for cell in full if cell.router.disaggregated)
     assert not [cell for cell in cells(PROFILES["default"]) if cell.situation == "pd"]
@@ -195,7 +202,10 @@ def test_tables_show_the_pd_figures_and_say_where_pd_was_not_in_play() -> None:
     )
     markdown = render_summary_markdown(results)
     assert "**pd**" in markdown
-    assert "| kvplane pd-conditional | 90 ms · 15.0 · 4.0 · split 12 |" in markdown
+    assert (
+        "| kvplane pd-conditional | 90 ms · ITL - ms · e2e - ms · 15.0 · 4.0 · split 12 |"
+        in markdown
+    )
     assert "(P/D not in play)" in markdown
     # The P/D rows stand against the P/D peer; the aggregated reference has none there.
     assert {standing.router for standing in standings(results)} == {"kvplane pd-conditional"}

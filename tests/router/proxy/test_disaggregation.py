@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.serving import free_port
 from simulations.processes import spawn_kvplane
+from tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +33,12 @@ class Fleet:
     engines: dict[str, str]  # worker id -> engine URL
 
     def metric(self, name: str, **labels: str) -> float:
-        return _metric(httpx.get(self.router_url + "/metrics", headers=ADMIN).text, name, labels)
+        return sample_sum(
+            httpx.get(self.router_url + "/metrics", headers=ADMIN).text, name, **labels
+        )
 
     def engine_metric(self, worker_id: str, name: str) -> float:
-        return _metric(httpx.get(self.engines[worker_id] + "/metrics").text, name, {})
+        return sample_sum(httpx.get(self.engines[worker_id] + "/metrics").text, name)
 
     def fault(self, worker_ids: Sequence[str], **fault: Any) -> None:
         for worker_id in worker_ids:
@@ -46,15 +48,6 @@ class Fleet:
     def workers(self) -> dict[str, dict[str, Any]]:
         answer = httpx.get(self.router_url + "/fleet/workers", headers=ADMIN).json()
         return {row["worker_id"]: row for row in answer["workers"]}
-
-
-def _metric(text: str, name: str, labels: dict[str, str]) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 @contextmanager

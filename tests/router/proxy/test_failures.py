@@ -26,7 +26,6 @@ from subprocess import Popen
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.clock import Clock
 from kvplane.core.config import IndexSettings
@@ -38,6 +37,7 @@ from router.index.base import PrefixMatch, WorkerState
 from router.index.memory import MemoryLocationIndex
 from simulations.engine_sim.process import spawn_engine_sim
 from simulations.processes import spawn_kvplane
+from tests.metrics_text import sample_sum
 from tests.redis_servers import stoppable_redis
 from tests.router.proxy.conftest import (
     ADMIN,
@@ -155,15 +155,6 @@ async def completion(client: openai.AsyncOpenAI, prompt: str = PROMPT) -> str:
     assert raw.http_response.status_code == 200
     assert raw.parse().choices[0].text
     return raw.headers["x-kvplane-worker"]
-
-
-def sample_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 async def router_metric(fleet: RoutedFleet, name: str, **labels: str) -> float:

@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import TenantSettings
 from router.lifecycle.tokens import CHECKED_FIRST_USES
+from tests.metrics_text import sample_sum
 from tests.router.proxy.conftest import (
     ADMIN_TOKEN,
     MODEL,
@@ -54,12 +54,7 @@ def _reported(response: httpx.Response) -> int:
 async def _metric(fleet: RoutedFleet, name: str, **labels: str) -> float:
     async with fleet.http() as client:
         text = (await client.get("/metrics", headers=ADMIN)).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return sample_sum(text, name, **labels)
 
 
 async def test_a_repeated_prefix_goes_to_the_worker_that_holds_it() -> None:

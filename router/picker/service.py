@@ -210,7 +210,8 @@ class EndpointPicker:
         for them."""
         try:
             with lifecycle.traced(endpoint) as span:
-                routed = await lifecycle.route(body, endpoint, span)
+                # Envoy moves one request to one endpoint: never split (docs/picker.md).
+                routed = await lifecycle.route(body, endpoint, span, splits=False)
         except RequestRefused as refused:  # counted
             raise _Refused(refused) from None
         exchange.routed = routed

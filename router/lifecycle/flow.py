@@ -127,11 +127,14 @@ class RequestFlow:
         cap = self.settings.max_prompt_tokens
         return PromptLength(cap if engines is None else min(engines, cap), not miscounted)
 
-    def legs_decided(self, legs: LegPlan, model: str) -> None:
-        """A request of a model with prefill/decode workers: counted by how it is served;
-        refused (503) where no prefill worker is live and the settings say to refuse."""
+    def legs_decided(self, legs: LegPlan, model: str, *, counted: bool) -> None:
+        """A request of a model with prefill/decode workers: counted by how it is served
+        (where `counted`: its front door runs the plan); refused (503) where no prefill
+        worker is live and the settings say to refuse."""
         metrics = self.metrics
-        metrics.child(metrics.legs_decided, split=str(legs.split).lower(), reason=legs.reason).inc()
+        if counted:
+            split, reason = str(legs.split).lower(), legs.reason
+            metrics.child(metrics.legs_decided, split=split, reason=reason).inc()
         if legs.reason is not LegReason.NO_PREFILL_WORKER:
             return
         if self.planner.disaggregation.when_no_prefill == "refuse":
@@ -188,8 +191,8 @@ class RequestLifecycle:
     ) -> RoutedRequest:
         """Parse, tokenise and decide (`span`: the one `traced` opened); raises a
         RequestRefused (counted) where the request cannot go anywhere. `splits`: the
-        front door can run a disaggregated request's two legs (else its plan is not
-        counted, and the request goes whole to its first-ranked worker)."""
+        front door can run a disaggregated request's two legs (else the plan's split is
+        not counted, and the request goes whole to its first-ranked worker)."""
         flow, tenant = self.flow, self.tenant
         try:
             parsed = parse_body(raw, endpoint)
@@ -215,8 +218,8 @@ class RequestLifecycle:
         metrics.child(metrics.decisions, factor=decision.factor).inc()
         if not decision.ranked:
             raise flow.refused(flow.no_worker(tenant))
-        if decision.legs is not None and splits:
-            flow.legs_decided(decision.legs, parsed.model)
+        if decision.legs is not None:
+            flow.legs_decided(decision.legs, parsed.model, counted=splits)
         return RoutedRequest(
             parsed,
             decision,

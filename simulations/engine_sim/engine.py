@@ -6,8 +6,11 @@ listening (a client that went away). Events the block pool produced in a step go
 one batch at the end of the step, as vLLM publishes once per scheduler step.
 
 For P/D (kv_transfer.py), the engine lends a finished prefill leg's blocks, and pulls a
-decode leg's prompt blocks before the request joins the scheduler. As vLLM, it counts the
-pulled tokens apart from its own prefix-cache hits (`vllm:external_prefix_cache_*`,
+decode leg's prompt blocks into blocks the scheduler gave the request (as vLLM's
+NixlConnector reads them into the blocks `allocate_slots` gave it): the request waits
+for them like any other, holds them while the transfer runs, and they enter the prefix
+cache when the scheduler takes the arrived KV. As vLLM, it counts the pulled tokens
+apart from its own prefix-cache hits (`vllm:external_prefix_cache_*`,
 `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`), and a consumer engine
 reports its decode legs by KV-fetch stage.
 """
@@ -18,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator
 
 from simulations.engine_sim.block_hash import none_hash
@@ -32,8 +36,6 @@ from simulations.engine_sim.kv_transfer import (
 )
 from simulations.engine_sim.metrics import (
     EXTERNAL_KV_TRANSFER,
-    KV_FETCH_COMPLETED_WAITING,
-    KV_FETCH_IN_PROGRESS,
     LOCAL_CACHE_HIT,
     LOCAL_COMPUTE,
     EngineMetrics,
@@ -70,22 +72,20 @@ class SimEngine:
         self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv_cache, config.limits, sampler_over(output_token_ids))
-        self.lender = BlockLender(self.pool, config.kv_lease_s, self._count_expired_lease)
+        self.lender = BlockLender(
+            self.pool, config.kv_lease_s, self._count_expired_lease, self._wake
+        )
         self._timing = config.timing
-        self._streams: dict[SimRequest, asyncio.Queue[RequestProgress[SimRequest] | None]] = {}
+        self._streams: dict[SimRequest, asyncio.Queue[RequestProgress[SimRequest] | Exception]] = {}
         self._wakeup = asyncio.Event()
         self._stall_until = 0.0
         self._reported_queries = 0
         self._reported_hits = 0
         self._reported_preemptions = 0
-        # Pulled tokens the last schedule's lookups counted as hits: not local hits.
-        self._external_hits_to_deduct = 0
-        # Decode legs with a KV load under way or done and not yet scheduled, by stage
-        # (vLLM's KV_FETCH_STAGES; none waits to start, as a pull starts on arrival).
-        self._kv_fetch_stages: dict[SimRequest, str] = {}
-        self._kv_fetch_counts: dict[str, int] = {}
+        # Decode legs whose pull has not started: where to pull from, and how.
+        self._remote: dict[SimRequest, tuple[RemotePrefill, PullClient]] = {}
+        self._transfers: set[asyncio.Task[None]] = set()
         self.alive = True  # False once the loop has failed: /health reports it
-        self._stop_reason = ""
 
     def new_request(
         self,
@@ -112,29 +112,40 @@ class SimEngine:
         )
 
     async def generate(
-        self, request: SimRequest
+        self,
+        request: SimRequest,
+        remote: RemotePrefill | None = None,
+        client: PullClient | None = None,
     ) -> AsyncGenerator[RequestProgress[SimRequest], None]:
-        """Run a request; yields after every step that gave it a token."""
-        queue: asyncio.Queue[RequestProgress[SimRequest] | None] = asyncio.Queue()
+        """Run a request; yields after every step that gave it a token. With `remote`
+        (and the `client` to reach it), the request is a decode leg: the prompt blocks
+        its cache lacks are pulled from there first (those a cache hit could use: every
+        full block but one that ends the prompt). KVLoadFailed if the pull fails and
+        the failure policy is `fail`."""
+        queue: asyncio.Queue[RequestProgress[SimRequest] | Exception] = asyncio.Queue()
+        remote_blocks = None
+        if remote is not None and client is not None:
+            remote_blocks = (request.num_prompt_tokens - 1) // self.config.block_size
+        self.scheduler.add(request, remote_blocks)
         self._streams[request] = queue
-        self.scheduler.add(request)
-        if request.remote_kv_loaded:
-            self._set_kv_fetch_stage(request, KV_FETCH_COMPLETED_WAITING)
+        if remote is not None and client is not None:
+            self._remote[request] = (remote, client)
         self._wakeup.set()
         self._update_gauges()
         try:
             while True:
                 progress = await queue.get()
-                if progress is None:
-                    raise EngineStopped(self._stop_reason)
+                if isinstance(progress, Exception):
+                    raise progress
                 yield progress
                 if progress.finished:
                     return
         finally:
             del self._streams[request]
-            self._set_kv_fetch_stage(request, None)
+            self._remote.pop(request, None)
             if request.status in (
                 RequestStatus.WAITING,
+                RequestStatus.WAITING_FOR_REMOTE_KVS,
                 RequestStatus.RUNNING,
                 RequestStatus.PREEMPTED,
             ):
@@ -152,6 +163,9 @@ class SimEngine:
             self.alive = False
             self._stop_all("the engine failed")
             raise
+        finally:
+            for transfer in self._transfers:
+                transfer.cancel()
 
     async def _run_steps(self) -> None:
         while True:
@@ -164,9 +178,15 @@ class SimEngine:
                 continue
             step = self.scheduler.schedule()
             self._count_admissions(step)
+            self._start_transfers(step)
             if step.is_empty:
-                # Nothing fits now; whatever frees memory (an abort) wakes us.
+                if step.num_preempted:
+                    continue  # the preempted request freed blocks: schedule again
+                # Nothing fits now; whatever frees memory (an abort, a request that
+                # finished, a loan that ended) or ends a KV load wakes us.
                 self._wakeup.clear()
+                await self.publish_events()  # a load's blocks, cached at its turn
+                self._update_gauges()
                 await self._wakeup.wait()
                 continue
             # Always yield, even at time scale 0, so requests keep arriving meanwhile.
@@ -183,49 +203,58 @@ class SimEngine:
             await self.publish_events()
             self._update_gauges()
 
-    async def pull_remote_prefix(
-        self, request: SimRequest, source: RemotePrefill, client: PullClient
-    ) -> None:
-        """The decode leg of a P/D pair, before it is scheduled: pull the prompt blocks
-        this engine lacks from the prefill engine, wait out the transfer, and cache them,
-        so the request computes only the rest. KVLoadFailed if the pull fails.
+    def _start_transfers(self, step: ScheduledStep[SimRequest]) -> None:
+        """Start the KV loads the step admitted, each into its request's blocks."""
+        for request, num_blocks in step.kv_loads.items():
+            remote = self._remote.pop(request, None)
+            if remote is None:
+                continue
+            transfer = asyncio.create_task(self._transfer(request, *remote, num_blocks))
+            self._transfers.add(transfer)
+            transfer.add_done_callback(self._transfers.discard)
 
-        Only the blocks a prefix-cache hit can use are pulled: every full block but one
-        that ends the prompt (its last token is computed for its logits).
-        """
-        block_size = self.config.block_size
-        wanted = request.block_digests[: (request.num_prompt_tokens - 1) // block_size]
-        held = self.kv_cache.num_cached_blocks(wanted)
-        missing = len(wanted) - held
-        self._set_kv_fetch_stage(request, KV_FETCH_IN_PROGRESS)
+    async def _transfer(
+        self, request: SimRequest, source: RemotePrefill, client: PullClient, num_blocks: int
+    ) -> None:
+        """Pull `num_blocks` of the decode leg's prompt blocks from the prefill engine and
+        wait out the transfer, then hand the request back to the scheduler. With none to
+        read, the call only frees the prefill's blocks, as vLLM notifies the prefill
+        after a full local hit; its failure then costs nothing."""
+        if not num_blocks:
+            with contextlib.suppress(KVLoadFailed):
+                await client.pull(source, 0)
+            return
+        num_bytes = num_blocks * self.config.block_size * self.config.kv_bytes_per_token
+        seconds = num_bytes / self.config.kv_transfer_bytes_per_s * self.config.time_scale
         try:
-            if not missing:
-                # Nothing to read; the call only releases the prefill's blocks, as vLLM
-                # notifies the prefill after a full local hit. Its failure costs nothing.
-                with contextlib.suppress(KVLoadFailed):
-                    await client.pull(source, 0)
-                request.remote_kv_loaded = True
-                return
-            try:
-                await client.pull(source, missing)
-            except KVLoadFailed:
-                self.metrics.kv_transfer.failed_transfers.inc()
-                raise
-            num_bytes = missing * block_size * self.config.kv_bytes_per_token
-            seconds = num_bytes / self.config.kv_transfer_bytes_per_s * self.config.time_scale
+            await client.pull(source, num_blocks)
             await asyncio.sleep(seconds)
-        finally:
-            self._set_kv_fetch_stage(request, None)
-        cached = self.kv_cache.cache_received_blocks(request, held, missing)
-        request.pulled_tokens = (held * block_size, (held + cached) * block_size)
-        request.remote_kv_loaded = True
-        await self.publish_events()
-        transfer = self.metrics.kv_transfer
-        transfer.xfer_time.observe(seconds)
-        transfer.bytes_transferred.observe(num_bytes)
-        transfer.pulled_blocks.inc(missing)
-        if cached < missing:
-            log.warning("%d pulled blocks found no free block: computed instead", missing - cached)
+        except KVLoadFailed as failure:
+            self.metrics.kv_transfer.failed_transfers.inc()
+            self._load_failed(request, failure)
+        else:
+            transfer = self.metrics.kv_transfer
+            transfer.xfer_time.observe(seconds)
+            transfer.bytes_transferred.observe(num_bytes)
+            transfer.pulled_blocks.inc(num_blocks)
+            self.scheduler.finish_load(request)
+        self._wakeup.set()
+        self._update_gauges()
+
+    def _load_failed(self, request: SimRequest, failure: KVLoadFailed) -> None:
+        """As vLLM's `kv_load_failure_policy`: `fail` fails the request, `recompute`
+        schedules it again, to compute what its cache lacks."""
+        message = f"KV load failed for request {request.request_id}: {failure}"
+        if self.config.kv_transfer_config.kv_load_failure_policy == "fail":
+            log.warning("%s; the request fails", message)
+            self.scheduler.fail_load(request)
+            queue = self._streams.get(request)
+            if queue is not None:
+                queue.put_nowait(failure)
+            return
+        log.warning("%s; computing the prompt instead", message)
+        request.num_external_tokens = None  # counted again when scheduled
+        self.scheduler.finish_load(request, failed=True)
 
     def stall(self, seconds: float) -> None:
         """Fault: take no step for `seconds` (requests and events stop)."""
@@ -240,26 +269,27 @@ class SimEngine:
         """Fault: what a crash and restart does to the engine's state, in-process: every
         request in it fails, the cache is gone (no events: a new process sends none), and
         the event sequence starts again from 0, and so do the metrics."""
+        for transfer in self._transfers:
+            transfer.cancel()  # the process and its transfers are gone
+        self._transfers.clear()
+        self._remote.clear()
         self._stop_all("the engine restarted")
+        self.scheduler.free_aborted_loads()
         self._stall_until = 0.0
         self.pool.forget_everything()
         self.lender.restart()
         self.kv_cache.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self._reported_queries = self._reported_hits = self._reported_preemptions = 0
-        self._external_hits_to_deduct = 0
-        self._kv_fetch_stages.clear()
-        self._kv_fetch_counts.clear()
         self.metrics = self.metrics.fresh()
         if self.publisher is not None:
             self.publisher.restart()
         self._update_gauges()
 
     def _stop_all(self, reason: str) -> None:
-        self._stop_reason = reason
         for request, queue in list(self._streams.items()):
             self.scheduler.abort(request)
-            queue.put_nowait(None)
+            queue.put_nowait(EngineStopped(reason))
 
     def _blocks_to_lend(self, step: ScheduledStep[SimRequest]) -> dict[SimRequest, list[KVBlock]]:
         """The blocks of the step's prefill legs, taken before the step's end frees those
@@ -276,6 +306,9 @@ class SimEngine:
         self.lender.lend(request.request_id, blocks)
         request.lent_block_ids = [block.block_id for block in blocks]
 
+    def _wake(self) -> None:
+        self._wakeup.set()
+
     def _count_expired_lease(self) -> None:
         self.metrics.kv_transfer.expired_leases.inc()
 
@@ -285,45 +318,31 @@ class SimEngine:
             await self.publisher.publish(events)
 
     def _count_admissions(self, step: ScheduledStep[SimRequest]) -> None:
-        """The step's requests scheduled for the first time: split their cached tokens
-        into local hits and pulled (external) ones, as vLLM's scheduler does at
-        admission, and count the external ones (with a connector: vLLM counts external
-        queries, every token its own cache missed, only where a connector is set)."""
+        """Count the external tokens of the step's admissions as vLLM's scheduler does
+        when it allocates: a KV load's, and 0 for a request scheduled for the first time
+        without one. With a connector, vLLM counts external queries (every token its own
+        cache missed) and hits (the loaded ones)."""
+        block_size = self.config.block_size
+        admitted = [
+            (request, num_blocks * block_size)
+            for request, num_blocks in step.kv_loads.items()
+            if num_blocks
+        ]
+        admitted += [
+            (request, 0)
+            for request in step.tokens
+            if request.num_external_tokens is None and request.num_cached_tokens is not None
+        ]
         connector = self.config.kv_transfer_config.enabled
-        for request in step.tokens:
-            if request.num_external_tokens is not None or request.num_cached_tokens is None:
-                continue
-            cached = request.num_cached_tokens
-            external = 0
-            if request.pulled_tokens is not None:
-                start, stop = request.pulled_tokens
-                external = max(0, min(cached, stop) - start)
+        for request, external in admitted:
             request.num_external_tokens = external
-            self._set_kv_fetch_stage(request, None)
             if not connector:
                 continue
+            local = (request.num_cached_tokens or 0) - external
             metrics = self.metrics
-            metrics.external_prefix_cache_queries.inc(
-                request.num_prompt_tokens - (cached - external)
-            )
+            metrics.external_prefix_cache_queries.inc(request.num_prompt_tokens - local)
             metrics.external_prefix_cache_hits.inc(external)
             metrics.prompt_tokens_cached_by_source["p2p"].inc(external)
-            self._external_hits_to_deduct += external
-
-    def _set_kv_fetch_stage(self, request: SimRequest, stage: str | None) -> None:
-        """vLLM's `_set_kv_fetch_stage`: the request's KV-fetch stage (None: none)."""
-        previous = self._kv_fetch_stages.pop(request, None)
-        if stage is not None:
-            self._kv_fetch_stages[request] = stage
-        if previous == stage:
-            return
-        counts = self._kv_fetch_counts
-        gauges = self.metrics.kv_fetch_by_stage
-        for changed, step in ((previous, -1), (stage, 1)):
-            if changed is not None:
-                counts[changed] = counts.get(changed, 0) + step
-                if gauges:
-                    gauges[changed].set(counts[changed])
 
     def _record(self, progress: RequestProgress[SimRequest], now: float) -> None:
         request = progress.request
@@ -345,14 +364,17 @@ class SimEngine:
     def _update_gauges(self) -> None:
         metrics, stats = self.metrics, self.kv_cache.stats
         metrics.running.set(len(self.scheduler.running))
-        metrics.waiting.set(len(self.scheduler.waiting))
+        metrics.waiting.set(self.scheduler.num_waiting)
         metrics.kv_cache_usage.set(self.pool.usage)
         metrics.prefix_cache_queries.inc(stats.queries - self._reported_queries)
-        # The cache's lookups found the pulled blocks too; vLLM's local hits exclude them.
-        local_hits = stats.hits - self._reported_hits - self._external_hits_to_deduct
+        # Lookups come before a load: their hits are local ones only.
+        local_hits = stats.hits - self._reported_hits
         metrics.prefix_cache_hits.inc(local_hits)
         metrics.prompt_tokens_cached_by_source["device"].inc(local_hits)
-        self._external_hits_to_deduct = 0
+        if metrics.kv_fetch_by_stage:
+            stages = Counter(self.scheduler.kv_fetch_stages.values())
+            for stage, gauge in metrics.kv_fetch_by_stage.items():
+                gauge.set(stages[stage])
         metrics.preemptions.inc(self.scheduler.num_preemptions - self._reported_preemptions)
         self._reported_queries = stats.queries
         self._reported_hits = stats.hits

@@ -69,40 +69,9 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return hits
 
-    def num_cached_blocks(self, digests: Sequence[bytes]) -> int:
-        """How many of `digests`, from the first, are in the prefix cache: a look, not a
-        query (the stats do not count it)."""
-        count = 0
-        while count < len(digests) and self.pool.cached_block(digests[count]) is not None:
-            count += 1
-        return count
-
     def blocks_of(self, request: CacheRequest) -> list[KVBlock]:
         """The blocks the request holds, in order."""
         return list(self._blocks.get(request.request_id, ()))
-
-    def cache_received_blocks(self, request: CacheRequest, first: int, count: int) -> int:
-        """Cache blocks `first` to `first + count - 1` of the request, computed by another
-        engine, as if this engine had computed them: free blocks take their contents
-        (evicting as any allocation does) and enter the prefix cache, with their
-        `BlocksStored`, then go back to the free queue's tail, reusable and evictable.
-        Returns how many were cached: as many as there were free blocks for. Needs the
-        prefix cache on (the engine simulator's configuration sees to it)."""
-        count = min(count, self.pool.num_free_blocks)
-        blocks = self.pool.allocate(count)
-        size, stop = self.block_size, first + count
-        self.pool.cache_full_blocks(
-            blocks=blocks,
-            digests=request.block_digests[first:stop],
-            parent_digest=request.block_digests[first - 1] if first else None,
-            token_ids=request.token_ids_between(first * size, stop * size),
-            block_size=size,
-            lora_name=request.lora_name,
-            extra_keys=[request.block_extra_keys(index) for index in range(first, stop)],
-            scope=request.scope,
-        )
-        self.pool.free(reversed(blocks))
-        return count
 
     def held_tokens(self, request: CacheRequest) -> int:
         """Tokens the request's blocks have room for (computed or not)."""
@@ -116,17 +85,26 @@ class KVCacheManager:
         request: CacheRequest,
         num_new_tokens: int,
         cached_blocks: Sequence[KVBlock] = (),
+        *,
+        num_external_tokens: int = 0,
+        delay_caching: bool = False,
+        reserved_blocks: int = 0,
     ) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after its computed
-        tokens and any newly found cached blocks). False, changing nothing, when there are
-        not enough free blocks."""
+        """Give the request blocks for `num_new_tokens` more tokens, after its computed
+        tokens, any newly found cached blocks and `num_external_tokens` that a KV
+        connector will write into blocks allocated here (vLLM's `allocate_slots`). False,
+        changing nothing, when there are not enough free blocks beyond `reserved_blocks`.
+        `delay_caching` (a P/D load still to arrive) leaves the new blocks out of the
+        prefix cache until `cache_blocks`."""
         held = self._blocks.get(request.request_id, [])
         num_cached_tokens = len(cached_blocks) * self.block_size
-        total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        total_tokens = (
+            request.num_computed_tokens + num_cached_tokens + num_external_tokens + num_new_tokens
+        )
         new_count = self.blocks_needed(total_tokens) - len(held) - len(cached_blocks)
         # Cached hits that sit in the free queue stop being free once touched.
         hits_now_free = sum(1 for block in cached_blocks if block.ref_cnt == 0)
-        if new_count > self.pool.num_free_blocks - hits_now_free:
+        if new_count > self.pool.num_free_blocks - hits_now_free - reserved_blocks:
             return False
         self.pool.touch(cached_blocks)
         held = self._blocks.setdefault(request.request_id, held)
@@ -134,8 +112,14 @@ class KVCacheManager:
         if cached_blocks:
             self._num_cached_blocks[request.request_id] = len(held)
         held.extend(self.pool.allocate(max(new_count, 0)))
-        self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
+        if not delay_caching:
+            self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
         return True
+
+    def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
+        """Enter the request's full blocks up to `num_tokens` into the prefix cache, with
+        their `BlocksStored` (vLLM's `cache_blocks`: for a P/D load, once it arrived)."""
+        self._cache_full_blocks(request, num_tokens)
 
     def free(self, request: CacheRequest) -> None:
         """Release the request's blocks, tail first (so its tail is evicted first)."""

@@ -7,13 +7,17 @@
   and (vLLM 0.34) the leg's own prompt-cache hits, which the decode reports as its
   usage's cached tokens.
 - Decode leg: a request whose `kv_transfer_params` say `do_remote_prefill` first pulls
-  the prompt blocks this engine does not hold from the prefill engine, waits out the
-  modelled transfer (bytes / bandwidth), and caches them as if it had computed them; it
-  then computes only the rest.
+  the prompt blocks this engine does not hold from the prefill engine, as vLLM's
+  scheduler loads a connector's KV: when the request's turn comes, the scheduler gives
+  it blocks for its local hits and for the blocks to receive (or it waits, as any
+  request waits, until they free); the engine pulls into them and waits out the
+  modelled transfer (bytes / bandwidth), the request holding them all the while; when
+  the scheduler next reaches it, they enter the prefix cache (their `BlockStored`), and
+  it computes only the rest.
 
 The transfer is modelled, not performed: the decode engine asks the prefill engine over
 HTTP (`POST /sim/kv/pull`) to hand the blocks over, which releases them there, and
-caches its own copies. vLLM instead reads the blocks with NIXL, after a handshake on its
+fills its own blocks. vLLM instead reads the blocks with NIXL, after a handshake on its
 side-channel port (`VLLM_NIXL_SIDE_CHANNEL_PORT`, not the HTTP port), and answers with
 that host and port; the simulator answers with its HTTP address.
 """
@@ -165,10 +169,17 @@ class BlockLender:
     `refuse_pulls` fails every pull, `lease_override_s` replaces the configured lease.
     """
 
-    def __init__(self, pool: BlockPool, lease_s: float, expired: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        lease_s: float,
+        expired: Callable[[], None],
+        released: Callable[[], None],
+    ) -> None:
         self._pool = pool
         self._lease_s = lease_s
         self._expired = expired
+        self._released = released  # blocks went back to the pool: waiting requests may fit
         self._loans: dict[str, _Loan] = {}
         self.engine_id = _new_engine_id()
         self.withhold = False
@@ -221,6 +232,7 @@ class BlockLender:
         loan = self._loans.pop(request_id)
         loan.expiry.cancel()
         self._pool.free(reversed(loan.blocks))  # tail first, as a finished request
+        self._released()
 
 
 class PullClient:

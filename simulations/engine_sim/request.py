@@ -11,6 +11,8 @@ from simulations.engine_sim.block_hash import BlockHasher
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # A P/D decode leg holding its blocks while its KV arrives (vLLM's status).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -38,13 +40,9 @@ class SimRequest:
     # then), for the decode engine to pull.
     remote_decode: bool = False
     lent_block_ids: list[int] | None = None
-    # The decode leg of a P/D pair: whether its pull is done (it then waits to be
-    # scheduled), the prompt tokens the pull cached (a range; None: no blocks pulled),
-    # and of its cached tokens when first scheduled, how many those were (vLLM's
-    # external tokens, not local prefix-cache hits; set then for every request, 0
-    # without a pull).
-    remote_kv_loaded: bool = False
-    pulled_tokens: tuple[int, int] | None = None
+    # The decode leg of a P/D pair: of its cached tokens when first scheduled (or when
+    # its KV load started), how many the load brought (vLLM's external tokens, not local
+    # prefix-cache hits; set then for every request, 0 without a load).
     num_external_tokens: int | None = None
     # What the prefill engine's answer said it found cached, which a decode leg reports
     # as its usage's cached tokens instead of its own (vLLM's output processor).

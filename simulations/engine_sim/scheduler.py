@@ -7,16 +7,31 @@ preempted: its blocks are freed and it goes back to the front of the waiting que
 recomputed later (its blocks may still be in the prefix cache then). Waiting requests are
 admitted while there is budget, fewer than `max_num_seqs` run and their blocks fit; the
 first one that does not fit waits, and so does everyone behind it.
+
+P/D decode legs load their prompt's KV from the prefill engine as vLLM's scheduler loads
+a connector's asynchronous KV: when such a request's turn comes, it is given blocks for
+its local hits and for the blocks it will receive (nothing to compute yet), or, if they
+do not fit, it waits like any request; it then holds them, waiting for its KV
+(`WAITING_FOR_REMOTE_KVS`, neither running nor preemptible), while the engine transfers
+it. When the load ends, the received blocks enter the prefix cache the next time the
+scheduler reaches the request, and it is scheduled for the rest of its prompt before
+anyone still waiting.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from simulations.engine_sim.block_pool import KVBlock
 from simulations.engine_sim.kv_cache_manager import CacheRequest, KVCacheManager
+from simulations.engine_sim.metrics import (
+    KV_FETCH_COMPLETED_WAITING,
+    KV_FETCH_IN_PROGRESS,
+    KV_FETCH_WAITING_TO_START,
+)
 from simulations.engine_sim.request import RequestStatus, SimRequest
 from simulations.engine_sim.timing import StepWork
 
@@ -52,6 +67,9 @@ class ScheduledStep(Generic[R]):
     tokens: dict[R, int] = field(default_factory=dict)
     work: StepWork = field(default_factory=StepWork)
     num_preempted: int = 0
+    # Decode legs whose KV load the step started, with the blocks to read (0: a full
+    # local hit, nothing to read; the request is scheduled as any other).
+    kv_loads: dict[R, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -84,10 +102,24 @@ class Scheduler(Generic[R]):
         self.waiting: deque[R] = deque()
         self.running: list[R] = []
         self.num_preemptions = 0
+        # P/D decode legs: loading their KV (holding blocks), and done loading, which are
+        # served before `waiting` (vLLM's kv_holding_waiting); their KV-fetch stages.
+        self.loading: list[R] = []
+        self.loaded: deque[R] = deque()
+        self.kv_fetch_stages: dict[R, str] = {}
+        # Waiting requests with a load to start: how many prompt blocks it can bring.
+        self._remote_blocks: dict[R, int] = {}
+        # Aborted while loading: their blocks are freed when the transfer ends.
+        self._aborted_loads: set[R] = set()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loaded)
+
+    @property
+    def num_waiting(self) -> int:
+        """vLLM's waiting count: every request not running, loading ones included."""
+        return len(self.waiting) + len(self.loading) + len(self.loaded)
 
     def check_fits(self, num_tokens: int) -> None:
         """RequestTooLarge if a request of `num_tokens` (prompt and output) could never
@@ -100,20 +132,63 @@ class Scheduler(Generic[R]):
                 f"{self.kv_cache.pool.num_blocks}."
             )
 
-    def add(self, request: R) -> None:
-        """Queue a request; RequestTooLarge (and nothing queued) if it can never fit."""
+    def add(self, request: R, remote_blocks: int | None = None) -> None:
+        """Queue a request; RequestTooLarge (and nothing queued) if it can never fit.
+        `remote_blocks`: a P/D decode leg, whose first `remote_blocks` prompt blocks a
+        KV load can bring (those it does not hold when its turn comes)."""
         self.check_fits(request.num_prompt_tokens + request.max_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if remote_blocks is not None:
+            self._remote_blocks[request] = remote_blocks
 
     def abort(self, request: R) -> None:
-        """Drop a request wherever it is (client gone, engine restarting)."""
+        """Drop a request wherever it is (client gone, engine restarting). One whose KV
+        is still arriving keeps its blocks until the transfer ends (`finish_load`), as
+        vLLM frees them only then."""
+        self._remote_blocks.pop(request, None)
+        self.kv_fetch_stages.pop(request, None)
+        request.status = RequestStatus.ABORTED
+        if request in self.loading:
+            self.loading.remove(request)
+            self._aborted_loads.add(request)
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.loaded:
+            self.loaded.remove(request)
         self.kv_cache.free(request)
-        request.status = RequestStatus.ABORTED
+
+    def finish_load(self, request: R, *, failed: bool = False) -> None:
+        """A decode leg's KV load ended. It waits to be scheduled, before the waiting
+        queue; the received blocks are cached when the scheduler reaches it. A `failed`
+        load (vLLM's recompute policy) gives up its blocks then, and the request is
+        scheduled anew, with no load, computing what its own cache lacks."""
+        if self._end_aborted_load(request):
+            return
+        self.loading.remove(request)
+        if failed:
+            request.num_computed_tokens = 0
+        self.kv_fetch_stages[request] = KV_FETCH_COMPLETED_WAITING
+        self.loaded.append(request)
+
+    def fail_load(self, request: R) -> None:
+        """A decode leg's KV load failed and so does the request (vLLM's fail policy):
+        its blocks are freed."""
+        if self._end_aborted_load(request):
+            return
+        self.loading.remove(request)
+        self.kv_fetch_stages.pop(request, None)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def free_aborted_loads(self) -> None:
+        """Free the blocks of aborted requests whose transfer will not end (a restart)."""
+        for request in self._aborted_loads:
+            self.kv_cache.free(request)
+        self._aborted_loads.clear()
 
     def schedule(self) -> ScheduledStep[R]:
         step: ScheduledStep[R] = ScheduledStep()
@@ -131,21 +206,36 @@ class Scheduler(Generic[R]):
         # vLLM admits nobody in a step that had to preempt: memory is short.
         while (
             not step.num_preempted
-            and self.waiting
             and budget > 0
             and len(self.running) < self.limits.max_num_seqs
+            and (self.loaded or self.waiting)
         ):
-            request = self.waiting[0]
-            hits = self.kv_cache.cached_prefix(request)
-            cached_tokens = len(hits) * self.kv_cache.block_size
-            count = min(request.num_tokens - cached_tokens, budget)
+            queue = self.loaded or self.waiting
+            request = queue[0]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._take_loaded_kv(request)
+            hits: Sequence[KVBlock] = ()
+            computed = request.num_computed_tokens  # > 0: a decode leg's arrived KV
+            if not computed:
+                hits = self.kv_cache.cached_prefix(request)
+                computed = len(hits) * self.kv_cache.block_size
+                remote_blocks = self._remote_blocks.get(request)
+                if remote_blocks is not None and remote_blocks > len(hits):
+                    if not self._start_load(request, hits, remote_blocks - len(hits), step):
+                        break
+                    queue.popleft()
+                    continue
+            count = min(request.num_tokens - computed, budget)
             if not self.kv_cache.allocate_slots(request, count, hits):
                 break
-            self.waiting.popleft()
+            queue.popleft()
+            if self._remote_blocks.pop(request, None) is not None:
+                step.kv_loads[request] = 0  # held every block: nothing to read
+            self.kv_fetch_stages.pop(request, None)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = cached_tokens
+            request.num_computed_tokens = computed
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = min(cached_tokens, request.num_prompt_tokens)
+                request.num_cached_tokens = min(computed, request.num_prompt_tokens)
             self.running.append(request)
             step.tokens[request] = count
             budget -= count
@@ -171,6 +261,58 @@ class Scheduler(Generic[R]):
                 request.status = RequestStatus.FINISHED
             progress.append(RequestProgress(request, token_id, finished))
         return progress
+
+    def _start_load(
+        self, request: R, hits: Sequence[KVBlock], num_blocks: int, step: ScheduledStep[R]
+    ) -> bool:
+        """Give a decode leg blocks for its hits and the `num_blocks` it will receive,
+        left out of the prefix cache until they arrive; False (it waits for blocks to
+        free) if they do not fit beside what loading requests, this one included, still
+        need to run the prompt. vLLM reserves that much for the others (lest loads fill
+        the cache and none can run); the simulator reserves this one's share too, so a
+        load that ends first never waits on one that ends later."""
+        block_size = self.kv_cache.block_size
+        num_tokens = num_blocks * block_size
+        reserved = self.kv_cache.blocks_needed(request.num_tokens) - len(hits) - num_blocks
+        for parked in (*self.loading, *self.loaded):
+            held = self.kv_cache.held_tokens(parked) // block_size
+            reserved += max(0, self.kv_cache.blocks_needed(parked.num_tokens) - held)
+        if not self.kv_cache.allocate_slots(
+            request,
+            0,
+            hits,
+            num_external_tokens=num_tokens,
+            delay_caching=True,
+            reserved_blocks=reserved,
+        ):
+            self.kv_fetch_stages[request] = KV_FETCH_WAITING_TO_START
+            return False
+        del self._remote_blocks[request]
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = len(hits) * block_size + num_tokens
+        request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        self.kv_fetch_stages[request] = KV_FETCH_IN_PROGRESS
+        self.loading.append(request)
+        step.kv_loads[request] = num_blocks
+        return True
+
+    def _take_loaded_kv(self, request: R) -> None:
+        """vLLM's `_update_waiting_for_remote_kv`: cache the blocks a load brought (their
+        `BlocksStored` now), or free them all after a failed one, and let the request
+        wait to be scheduled."""
+        if request.num_computed_tokens:
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+        else:
+            self.kv_cache.free(request)
+            request.num_cached_tokens = None  # counted again when scheduled
+        request.status = RequestStatus.WAITING
+
+    def _end_aborted_load(self, request: R) -> bool:
+        if request not in self._aborted_loads:
+            return False
+        self._aborted_loads.remove(request)
+        self.kv_cache.free(request)
+        return True
 
     def _allocate_or_preempt(self, request: R, count: int, step: ScheduledStep[R]) -> bool:
         while not self.kv_cache.allocate_slots(request, count):

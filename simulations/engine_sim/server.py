@@ -239,16 +239,8 @@ def create_engine_app(
             remote_decode=admitted.remote_decode,
         )
         sim_request.remote_prefill_cached_tokens = admitted.remote_prefill_cached_tokens
-        if pull_client is not None and admitted.remote_prefill is not None:
-            try:
-                await engine.pull_remote_prefix(sim_request, admitted.remote_prefill, pull_client)
-            except KVLoadFailed as failure:
-                message = f"KV load failed for request {admitted.request_id}: {failure}"
-                if config.kv_transfer_config.kv_load_failure_policy == "fail":
-                    log.warning("%s; the request fails", message)
-                    return _kv_load_failed(admitted, chat)
-                log.warning("%s; computing the prompt instead", message)
-        progress = engine.generate(sim_request)
+        # A decode leg's pull, and its failure, happen in the engine (kv_transfer.py).
+        progress = engine.generate(sim_request, admitted.remote_prefill, pull_client)
         if admitted.stream:
             return StreamingResponse(
                 _sse(admitted, progress, chat, output_text, config),
@@ -259,6 +251,8 @@ def create_engine_app(
             output = await _unless_disconnected(request, collected)
         except EngineStopped as error:
             return _error(str(error), 500, "InternalServerError")
+        except KVLoadFailed:
+            return _json_response(_GENERATION_ERROR, 500)
         if output is None:
             return Response(status_code=499)  # nobody is listening
         text = "".join(output_text[token_id] for token_id in output)
@@ -631,6 +625,9 @@ async def _sse(
                     yield _event(protocol.completion_chunk(request_id, model, text, finish))
         except EngineStopped as error:
             yield _event(protocol.error_body(str(error), 500, "InternalServerError"))
+        except KVLoadFailed:
+            for event in _kv_load_failed_events(admitted, chat):
+                yield event
         else:
             if admitted.include_usage:
                 usage = protocol.usage_body(
@@ -655,23 +652,20 @@ def _finish_reason(request: SimRequest) -> str:
 _GENERATION_ERROR = protocol.error_body("Internal server error", 500, "InternalServerError")
 
 
-def _kv_load_failed(admitted: _Admitted, chat: bool) -> Response:
-    """vLLM's answer to a request whose KV load failed under the "fail" policy: HTTP 500
-    with the generation error; streamed, HTTP 200, then (chat) the role chunk, which
-    vLLM sends with the engine's first output, here the error, then the error event
-    and `data: [DONE]`. Chat serialises the error compactly (pydantic), completions
-    with `json.dumps`' spacing, as vLLM's two stream generators do."""
-    if not admitted.stream:
-        return _json_response(_GENERATION_ERROR, 500)
-    events = []
-    if chat:
-        role = {"role": "assistant", "content": ""}
-        events.append(_event(protocol.chat_chunk(admitted.request_id, admitted.model, role, None)))
-        events.append(_event(_GENERATION_ERROR))
-    else:
-        events.append(b"data: " + json.dumps(_GENERATION_ERROR).encode() + b"\n\n")
-    events.append(b"data: [DONE]\n\n")
-    return StreamingResponse(iter(events), media_type="text/event-stream")
+def _kv_load_failed_events(admitted: _Admitted, chat: bool) -> list[bytes]:
+    """vLLM's streamed answer to a request whose KV load failed under the "fail" policy
+    (the status is 200, sent before the failure; unstreamed: HTTP 500 with the
+    generation error): (chat) the role chunk, which vLLM sends with the engine's first
+    output, here the error, then the error event (`data: [DONE]` follows). Chat
+    serialises the error compactly (pydantic), completions with `json.dumps`' spacing,
+    as vLLM's two stream generators do."""
+    if not chat:
+        return [b"data: " + json.dumps(_GENERATION_ERROR).encode() + b"\n\n"]
+    role = {"role": "assistant", "content": ""}
+    return [
+        _event(protocol.chat_chunk(admitted.request_id, admitted.model, role, None)),
+        _event(_GENERATION_ERROR),
+    ]
 
 
 def _event(body: dict[str, Any]) -> bytes:

@@ -138,7 +138,6 @@ def test_a_split_request_runs_both_legs_and_the_client_gets_one_answer(fleet: Fl
     assert response.status_code == 200, response.text
     assert response.headers["x-kvplane-worker"] == "decode-a"
     assert response.headers["x-kvplane-prefill-worker"] in PREFILL
-    assert response.headers["x-kvplane-prefill-cached-tokens"] == "0"  # a new prompt
     answer = response.json()
     assert answer["object"] == "text_completion"
     assert answer["usage"]["completion_tokens"] == 4  # the decode's, not the prefill's one
@@ -150,6 +149,10 @@ def test_a_split_request_runs_both_legs_and_the_client_gets_one_answer(fleet: Fl
     assert fleet.metric("kvplane_prefill_legs_total", outcome="ok") >= 1
     # The decode engine published the blocks it pulled: the index holds them there.
     _wait_for(lambda: fleet.workers()["decode-a"]["index_entries"] > 0, "the decode's entries")
+    # The same prompt again: its prefill worker (the one holding it) found it cached.
+    again = _complete(fleet, _prompt("split"))
+    assert again.headers["x-kvplane-prefill-worker"] == response.headers["x-kvplane-prefill-worker"]
+    assert int(again.headers["x-kvplane-prefill-cached-tokens"]) >= 16 * 20
 
 
 def test_a_streamed_split_request_streams_the_decode_answer(fleet: Fleet) -> None:

@@ -259,13 +259,164 @@ async def test_a_decode_that_holds_the_whole_prompt_pulls_nothing_and_frees_the_
         await decode.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
         response = await decode_leg(decode, PROMPT, await transfer_params(prefill, PROMPT))
         pulls = await metric(decode, "vllm:nixl_xfer_time_seconds_count")
-        released = await blocks(prefill)
         by_source = await prompt_tokens(decode)
+
+        async def released() -> bool:
+            # The release goes out when the leg is scheduled, beside its step.
+            listing = await blocks(prefill)
+            return bool(listing["num_free_blocks"] == listing["num_blocks"])
+
+        await wait_until("the prefill to free its blocks", released)
     assert cached_tokens(response) == 0  # the prefill's hits
     assert by_source["local_cache_hit"] == full_blocks(PROMPT) * BLOCK
     assert by_source["external_kv_transfer"] == 0
     assert pulls == 0
-    assert released["num_free_blocks"] == released["num_blocks"]
+
+
+# A decode engine of 10 blocks whose steps take real time (100 ms a decode step), so that
+# other requests hold its blocks while a decode leg arrives.
+SMALL_SLOW_DECODE = {"num_gpu_blocks_override": 10, "time_scale": 1.0, "decode_step_ms": 100.0}
+FETCH = "vllm:num_requests_kv_fetch_by_stage"
+
+
+async def test_a_decode_leg_waits_for_blocks_held_by_running_requests_then_pulls() -> None:
+    # 140 tokens and 8 more: all 10 blocks, held while the request runs (about 0.8 s).
+    filler = {"prompt": list(range(200, 340)), "max_tokens": 8}
+    async with pd_pair(decode=SMALL_SLOW_DECODE) as (prefill, decode, _):
+        params = await transfer_params(prefill, PROMPT)
+        running = asyncio.create_task(decode.post("/v1/completions", json=filler))
+        await wait_until("the filler to run", lambda: metric(decode, "vllm:num_requests_running"))
+        leg = asyncio.create_task(decode_leg(decode, PROMPT, params))
+        await wait_until(
+            "the leg to wait for blocks", lambda: metric(decode, FETCH, stage="waiting_to_start")
+        )
+        waiting = {
+            "pulls": await metric(decode, "vllm:nixl_xfer_time_seconds_count"),
+            "computed": (await prompt_tokens(decode))["local_compute"],
+            "filler_done": running.done(),
+        }
+        still_lent = await blocks(prefill)
+        response = await leg
+        assert (await running).status_code == 200
+        by_source = await prompt_tokens(decode)
+        pulled_blocks = await metric(decode, "kvplane_sim:kv_pulled_blocks_total")
+        preemptions = await metric(decode, "vllm:num_preemptions_total")
+        stages = {
+            stage: await metric(decode, FETCH, stage=stage)
+            for stage in ("waiting_to_start", "in_progress", "completed_waiting")
+        }
+    # While the filler held every block, the leg neither pulled nor computed anything.
+    assert waiting == {"pulls": 0, "computed": 140, "filler_done": False}
+    assert still_lent["num_free_blocks"] < still_lent["num_blocks"]
+    # Once they freed, it pulled its blocks and computed only the partial last one.
+    assert response.status_code == 200, response.text
+    assert by_source == {
+        "local_compute": 140 + len(PROMPT) - full_blocks(PROMPT) * BLOCK,
+        "local_cache_hit": 0,
+        "external_kv_transfer": full_blocks(PROMPT) * BLOCK,
+    }
+    assert pulled_blocks == full_blocks(PROMPT)
+    assert preemptions == 0
+    assert stages == {"waiting_to_start": 0, "in_progress": 0, "completed_waiting": 0}
+
+
+async def test_pulled_blocks_belong_to_the_decode_leg_until_it_runs() -> None:
+    transfer_s = 0.6  # the filler reaches its 7th block about 1.6 s after it starts
+    decode_settings = {
+        **SMALL_SLOW_DECODE,
+        "max_num_seqs": 1,  # a running request keeps the pulled leg waiting
+        "kv_bytes_per_token": 1000,
+        "kv_transfer_bytes_per_s": full_blocks(PROMPT) * BLOCK * 1000 / transfer_s,
+    }
+    # 5 full blocks, growing to 7: more than the cache has beside the leg's 4 (and the
+    # one it reserves for its last tokens).
+    filler = {"prompt": list(range(200, 280)), "max_tokens": 20}
+    async with (
+        pd_pair(decode=decode_settings) as (prefill, decode, decode_sim),
+        subscribed(decode_sim) as subscriber,
+    ):
+        # A cached prefix the filler's allocations evict: 3 full blocks, now free.
+        await decode.post(
+            "/v1/completions", json={"prompt": list(range(400, 450)), "max_tokens": 1}
+        )
+        params = await transfer_params(prefill, PROMPT)
+        leg = asyncio.create_task(decode_leg(decode, PROMPT, params))
+        await wait_until("the pull", lambda: metric(decode, FETCH, stage="in_progress"))
+        running = asyncio.create_task(decode.post("/v1/completions", json=filler))
+        await wait_until("the filler to run", lambda: metric(decode, "vllm:num_requests_running"))
+        await wait_until(
+            "the pulled leg to wait", lambda: metric(decode, FETCH, stage="completed_waiting")
+        )
+        scheduler = decode_sim.engine.scheduler
+        (pulled_leg,) = scheduler.loaded
+        held = decode_sim.engine.kv_cache.blocks_of(pulled_leg)
+        window = {
+            "ref_cnts": [block.ref_cnt for block in held],
+            "free": decode_sim.engine.pool.num_free_blocks,
+            "filler_done": running.done(),
+        }
+        response = await leg
+        assert (await running).status_code == 200
+        messages = await subscriber.drain()
+        by_source = await prompt_tokens(decode)
+        preemptions = await metric(decode, "vllm:num_preemptions_total")
+    # The leg holds its pulled blocks: no allocation can take them.
+    assert window == {"ref_cnts": [1] * full_blocks(PROMPT), "free": 0, "filler_done": False}
+    events = [event for message in messages for event in decode_payload(message[2])[1]]
+    (stored_at,) = [
+        index
+        for index, event in enumerate(events)
+        if event["type"] == "BlockStored"
+        and event["token_ids"] == PROMPT[: full_blocks(PROMPT) * BLOCK]
+    ]
+    removed_before = [
+        block_hash
+        for event in events[:stored_at]
+        if event["type"] == "BlockRemoved"
+        for block_hash in event["block_hashes"]
+    ]
+    # Meanwhile the filler's allocations evicted the first request's 3 cached blocks,
+    # and at its 7th block, finding none free, it was preempted: the leg's were not
+    # free to take. They entered the cache once, when the leg's turn came.
+    assert len(removed_before) == 3
+    assert preemptions == 1
+    # The leg ran from what it pulled: only its partial last block was computed (besides
+    # the first request's 50 tokens and the filler's 80, counted once).
+    assert response.status_code == 200, response.text
+    assert by_source == {
+        "local_compute": 50 + 80 + len(PROMPT) - full_blocks(PROMPT) * BLOCK,
+        "local_cache_hit": 0,
+        "external_kv_transfer": full_blocks(PROMPT) * BLOCK,
+    }
+
+
+async def test_a_leg_aborted_while_its_kv_arrives_frees_its_blocks_when_the_transfer_ends() -> None:
+    transfer_s = 1.5
+    decode_settings = {
+        "time_scale": 1.0,
+        "kv_bytes_per_token": 1000,
+        "kv_transfer_bytes_per_s": full_blocks(PROMPT) * BLOCK * 1000 / transfer_s,
+    }
+    async with pd_pair(decode=decode_settings) as (prefill, decode, decode_sim):
+        params = await transfer_params(prefill, PROMPT)
+        leg = asyncio.create_task(decode_leg(decode, PROMPT, params))
+        await wait_until("the pull", lambda: metric(decode, FETCH, stage="in_progress"))
+        leg.cancel()  # the client goes away during the pull
+        with contextlib.suppress(asyncio.CancelledError):
+            await leg
+        await wait_until("the abort", lambda: not decode_sim.engine.scheduler.loading)
+        during = await blocks(decode)
+        await wait_until(
+            "the transfer to end", lambda: metric(decode, "vllm:nixl_xfer_time_seconds_count")
+        )
+        await wait_until(
+            "the blocks to free",
+            lambda: decode_sim.engine.pool.num_free_blocks == decode_sim.engine.pool.num_blocks,
+        )
+        after = await decode_leg(decode, PROMPT, await transfer_params(prefill, PROMPT))
+    # The transfer still writes into the aborted leg's blocks: they stay held until it ends.
+    assert during["num_free_blocks"] == during["num_blocks"] - full_blocks(PROMPT)
+    assert after.status_code == 200, after.text
 
 
 async def test_the_transfer_takes_its_bytes_over_the_bandwidth() -> None:
@@ -320,6 +471,7 @@ async def test_a_refused_transfer_fails_the_request_under_the_fail_policy(
             "/v1/chat/completions", json={**chat, "kv_transfer_params": params}
         )
         failed = await metric(decode, "vllm:nixl_num_failed_transfers_total")
+        freed = await blocks(decode)  # the failed requests' blocks
         await fault(prefill, pd_fail_transfer=False)
         recovered = await decode_leg(decode, PROMPT, params)
         pulled = (await prompt_tokens(decode))["external_kv_transfer"]
@@ -340,6 +492,7 @@ async def test_a_refused_transfer_fails_the_request_under_the_fail_policy(
     assert json.loads(events[1][len("data: ") :]) == GENERATION_ERROR
     assert events[2] == "data: [DONE]"
     assert failed == 3
+    assert freed["num_free_blocks"] == freed["num_blocks"]
     # The blocks stayed lent while pulls were refused.
     assert recovered.status_code == 200, recovered.text
     assert pulled == full_blocks(PROMPT) * BLOCK

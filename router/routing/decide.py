@@ -27,7 +27,7 @@ from router.routing.predicted import PredictedPrefixes
 from router.routing.roster import Roster, Rows
 from router.scoring.disaggregation import LegPlan, LegReason, LegSide, plan_legs
 from router.scoring.policy import RoutingPolicy
-from router.scoring.score import TIERS, CandidateFacts, RankedWorkers, RequestFacts
+from router.scoring.score import TIERS, CandidateFacts, Flags, RankedWorkers, RequestFacts
 from router.tenants import Tenant
 from router.tracing import Tracer
 
@@ -144,13 +144,16 @@ class Decision:
         return -1 if roster_row is None else int(self.candidate_of_row[roster_row])
 
 
-def _leg_side(facts: CandidateFacts, ranked: RankedWorkers, position: int) -> LegSide:
+def _leg_side(
+    facts: CandidateFacts, ranked: RankedWorkers, position: int, prefill_only: Flags
+) -> LegSide:
     row = int(ranked.rows[position])
     return LegSide(
         worker_id=ranked.worker_id(position),
         cached_tokens=ranked[position].cached_tokens,
         queued_prefill_tokens=float(facts.queued_prefill_tokens[row]),
         running_requests=float(facts.running_requests[row]),
+        takes_whole=not bool(prefill_only[row]),
     )
 
 
@@ -319,8 +322,9 @@ class RoutingPlanner:
         prefill_ranked = None
         if takes_decode[best] and peers.any():
             prefill_ranked, _ = self.policy.rank(request, facts._replace(excluded=~peers), self.rng)
-        decode = _leg_side(facts, ranked, 0)
-        prefill = _leg_side(facts, prefill_ranked, 0) if prefill_ranked else None
+        prefill_only = roster.prefill_only[rows]
+        decode = _leg_side(facts, ranked, 0, prefill_only)
+        prefill = _leg_side(facts, prefill_ranked, 0, prefill_only) if prefill_ranked else None
         plan = plan_legs(
             request.prompt_tokens, decode, prefill, self.policy.weights, self.disaggregation
         )

@@ -40,6 +40,7 @@ class LegReason(enum.StrEnum):
     NO_PREFILL_WORKER = "no_prefill_worker"  # decode workers, and no live prefill worker
     NO_DECODE_WORKER = "no_decode_worker"  # prefill workers only: they serve whole requests
     NO_TRANSFER = "no_transfer"  # the decode worker has no connector, or no peer shares it
+    NO_PREFIX_GAIN = "no_prefix_gain"  # the prefill worker serves whole requests, holds no more
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class LegSide:
     cached_tokens: int  # of the prompt, believed held there
     queued_prefill_tokens: float  # of other requests there, before their first token
     running_requests: float
+    takes_whole: bool = False  # it serves whole requests too (role both)
 
 
 def plan_legs(
@@ -83,6 +85,15 @@ def plan_legs(
         return LegPlan(decode_id, None, LegReason.NO_TRANSFER)
     if settings.mode == "never":
         return LegPlan(decode_id, None, LegReason.NEVER)
+    if (
+        settings.mode == "conditional"
+        and prefill.takes_whole
+        and prefill.cached_tokens <= decode.cached_tokens
+    ):
+        # The ranking preferred the decode worker for the whole request over this one,
+        # which holds no more of the prompt: splitting would only copy the prompt's KV
+        # into a second cache (measured: the same 4 engines lost hit rate to it).
+        return LegPlan(decode_id, None, LegReason.NO_PREFIX_GAIN)
     rate = scoring.prefill_tokens_per_s
     uncached_on_decode = max(0, prompt_tokens - decode.cached_tokens)
     uncached_on_prefill = max(0, prompt_tokens - prefill.cached_tokens)

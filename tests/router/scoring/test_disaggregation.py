@@ -225,3 +225,18 @@ def test_the_prompts_queued_on_the_decode_worker_are_paid_by_the_whole_request()
     assert busy.reason is LegReason.SPLIT_CHEAPER
     assert busy.whole_s == pytest.approx((5000 + 1000) / RATE)
     assert busy.split_s == pytest.approx(1000 / RATE + 1000 * KV_BYTES / LINK + OVERHEAD)
+
+
+def test_a_both_worker_holding_no_more_of_the_prompt_is_not_split_onto() -> None:
+    # The decode worker is busy; the other worker is idle and takes whole requests too.
+    busy = decode_side(cached=2000, queued=50_000.0)
+    idle_peer = LegSide("p", 2000, 0.0, 0.0, takes_whole=True)
+    result = plan(busy, idle_peer)
+    assert result == LegPlan("d", None, LegReason.NO_PREFIX_GAIN)
+    # A prefill-only worker is priced: there, splitting is the only way to use it.
+    assert plan(busy, LegSide("p", 2000, 0.0, 0.0)).reason is LegReason.SPLIT_CHEAPER
+    # One holding more of it is priced too, and mode always splits regardless.
+    holder = LegSide("p", 7984, 0.0, 0.0, takes_whole=True)
+    assert plan(busy, holder).reason is LegReason.SPLIT_CHEAPER
+    always = DisaggregationSettings(mode="always")
+    assert plan(busy, idle_peer, always).reason is LegReason.ALWAYS

@@ -13,6 +13,7 @@ printed at the end of the run and written to e2e-vllm-figures.json.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -30,6 +31,8 @@ import pytest
 
 from kvplane.core.serving import free_port
 from kvplane.core.tokenizer import DEFAULT_TOKENIZER_DIR
+from router.index.base import IndexUnavailable, PrefixMatch
+from router.index.redis import RedisLocationIndex
 from router.tenants import api_key_digest
 from simulations.processes import spawn_kvplane
 from tests import heavy
@@ -257,3 +260,28 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.section("vLLM end to end: figures")
     for name, value in FIGURES.items():
         terminalreporter.write_line(f"{name}: {value}")
+
+
+def index_lookup(
+    redis_url: str, redis_prefix: str, keys: list[int], tries: int = 5
+) -> dict[str, PrefixMatch]:
+    """The index's answer, read straight from Redis.
+
+    With two engines busy on two cores, connecting can outlast the index's 2 s round-trip
+    deadline (CI saw it once); a poll that cannot reach Redis asks again rather than
+    failing the test or reading an outage as an answer.
+    """
+
+    async def run() -> dict[str, PrefixMatch]:
+        index = RedisLocationIndex.from_url(redis_url, cluster=False, prefix=redis_prefix)
+        try:
+            return await index.lookup(keys)
+        finally:
+            await index.close()
+
+    for _ in range(tries - 1):
+        try:
+            return asyncio.run(run())
+        except IndexUnavailable:
+            time.sleep(0.2)
+    return asyncio.run(run())

@@ -7,7 +7,6 @@ prediction can be held to the engine's own report.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
@@ -25,8 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.keys import KeyNamespace, block_keys
 from kvplane.core.tokenizer import load_tokenizer
-from router.index.base import IndexUnavailable, PrefixMatch
-from router.index.redis import RedisLocationIndex
+from router.index.base import PrefixMatch
 from router.tenants import derive_cache_salt, own_scope
 from tests.e2e_vllm.conftest import (
     ADMIN,
@@ -38,6 +36,7 @@ from tests.e2e_vllm.conftest import (
     SALT_SECRET,
     TENANT_KEYS,
     VllmFleet,
+    index_lookup,
     wait_for,
 )
 
@@ -104,28 +103,7 @@ def keys_of(fleet: VllmFleet, text: str, cache_scope: str) -> list[int]:
 
 
 def lookup(fleet: VllmFleet, keys: list[int], tries: int = 5) -> dict[str, PrefixMatch]:
-    """The index's answer, read straight from Redis.
-
-    With two engines busy on two cores, connecting can outlast the index's 2 s round-trip
-    deadline (CI saw it once); a poll that cannot reach Redis asks again rather than
-    failing the test or reading an outage as an answer.
-    """
-
-    async def run() -> dict[str, PrefixMatch]:
-        index = RedisLocationIndex.from_url(
-            fleet.redis_url, cluster=False, prefix=fleet.redis_prefix
-        )
-        try:
-            return await index.lookup(keys)
-        finally:
-            await index.close()
-
-    for _ in range(tries - 1):
-        try:
-            return asyncio.run(run())
-        except IndexUnavailable:
-            time.sleep(0.2)
-    return asyncio.run(run())
+    return index_lookup(fleet.redis_url, fleet.redis_prefix, keys, tries)
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -13,7 +13,6 @@ model and launch command plus the connector's flags.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -32,8 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvplane.core.keys import KeyNamespace, block_keys
 from kvplane.core.serving import free_port
 from kvplane.core.tokenizer import load_tokenizer
-from router.index.base import IndexUnavailable, PrefixMatch
-from router.index.redis import RedisLocationIndex
+from router.index.base import PrefixMatch
 from router.tenants import derive_cache_salt, own_scope
 from simulations.processes import spawn_kvplane
 from tests.e2e_vllm.conftest import (
@@ -48,6 +46,7 @@ from tests.e2e_vllm.conftest import (
     _agent_args,
     _router_config,
     build_model,
+    index_lookup,
     wait_for,
 )
 
@@ -195,22 +194,7 @@ def holders(fleet: PdFleet, text: str, tenant: str) -> dict[str, PrefixMatch]:
     assert scope is not None
     tokens = load_tokenizer(fleet.model_dir).completion_tokens(text)
     keys = block_keys(tokens, KeyNamespace(MODEL, BLOCK, cache_scope=scope))
-
-    async def run() -> dict[str, PrefixMatch]:
-        index = RedisLocationIndex.from_url(
-            fleet.redis_url, cluster=False, prefix=fleet.redis_prefix
-        )
-        try:
-            return await index.lookup(keys)
-        finally:
-            await index.close()
-
-    for _ in range(4):
-        try:
-            return asyncio.run(run())
-        except IndexUnavailable:
-            time.sleep(0.2)
-    return asyncio.run(run())
+    return index_lookup(fleet.redis_url, fleet.redis_prefix, keys)
 
 
 def prompt(topic: str) -> str:

@@ -10,7 +10,6 @@ from kvplane.core.keys import SCHEME_VERSION
 from kvplane.core.types import WorkerInfo, WorkerRole
 from kvplane.wire.codec import (
     MAX_ENGINE_FIELD_CHARS,
-    Limits,
     Rejection,
     load_message,
     parse_load,
@@ -19,13 +18,7 @@ from kvplane.wire.codec import (
 )
 from kvplane.wire.v1 import control_plane_pb2 as pb
 from tests.router.conftest import BLOCK_SIZE, MODEL, worker
-
-LIMITS = Limits(
-    block_size=BLOCK_SIZE,
-    key_scheme_version=SCHEME_VERSION,
-    max_batch_events=8,
-    max_batch_blocks=32,
-)
+from tests.wire.test_codec import LIMITS
 
 
 def _register(**fields: object) -> pb.Register:

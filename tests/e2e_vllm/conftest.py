@@ -92,6 +92,7 @@ class VllmReplica:
             "--host", "127.0.0.1",
             "--port", str(self.http_port),
             "--kv-events-config", json.dumps(events),
+            *self.extra_args(),
         ]  # fmt: skip
         log = (self.log_dir / f"{self.worker_id}.log").open("ab")
         self.started_at = time.monotonic()
@@ -99,9 +100,20 @@ class VllmReplica:
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env()},
             start_new_session=True,
         )
+
+    def extra_args(self) -> list[str]:
+        """Flags a kind of replica adds to the command line."""
+        return []
+
+    def extra_env(self) -> dict[str, str]:
+        """Environment a kind of replica adds."""
+        return {}
+
+    def while_starting(self) -> None:
+        """Done at each poll of /health while the replica starts."""
 
     def wait_healthy(self) -> float:
         """Seconds from launch to the first 200 on /health; fails if vLLM dies first."""
@@ -120,6 +132,7 @@ class VllmReplica:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"vLLM ({self.worker_id}) did not answer /health in time")
+            self.while_starting()
             time.sleep(0.5)
 
     def kill(self) -> None:

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -72,24 +71,17 @@ class NixlReplica(VllmReplica):
 
     side_channel_port: int = field(default_factory=free_port)
 
-    def launch(self) -> None:
-        """The conftest's launch with the connector's flag and environment added."""
-        popen = subprocess.Popen
-        extra_env = {
+    def extra_args(self) -> list[str]:
+        return ["--kv-transfer-config", json.dumps(NIXL)]
+
+    def extra_env(self) -> dict[str, str]:
+        return {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
         }
 
-        def with_connector(command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-            command = [*command, "--kv-transfer-config", json.dumps(NIXL)]
-            kwargs["env"] = {**kwargs.get("env", os.environ), **extra_env}
-            return popen(command, **kwargs)
-
-        subprocess.Popen = with_connector  # type: ignore[assignment,misc]
-        try:
-            super().launch()
-        finally:
-            subprocess.Popen = popen  # type: ignore[misc]
+    def while_starting(self) -> None:
+        self.unpin()  # its warm-up ran for minutes bound to one core with the other's
 
     def unpin(self) -> None:
         """Let every thread of the engine run on every CPU again.
@@ -97,8 +89,9 @@ class NixlReplica(VllmReplica):
         On the CPU backend NixlConnector binds each engine's worker to the last core of
         its NUMA node (vLLM's `discover_numa_topology`), so both engines' workers share
         one core while each spins (its idle loop and its NIXL progress thread): split
-        requests took 10 to 40 s so, 3.5 s unbound on two quiet cores. The binding comes
-        during start-up, so this is done once the engine is healthy."""
+        requests took 10 to 40 s so, 3.5 s unbound on two quiet cores, and two engines'
+        start-up took over five minutes. The binding comes during start-up: this is done
+        while it starts and once it is healthy."""
         assert self.process is not None
         every_cpu = set(range(os.cpu_count() or 1))
         for entry in Path("/proc").iterdir():
@@ -171,7 +164,30 @@ def pd_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             return states == {PREFILL: "live", DECODE: "live"} and legs.get(MODEL) == "split"
 
         wait_for("a prefill and a decode worker are live, and the model splits", split_ready, 60)
+        warm_up(fleet)
         yield fleet
+
+
+def warm_up(fleet: PdFleet) -> None:
+    """Split requests until one goes through, before the tests' own (which count from
+    there). A pair's first transfer does NIXL's handshake, whose reply vLLM 0.32 waits
+    5 s for (hard-coded): two engines on two busy cores can miss it, and the decode
+    engine then fails the request (`kv_load_failure_policy = "fail"`), which the router
+    counts as kv_load_failed and serves whole: the fallback, seen with a real engine."""
+    headers = {"authorization": f"Bearer {TENANT_KEYS['globex']}"}
+    for _ in range(3):
+        response = httpx.post(
+            fleet.router_url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt("the warm-up"), "max_tokens": 1},
+            headers=headers,
+            timeout=180,
+        )
+        assert response.status_code == 200, response.text
+        if "x-kvplane-prefill-worker" in response.headers:
+            break
+    FIGURES["pd_warm_up_fallbacks"] = metric(
+        fleet.router_url, "kvplane_disaggregation_fallbacks_total", ADMIN
+    )
 
 
 def metric(url: str, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
@@ -209,6 +225,10 @@ def test_split_request_pulls_the_prompt_from_the_prefill_engine(pd_fleet: PdFlee
     fleet, tenant = pd_fleet, "acme"
     text = prompt("the storage cluster")
     pulled_before = by_source(fleet.decode.base_url, "external_kv_transfer")
+    computed_before = by_source(fleet.decode.base_url, "local_compute")
+    failed_before = metric(fleet.decode.base_url, "vllm:nixl_num_failed_transfers_total")
+    fallbacks_before = metric(fleet.router_url, "kvplane_disaggregation_fallbacks_total", ADMIN)
+    legs_before = metric(fleet.router_url, "kvplane_prefill_legs_total", ADMIN)
     started = time.monotonic()
     response = httpx.post(
         fleet.router_url + "/v1/completions",
@@ -229,15 +249,15 @@ def test_split_request_pulls_the_prompt_from_the_prefill_engine(pd_fleet: PdFlee
     assert by_source(fleet.prefill.base_url, "local_compute") >= prompt_tokens
     pulled = by_source(fleet.decode.base_url, "external_kv_transfer") - pulled_before
     assert pulled == prompt_tokens
-    assert by_source(fleet.decode.base_url, "local_compute") == 0
+    assert by_source(fleet.decode.base_url, "local_compute") == computed_before
     assert metric(fleet.decode.base_url, "vllm:nixl_xfer_time_seconds_count") >= 1
-    assert metric(fleet.decode.base_url, "vllm:nixl_num_failed_transfers_total") == 0
+    assert metric(fleet.decode.base_url, "vllm:nixl_num_failed_transfers_total") == failed_before
     assert metric(fleet.prefill.base_url, "vllm:nixl_num_kv_expired_reqs_total") == 0
 
     # Nothing fell back, and the router counted one prefill leg.
     router = fleet.router_url
-    assert metric(router, "kvplane_disaggregation_fallbacks_total", ADMIN) == 0
-    assert metric(router, "kvplane_prefill_legs_total", ADMIN) == 1
+    assert metric(router, "kvplane_disaggregation_fallbacks_total", ADMIN) == fallbacks_before
+    assert metric(router, "kvplane_prefill_legs_total", ADMIN) == legs_before + 1
 
     # Both engines published the prompt's blocks (the decode engine's are those it
     # pulled), so the index finds the whole prompt on both workers.
@@ -257,6 +277,7 @@ def test_streamed_split_request(pd_fleet: PdFleet) -> None:
     fleet = pd_fleet
     pulled_before = by_source(fleet.decode.base_url, "external_kv_transfer")
     legs_before = metric(fleet.router_url, "kvplane_prefill_legs_total", ADMIN)
+    fallbacks_before = metric(fleet.router_url, "kvplane_disaggregation_fallbacks_total", ADMIN)
     body = {
         "model": MODEL,
         "prompt": prompt("the billing service"),
@@ -278,4 +299,5 @@ def test_streamed_split_request(pd_fleet: PdFleet) -> None:
     pulled = by_source(fleet.decode.base_url, "external_kv_transfer") - pulled_before
     assert pulled == usage["prompt_tokens"]
     assert metric(fleet.router_url, "kvplane_prefill_legs_total", ADMIN) == legs_before + 1
-    assert metric(fleet.router_url, "kvplane_disaggregation_fallbacks_total", ADMIN) == 0
+    fallbacks = metric(fleet.router_url, "kvplane_disaggregation_fallbacks_total", ADMIN)
+    assert fallbacks == fallbacks_before

@@ -258,14 +258,18 @@ class RoutingPlanner:
                 pool=tenant.pool,
                 counted_as_engines=counted_as_engines,
             )
-            prefill_only = roster.prefill_only[rows]
-            if prefill_only.any() and not prefill_only.all():  # whole requests: not there
-                ranked, factor = self.policy.rank(
-                    request, facts._replace(excluded=prefill_only), self.rng
-                )
-            else:
+            legs, prefill_ranked = None, None
+            if not roster.has_roles:
                 ranked, factor = self.policy.rank(request, facts, self.rng)
-            legs, prefill_ranked = self._plan_legs(request, facts, roster, rows, ranked)
+            else:
+                prefill_only = roster.prefill_only[rows]
+                excluded = prefill_only if prefill_only.any() and not prefill_only.all() else None
+                # Whole requests and decode legs go to a prefill-only worker only when
+                # no other is live.
+                ranked, factor = self.policy.rank(
+                    request, facts._replace(excluded=excluded), self.rng
+                )
+                legs, prefill_ranked = self._plan_legs(request, facts, roster, rows, ranked)
             span.set_attribute("kvplane.candidates", len(rows))
             span.set_attribute("kvplane.factor", factor)
             if legs is not None:

@@ -50,6 +50,8 @@ class Roster:
             dtype=np.bool_,
         ).reshape(count)
         self.kv_connectors = _objects([info.kv_connector for info in infos])
+        # A fleet without roles or connectors (the usual one) skips all of it per decision.
+        self.has_roles = bool(self.prefill_only.any() or self.takes_decode_legs.any())
         # Each worker's longest prompt plus output; unknown (its engine does not say)
         # takes anything. A prompt over a worker's length is not routed there
         # (router/scoring/score.py eligible), so an agent that registers a short one

@@ -125,6 +125,11 @@ class CellResult:
     # unsalted: random words of their own). Any at all means a router dropped the
     # tenants' `cache_salt` and tenants shared cache.
     unsalted_blocks: int | None = None
+    # The engines' cached blocks at the end of the traffic, every copy and the distinct
+    # prefixes among them: how much of the fleet's cache held copies rather than more
+    # prefixes. None: not read (older results).
+    held_blocks: int | None = None
+    distinct_blocks: int | None = None
 
     @property
     def key(self) -> str:
@@ -234,6 +239,8 @@ def run_cell(
             for part, seconds in deployment.by_part(result.cpu_s_by_process).items()
         }
         _figures(result, outcomes, fleet, totals_before)
+        blocks = fleet.fleet_blocks()
+        result.held_blocks, result.distinct_blocks = blocks.held, blocks.distinct
         _write_requests(children.log_dir / REQUESTS_FILE, outcomes)
         if workload.tenants:
             result.unsalted_blocks = len(fleet.unsalted_blocks() - unsalted_before)

@@ -161,6 +161,16 @@ class EngineTotals:
         return self.prompt_tokens_by_source.get(EXTERNAL_KV_TRANSFER, 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class FleetBlocks:
+    held: int  # every cached block of every engine
+    distinct: int  # distinct prefixes among them: held less the copies
+
+    @property
+    def duplicated(self) -> int:
+        return self.held - self.distinct
+
+
 @dataclass(slots=True)
 class RunningEngines:
     engines: list[Engine]
@@ -199,6 +209,17 @@ class RunningEngines:
             body = httpx2.get(f"{engine.base_url}/sim/blocks", timeout=5).json()
             scopes.update(block["scope"] for block in body["blocks"])
         return scopes
+
+    def fleet_blocks(self) -> FleetBlocks:
+        """The blocks the engines' caches hold now: every copy, and the distinct ones (a
+        block held by two engines counts once), over every engine."""
+        held = 0
+        distinct: set[tuple[str, int]] = set()
+        for engine in self.engines:
+            blocks = httpx2.get(f"{engine.base_url}/sim/blocks", timeout=5).json()["blocks"]
+            held += len(blocks)
+            distinct.update((block["scope"], block["hash"]) for block in blocks)
+        return FleetBlocks(held, len(distinct))
 
     def unsalted_blocks(self) -> set[tuple[str, str]]:
         """The blocks cached in the unsalted scope now, as (engine, block hash)."""

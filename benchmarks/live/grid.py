@@ -7,7 +7,8 @@ one that reads engine events should not:
 - `two-replicas`: two replicas of the router, the client alternating between them
   (kvplane's share an index in Redis; a peer's replicas each keep their own);
 - `engine-restart`: one engine restarts (cache emptied, nothing announced) halfway;
-- `eviction`: a working set several times the fleet's cache (`shared-64`);
+- `eviction`: a working set about three times the fleet's cache, a few prompts hot and
+  a long tail (`zipf-96`), for twice the profile's traffic;
 - `bypass`: a quarter of the conversations reach the engines around the router.
 
 And one where the fleet itself changes:
@@ -33,9 +34,21 @@ from benchmarks.live.routers import PD_ROUTERS, ROUTERS, RouterSpec
 # Offered load, in requests per second: light; medium; heavy, about where four engines
 # with the default timing model (about 12k prefill tokens/s each) saturate when they
 # recompute most of each 2,176-token shared-prompt request, as round-robin makes them.
-LOADS: dict[str, float] = {"light": 5.0, "medium": 15.0, "heavy": 30.0}
-SITUATIONS = ("steady", "two-replicas", "engine-restart", "eviction", "bypass", "pd")
-EVICTION_WORKLOAD = "shared-64"
+LOADS: dict[str, float] = {"light": 5.0, "moderate": 8.0, "medium": 15.0, "heavy": 30.0}
+SITUATIONS = (
+    "steady",
+    "two-replicas",
+    "engine-restart",
+    "eviction",
+    "eviction-cpu",
+    "bypass",
+    "pd",
+)
+EVICTION_WORKLOAD = "zipf-96"
+# The eviction situations' own load: 8 requests a second for 30 s (240 requests), where
+# the caches turn over once or twice in a cell.
+EVICTION_LOAD = "moderate"
+EVICTION_SITUATIONS = ("eviction", "eviction-cpu")
 PD = "pd"
 PD_WORKLOADS = ("shared-8", "multi-turn")
 PD_PREFILL_ENGINES = 2  # of the fleet's four: two prefill, two decode
@@ -45,11 +58,12 @@ PD_AGGREGATED_ROUTER = "kvplane kvplane"  # the pd point's reference on 4 plain 
 # engines that each take either leg.
 PD_FLEET_REFERENCES = {FLEET_PD: "vllm-router pd-cache_aware", FLEET_BOTH: "kvplane both-never"}
 BYPASS_SHARE = 0.25
-LONGER_WORKLOADS: dict[str, float] = {"mooncake": 3.0}
+LONGER_WORKLOADS: dict[str, float] = {"mooncake": 3.0, EVICTION_WORKLOAD: 2.0}
 """Workloads whose cells run this many times the profile's traffic, at the same rate.
 The Mooncake sample's reuse is thin and a few of its prompts fill a whole engine's
 cache: in 15 s (about 225 requests) one router's hit rate swung 22-47% from run to run,
-in 45 s (about 680) it stays within two points."""
+in 45 s (about 680) it stays within two points. The eviction workload's cache takes
+most of 15 s to fill, and its hit rate is read once it has turned over."""
 
 
 def traffic_seconds(profile_duration_s: float, workload: str) -> float:
@@ -130,7 +144,7 @@ PROFILES: dict[str, Profile] = {
         2,
         ("shared-8", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
         ("light", "medium", "heavy"),
-        ("two-replicas", "engine-restart", "eviction", "bypass", PD),
+        ("two-replicas", "engine-restart", *EVICTION_SITUATIONS, "bypass", PD),
         "shared-8",
         "medium",
         "all",
@@ -182,8 +196,10 @@ def cells(
         if situation == PD:
             points += [(workload, profile.situation_load, PD) for workload in PD_WORKLOADS]
             continue
-        workload = EVICTION_WORKLOAD if situation == "eviction" else profile.situation_workload
-        points.append((workload, profile.situation_load, situation))
+        if situation in EVICTION_SITUATIONS:
+            points.append((EVICTION_WORKLOAD, EVICTION_LOAD, situation))
+        else:
+            points.append((profile.situation_workload, profile.situation_load, situation))
     result = []
     for workload, load, situation in points:
         chosen = _situation_routers(profile, situation, routers, pd_routers)

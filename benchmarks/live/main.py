@@ -199,7 +199,9 @@ def run_live_benchmark(
             if result.error
             else f"hit {result.engine_hit_rate:.1%}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
             f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req, "
-            f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest{_pd_line(result)}"
+            f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest, "
+            f"{result.distinct_blocks} distinct of {result.held_blocks} cached blocks"
+            f"{_pd_line(result)}"
         )
         print(f"[{number}/{len(to_run)}] {cell.key}: {figures}", flush=True)
         if json_path is not None:  # after every cell: a run cut short keeps what it measured

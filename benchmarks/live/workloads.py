@@ -20,6 +20,9 @@ Workloads (the shapes of `simulations/fleet_sim/workloads.py`, scaled for a smal
   question; Poisson arrivals. The shape of SGLang's `generated-shared-prefix` benchmark
   (2,048-token system prompts, 128-token questions), the one its cache-aware router was
   published with.
+- `zipf-N`: the same with N 1,024-token system prompts drawn by a Zipf law (exponent
+  1): a few hot prompts and a long tail, as real prompt and document reuse goes.
+  `zipf-96` is about three times the bake-off fleet's cache: the `eviction` situation.
 - `multi-turn`: chats sharing one system prompt, growing turn by turn.
 - `multi-tenant`: four tenants with the same system prompts' text; each tenant's
   requests carry its API key and its own `cache_salt` (as a careful client of vLLM
@@ -41,7 +44,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from simulations.fleet_sim.workloads import group_drawer
+
 TOKENS_PER_WORD = 2.5
+ZIPF_SYSTEM_TOKENS = 1024
+ZIPF_EXPONENT = 1.0
 # Words the tiny tokenizer knows well (its training text): prompts stay short in tokens
 # for their length in words, as English does with a real tokenizer.
 _WORDS = [
@@ -160,8 +167,12 @@ def shared_prompts(
     question_tokens: int = 128,
     max_tokens: int = 16,
     seed: int = 0,
+    popularity: float = 0.0,
+    name: str | None = None,
 ) -> Workload:
+    """`popularity`: the Zipf exponent the groups are drawn by (0: uniformly)."""
     rng = random.Random(f"shared-{groups}-{seed}")
+    draw_group = group_drawer(rng, groups, popularity)
     systems = [words(f"system-{group}", system_tokens) for group in range(groups)]
     conversations = tuple(
         Conversation(
@@ -170,12 +181,13 @@ def shared_prompts(
             system=f"You are assistant {group}. " + systems[group],
         )
         for number, start in enumerate(poisson_starts(rng, rate_per_s, duration_s))
-        for group in (rng.randrange(groups),)
+        for group in (draw_group(),)
     )
+    drawn = f" drawn by a Zipf law of exponent {popularity:g}" if popularity else ""
     return Workload(
-        f"shared-{groups}",
+        name or f"shared-{groups}",
         conversations,
-        description=f"{groups} shared system prompts of ~{system_tokens} tokens, "
+        description=f"{groups} shared system prompts of ~{system_tokens} tokens{drawn}, "
         f"unique ~{question_tokens}-token questions",
     )
 
@@ -343,12 +355,23 @@ WorkloadFactory = Callable[[float, float], Workload]
 
 def build_workload(name: str, rate_per_s: float, duration_s: float, *, trace: Path) -> Workload:
     """The named workload at a request rate over a duration."""
-    if name.startswith("shared-"):
+    for prefix in ("shared-", "zipf-"):
+        if not name.startswith(prefix):
+            continue
         try:
-            groups = int(name.removeprefix("shared-"))
+            groups = int(name.removeprefix(prefix))
         except ValueError:
             raise ValueError(f"unknown workload {name!r}") from None
-        return shared_prompts(rate_per_s, duration_s, groups=groups)
+        if prefix == "shared-":
+            return shared_prompts(rate_per_s, duration_s, groups=groups)
+        return shared_prompts(
+            rate_per_s,
+            duration_s,
+            groups=groups,
+            system_tokens=ZIPF_SYSTEM_TOKENS,
+            popularity=ZIPF_EXPONENT,
+            name=name,
+        )
     factories: dict[str, WorkloadFactory] = {
         "multi-turn": multi_turn,
         "multi-tenant": multi_tenant,
@@ -356,5 +379,6 @@ def build_workload(name: str, rate_per_s: float, duration_s: float, *, trace: Pa
         "mooncake": lambda rate, duration: mooncake(rate, duration, trace=trace),
     }
     if name not in factories:
-        raise ValueError(f"unknown workload {name!r} (known: shared-N, {', '.join(factories)})")
+        known = ", ".join(("shared-N", "zipf-N", *factories))
+        raise ValueError(f"unknown workload {name!r} (known: {known})")
     return factories[name](rate_per_s, duration_s)

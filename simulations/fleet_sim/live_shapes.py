@@ -9,6 +9,8 @@ this package's generators:
 - `shared-N`: N system prompts of 2,048 tokens, each request one of them (drawn at
   random) and its own 128-token question, 16 output tokens, Poisson arrivals at
   `rate_per_s` for `duration_s` (`shared_prefix` with `duration_s`).
+- `zipf-N`: the same with N system prompts of 1,024 tokens drawn by a Zipf law of
+  exponent 1 (`ZIPF_DEFAULTS`): the `eviction` situation's `zipf-96`.
 - `multi-turn`: 5-turn chats sharing one 1,024-token system prompt, 128-token turns,
   24 output tokens; chats start at `rate_per_s / turns` (the rate counts requests) for
   `duration_s`, each turn sent an exponential think time (mean 1 s) after the previous
@@ -48,7 +50,7 @@ LIVE_ENGINES = 4
 LIVE_KV_BLOCKS = 512
 LIVE_BLOCK_TOKENS = 16
 LIVE_MAX_NUM_SEQS = 16
-LIVE_LOADS: dict[str, float] = {"light": 5.0, "medium": 15.0, "heavy": 30.0}
+LIVE_LOADS: dict[str, float] = {"light": 5.0, "moderate": 8.0, "medium": 15.0, "heavy": 30.0}
 LIVE_DURATION_S = 15.0  # the bake-off's default profile
 
 LIVE_ROUTER_OVERHEAD_MS: dict[str, float] = {
@@ -63,6 +65,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "question_tokens": 128,
     "output_tokens": 16,
 }
+ZIPF_DEFAULTS: dict[str, Any] = {**SHARED_DEFAULTS, "system_tokens": 1024, "popularity": 1.0}
 MULTI_TURN_DEFAULTS: dict[str, Any] = {
     "turns": 5,
     "system_tokens": 1024,
@@ -79,7 +82,7 @@ AGENT_TREE_DEFAULTS: dict[str, Any] = {
     "output_tokens": 24,
     "step_time_s": 0.2,
 }
-_NAMES = "shared-N, multi-turn, agent-tree"
+_NAMES = "shared-N, zipf-N, multi-turn, agent-tree"
 
 
 def live_capacity_tokens() -> int:
@@ -99,18 +102,20 @@ def live_workload(
     seed: int = 0,
     **overrides: Any,
 ) -> Workload:
-    """The bake-off's workload `name` (`shared-N`, `multi-turn` or `agent-tree`) at
+    """The bake-off's workload `name` (`shared-N`, `zipf-N`, `multi-turn`, `agent-tree`) at
     `rate_per_s` requests per second for `duration_s` seconds; `overrides` change any
     parameter of the generator (e.g. `output_tokens`)."""
     if rate_per_s <= 0 or duration_s <= 0:
         raise ValueError("rate_per_s and duration_s must be positive")
-    if name.startswith("shared-"):
+    if name.startswith(("shared-", "zipf-")):
+        kind, _, count = name.partition("-")
         try:
-            groups = int(name.removeprefix("shared-"))
+            groups = int(count)
         except ValueError:
             raise ValueError(f"unknown live workload {name!r} ({_NAMES})") from None
         _check_overrides(name, shared_prefix, overrides, fixed={"groups", *_ALWAYS_FIXED})
-        params = {**SHARED_DEFAULTS, "groups": groups, **overrides}
+        defaults = ZIPF_DEFAULTS if kind == "zipf" else SHARED_DEFAULTS
+        params = {**defaults, "groups": groups, **overrides}
         workload = shared_prefix(
             **params,
             block_tokens=LIVE_BLOCK_TOKENS,

@@ -21,7 +21,8 @@ prefixes and distinct prefixes get distinct ids):
   x 16 prompts, a 2,048-token system prompt per group followed by a 128-token question,
   256 output tokens, all sent at t=0 in shuffled order (or Poisson at `rate_per_s`;
   with `duration_s` too, Poisson over that many seconds, each request from a group
-  drawn at random, as `kvplane bench live` sends them).
+  drawn at random, as `kvplane bench live` sends them; `popularity` > 0 draws the
+  groups by a Zipf law of that exponent instead of uniformly: `group_drawer`).
 - `llmd_prefix`: llm-d's precise-prefix-cache benchmark (its Sep 2025 blog, same
   reference): 150 groups x 5 users, a 6,000-token group prefix, a 1,200-token question,
   1,000 output tokens, Poisson arrivals whose rate ramps linearly from 3 to 60 req/s.
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -189,6 +191,19 @@ class _Draft:
     tenant: str = ""
     parent: _Draft | None = None  # closed loop: sent after_s after the parent's response
     after_s: float = 0.0
+
+
+def group_drawer(rng: random.Random, groups: int, popularity: float) -> Callable[[], int]:
+    """Draws a group number in [0, groups): uniformly for `popularity` 0, else by a Zipf
+    law of that exponent (group k drawn with weight 1 / (k + 1) ** popularity), the
+    skew of real system-prompt and document reuse."""
+    if popularity < 0:
+        raise ValueError("popularity must not be negative")
+    if popularity == 0:
+        return lambda: rng.randrange(groups)
+    cumulative = list(itertools.accumulate(1.0 / (k + 1) ** popularity for k in range(groups)))
+    population = range(groups)
+    return lambda: rng.choices(population, cum_weights=cumulative)[0]
 
 
 def _workload(name: str, block_tokens: int, drafts: Iterable[_Draft]) -> Workload:
@@ -380,6 +395,7 @@ def shared_prefix(
     rate_per_s: float | None = None,
     seed: int = 0,
     duration_s: float | None = None,
+    popularity: float = 0.0,
 ) -> Workload:
     """SGLang's generated-shared-prefix: each prompt is its group's system prompt + a question.
 
@@ -387,8 +403,8 @@ def shared_prefix(
     as a Poisson process; the order of prompts is shuffled with `seed`. With
     `duration_s` too, requests arrive as a Poisson process at `rate_per_s` over
     `duration_s` seconds, however many that makes, each from a group drawn at random
-    with its own question (as `kvplane bench live` sends them; `prompts_per_group` is
-    then unused).
+    (by `group_drawer` with `popularity`) with its own question (as `kvplane bench live`
+    sends them; `prompts_per_group` is then unused).
     """
     _positive(groups=groups, prompts_per_group=prompts_per_group, system_tokens=system_tokens)
     _positive(question_tokens=question_tokens, output_tokens=output_tokens)
@@ -410,8 +426,9 @@ def shared_prefix(
         if rate_per_s is None:
             raise ValueError("duration_s needs rate_per_s")
         arrivals = ramp_arrivals(rng, rate_per_s, rate_per_s, duration_s)
+        draw_group = group_drawer(rng, groups, popularity)
         for i in range(len(arrivals)):
-            g = rng.randrange(groups)
+            g = draw_group()
             prompts.append(systems[g].extend(f"{ns}/g{g}/r{i}", question_tokens))
     return _workload(
         "shared-prefix",

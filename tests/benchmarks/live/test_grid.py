@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.live.grid import PROFILES, cells, select
+from benchmarks.live.grid import PROFILES, cells, select, traffic_seconds
 from benchmarks.live.routers import ROUTERS
 
 
@@ -38,7 +38,12 @@ def test_situations_in_the_default_grid_are_for_cache_aware_routers() -> None:
 
 def test_the_full_grid_runs_eviction_on_a_working_set_larger_than_the_cache() -> None:
     full = cells(PROFILES["full"])
-    assert {cell.workload for cell in full if cell.situation == "eviction"} == {"shared-64"}
+    evicting = [cell for cell in full if cell.situation.startswith("eviction")]
+    assert {cell.situation for cell in evicting} == {"eviction", "eviction-cpu"}
+    assert {(cell.workload, cell.load, cell.rate_per_s) for cell in evicting} == {
+        ("zipf-96", "moderate", 8.0)
+    }
+    assert traffic_seconds(PROFILES["full"].duration_s, "zipf-96") == 30.0
     assert {cell.load for cell in full if cell.situation == "steady"} == {
         "light",
         "medium",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,21 @@ def test_shared_prompts_share_a_system_prompt_per_group_and_never_a_question() -
     assert starts == sorted(starts)
     assert starts[-1] < 10.0
     assert 120 < workload.requests < 280  # Poisson at 20 req/s over 10 s
+
+
+def test_zipf_prompts_are_drawn_hot_head_first_and_long_tail() -> None:
+    workload = build_workload("zipf-96", 15.0, 60.0, trace=Path("unused"))
+    assert workload.name == "zipf-96"
+    drawn = Counter(conversation.system for conversation in workload.conversations)
+    hottest, hottest_draws = drawn.most_common(1)[0]
+    assert hottest is not None
+    assert hottest.startswith("You are assistant 0. ")
+    # Zipf with exponent 1 over 96: the first prompt draws 1 / H(96), about 19%; the
+    # long tail still shows up.
+    assert 0.13 < hottest_draws / workload.requests < 0.26
+    assert len(drawn) > 48
+    uniform = Counter(c.system for c in shared_prompts(15.0, 60.0, groups=96).conversations)
+    assert max(uniform.values()) < hottest_draws
 
 
 def test_multi_turn_chats_are_chains_and_the_rate_counts_requests() -> None:

@@ -5,6 +5,7 @@ workloads they make."""
 from __future__ import annotations
 
 import inspect
+import random
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from simulations.engine_sim.scheduler import SchedulerLimits
 from simulations.fleet_sim import live_shapes
 from simulations.fleet_sim.live_shapes import live_workload
 from simulations.fleet_sim.policies import POLICIES
+from simulations.fleet_sim.workloads import group_drawer
 
 
 def defaults(function: Any) -> dict[str, Any]:
@@ -86,6 +88,30 @@ def test_shared_n_draws_one_of_n_system_prompts_per_request() -> None:
     assert {r.output_tokens for r in requests} == {16}
     assert len(Counter(r.blocks[:128] for r in requests)) == 8
     assert not workload.closed_loop
+
+
+def test_zipf_n_is_the_live_zipf_workload() -> None:
+    assert live_shapes.ZIPF_DEFAULTS == {
+        **live_shapes.SHARED_DEFAULTS,
+        "system_tokens": live.ZIPF_SYSTEM_TOKENS,
+        "popularity": live.ZIPF_EXPONENT,
+    }
+    requests = live_workload("zipf-96", rate_per_s=15.0, duration_s=60.0).requests
+    assert {r.prompt_tokens for r in requests} == {1024 + 128}
+    systems = Counter(r.blocks[:64] for r in requests)
+    assert 0.13 < max(systems.values()) / len(requests) < 0.26  # 1 / H(96) of the draws
+    assert len(systems) > 48
+
+
+def test_group_drawer_is_uniform_at_popularity_zero_and_refuses_a_negative_one() -> None:
+    rng = random.Random(3)
+    draw = group_drawer(rng, 4, 0.0)
+    assert Counter(draw() for _ in range(4000)).keys() == {0, 1, 2, 3}
+    assert [group_drawer(random.Random(5), 9, 0.0)() for _ in range(1)] == [
+        random.Random(5).randrange(9)
+    ]
+    with pytest.raises(ValueError, match="popularity"):
+        group_drawer(rng, 4, -1.0)
 
 
 def test_multi_turn_is_closed_loop_and_its_rate_counts_requests() -> None:

@@ -127,9 +127,13 @@ class CellResult:
     unsalted_blocks: int | None = None
     # The engines' cached blocks at the end of the traffic, every copy and the distinct
     # prefixes among them: how much of the fleet's cache held copies rather than more
-    # prefixes. None: not read (older results).
+    # prefixes; the same in the CPU tiers, and distinct over both. None: not read
+    # (older results).
     held_blocks: int | None = None
     distinct_blocks: int | None = None
+    host_held_blocks: int | None = None
+    host_distinct_blocks: int | None = None
+    distinct_blocks_any_tier: int | None = None
 
     @property
     def key(self) -> str:
@@ -241,6 +245,11 @@ def run_cell(
         _figures(result, outcomes, fleet, totals_before)
         blocks = fleet.fleet_blocks()
         result.held_blocks, result.distinct_blocks = blocks.held, blocks.distinct
+        result.host_held_blocks, result.host_distinct_blocks = (
+            blocks.host_held,
+            blocks.host_distinct,
+        )
+        result.distinct_blocks_any_tier = blocks.distinct_any_tier
         _write_requests(children.log_dir / REQUESTS_FILE, outcomes)
         if workload.tenants:
             result.unsalted_blocks = len(fleet.unsalted_blocks() - unsalted_before)

@@ -69,6 +69,9 @@ class EngineShape:
     # Every engine with NixlConnector (kv_both) and no pool named: each takes a whole
     # request or either leg (kvplane's agents `--role both`). Moot with prefill_engines.
     kv_both: bool = False
+    # A CPU tier of this many blocks on every engine (vLLM's native CPU offloading:
+    # blocks written to host memory as they are computed, restored on a hit); 0: none.
+    cpu_offload_blocks: int = 0
 
     @property
     def disaggregated(self) -> bool:
@@ -163,12 +166,14 @@ class EngineTotals:
 
 @dataclass(frozen=True, slots=True)
 class FleetBlocks:
-    held: int  # every cached block of every engine
-    distinct: int  # distinct prefixes among them: held less the copies
+    """What the fleet's caches hold, in blocks: every copy (`held`) and the distinct
+    prefixes among them, on the devices and in the CPU tiers (0 without one)."""
 
-    @property
-    def duplicated(self) -> int:
-        return self.held - self.distinct
+    held: int
+    distinct: int
+    host_held: int
+    host_distinct: int
+    distinct_any_tier: int  # a block on a device and in host memory counted once
 
 
 @dataclass(slots=True)
@@ -211,15 +216,19 @@ class RunningEngines:
         return scopes
 
     def fleet_blocks(self) -> FleetBlocks:
-        """The blocks the engines' caches hold now: every copy, and the distinct ones (a
-        block held by two engines counts once), over every engine."""
-        held = 0
-        distinct: set[tuple[str, int]] = set()
+        """The blocks the engines' caches hold now, on the device and in a CPU tier:
+        every copy, and the distinct ones (a block held by two engines, or on the device
+        and in host memory, counts once), over every engine."""
+        device: set[tuple[str, int]] = set()
+        host: set[tuple[str, int]] = set()
+        device_held = host_held = 0
         for engine in self.engines:
-            blocks = httpx2.get(f"{engine.base_url}/sim/blocks", timeout=5).json()["blocks"]
-            held += len(blocks)
-            distinct.update((block["scope"], block["hash"]) for block in blocks)
-        return FleetBlocks(held, len(distinct))
+            body = httpx2.get(f"{engine.base_url}/sim/blocks", timeout=5).json()
+            device_held += len(body["blocks"])
+            host_held += len(body.get("host_blocks", ()))
+            device.update((block["scope"], block["hash"]) for block in body["blocks"])
+            host.update((block["scope"], block["hash"]) for block in body.get("host_blocks", ()))
+        return FleetBlocks(device_held, len(device), host_held, len(host), len(device | host))
 
     def unsalted_blocks(self) -> set[tuple[str, str]]:
         """The blocks cached in the unsalted scope now, as (engine, block hash)."""
@@ -262,6 +271,9 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
         ]  # fmt: skip
         if shape.time_scale is not None:
             command += ["--time-scale", str(shape.time_scale)]
+        if shape.cpu_offload_blocks:
+            # The offloading model's default copy bandwidth (about PCIe 4.0 x16).
+            command += ["--cpu-offload-blocks", str(shape.cpu_offload_blocks)]
         if shape.connector:
             # The transfer model's defaults: an 8B model's KV (128 KiB a token) over a
             # 25 GB/s link, vLLM's 30 s lease.

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from benchmarks.live.engines import FLEET_BOTH, FLEET_PD, EngineShape
-from benchmarks.live.routers import PD_ROUTERS, ROUTERS, RouterSpec
+from benchmarks.live.routers import PD_ROUTERS, ROUTERS, TIER_ROUTERS, RouterSpec
 
 # Offered load, in requests per second: light; medium; heavy, about where four engines
 # with the default timing model (about 12k prefill tokens/s each) saturate when they
@@ -49,6 +49,9 @@ EVICTION_WORKLOAD = "zipf-96"
 # the caches turn over once or twice in a cell.
 EVICTION_LOAD = "moderate"
 EVICTION_SITUATIONS = ("eviction", "eviction-cpu")
+# eviction-cpu's CPU tier: twice each engine's device cache, so that the fleet's device
+# and host memory together about hold the working set.
+EVICTION_CPU_BLOCKS = 1024
 PD = "pd"
 PD_WORKLOADS = ("shared-8", "multi-turn")
 PD_PREFILL_ENGINES = 2  # of the fleet's four: two prefill, two decode
@@ -102,9 +105,11 @@ class Cell:
         return (self.workload, self.situation, self.load)
 
     def shape(self, base: EngineShape) -> EngineShape:
-        """The cell's engines: `base`, split into prefill and decode pools for a router
-        in front of those, every engine with a connector and no pool for one in front of
-        the `pd-both` fleet."""
+        """The cell's engines: `base`, with a CPU tier in `eviction-cpu`, split into
+        prefill and decode pools for a router in front of those, every engine with a
+        connector and no pool for one in front of the `pd-both` fleet."""
+        if self.situation == "eviction-cpu":
+            return replace(base, cpu_offload_blocks=EVICTION_CPU_BLOCKS)
         if self.router.fleet == FLEET_PD:
             return replace(base, prefill_engines=PD_PREFILL_ENGINES)
         if self.router.fleet == FLEET_BOTH:
@@ -163,26 +168,30 @@ def _situation_routers(
     situation: str,
     routers: Sequence[RouterSpec],
     pd_routers: Sequence[RouterSpec],
+    tier_routers: Sequence[RouterSpec],
 ) -> list[RouterSpec]:
     """The routers a point of `situation` runs: for `pd`, the P/D routers and kvplane's
     aggregated reference; for the others, the aggregated routers (the cache-aware ones
-    only, where the profile says so)."""
+    only, where the profile says so), and in `eviction-cpu` kvplane without its tier
+    credit too."""
     if situation == PD:
         return [
             *(router for router in routers if router.name == PD_AGGREGATED_ROUTER),
             *pd_routers,
         ]
-    return [
+    chosen = [
         router
         for router in routers
         if situation == "steady" or profile.situation_routers == "all" or _cache_aware(router)
     ]
+    return chosen + list(tier_routers) if situation == "eviction-cpu" else chosen
 
 
 def cells(
     profile: Profile,
     routers: Sequence[RouterSpec] = ROUTERS,
     pd_routers: Sequence[RouterSpec] = PD_ROUTERS,
+    tier_routers: Sequence[RouterSpec] = TIER_ROUTERS,
 ) -> list[Cell]:
     """Every cell of the profile, point by point (so a run cut short leaves whole
     points); within a point every router's first run, then every router's second, so
@@ -202,7 +211,7 @@ def cells(
             points.append((profile.situation_workload, profile.situation_load, situation))
     result = []
     for workload, load, situation in points:
-        chosen = _situation_routers(profile, situation, routers, pd_routers)
+        chosen = _situation_routers(profile, situation, routers, pd_routers, tier_routers)
         for run in range(1, profile.runs + 1):
             result += [Cell(router, workload, load, situation, run) for router in chosen]
     return result

@@ -59,6 +59,17 @@ def resume_points(
     return kept, to_run
 
 
+def _blocks_line(result: CellResult) -> str:
+    """The fleet's cached blocks at the cell's end: distinct of held, per tier."""
+    text = f"{result.distinct_blocks} distinct of {result.held_blocks} cached blocks"
+    if result.host_held_blocks:
+        text += (
+            f", CPU tier {result.host_distinct_blocks} of {result.host_held_blocks}, "
+            f"{result.distinct_blocks_any_tier} distinct on either"
+        )
+    return text
+
+
 def _pd_line(result: CellResult) -> str:
     """What a cell's progress line adds in the `pd` situation (inter-token and
     end-to-end latency), in front of a fleet that can split, or for a point whose
@@ -200,8 +211,7 @@ def run_live_benchmark(
             else f"hit {result.engine_hit_rate:.1%}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
             f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req, "
             f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest, "
-            f"{result.distinct_blocks} distinct of {result.held_blocks} cached blocks"
-            f"{_pd_line(result)}"
+            f"{_blocks_line(result)}{_pd_line(result)}"
         )
         print(f"[{number}/{len(to_run)}] {cell.key}: {figures}", flush=True)
         if json_path is not None:  # after every cell: a run cut short keeps what it measured

@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks.live.bakeoff import CellResult
 from benchmarks.live.engines import FLEET_AGGREGATED, FLEET_BOTH, FLEET_PD
-from benchmarks.live.grid import PD
+from benchmarks.live.grid import EVICTION_SITUATIONS, PD
 from benchmarks.live.standings import render_same_fleet, render_standings, same_fleet, standings
 from simulations.reporting import format_table
 
@@ -54,6 +54,8 @@ def render_tables(results: Sequence[CellResult]) -> str:
     for (workload, situation, load), point in _points(results).items():
         rate = point[0].rate_per_s
         pd = any(result.situation == PD or result.fleet != FLEET_AGGREGATED for result in point)
+        evicting = situation in EVICTION_SITUATIONS
+        host_tier = any(result.host_held_blocks for result in point)
         header_row = (
             "router",
             *(("fleet",) if pd else ()),
@@ -69,7 +71,10 @@ def render_tables(results: Sequence[CellResult]) -> str:
             "CPU ms/req",
             "at rest ms/s",
         )
-        rows: list[tuple[str, ...]] = [header_row + (PD_COLUMNS if pd else ())]
+        block_columns = (
+            (BLOCK_COLUMNS + (HOST_BLOCK_COLUMNS if host_tier else ())) if evicting else ()
+        )
+        rows: list[tuple[str, ...]] = [header_row + (PD_COLUMNS if pd else ()) + block_columns]
         notes = []
         routers = list(_by_router(point).items())
         if pd:  # fleet by fleet: each P/D fleet's routers side by side
@@ -94,7 +99,8 @@ def render_tables(results: Sequence[CellResult]) -> str:
                 _runs([run.cpu_ms_per_request for run in ok], ".1f"),
                 _runs([run.rest_cpu_ms_per_s for run in ok], ".1f"),
             )
-            rows.append(row + (pd_figures(ok) if pd else ()))
+            blocks = fleet_blocks(ok, host_tier) if evicting else ()
+            rows.append(row + (pd_figures(ok) if pd else ()) + blocks)
             notes += [f"{router} run {run.run}: {run.error}" for run in runs if run.error]
             notes += [
                 f"{router} run {run.run}: {run.pd_unexpected}" for run in ok if run.pd_unexpected
@@ -115,6 +121,29 @@ def render_tables(results: Sequence[CellResult]) -> str:
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
     return "\n\n".join(sections)
+
+
+BLOCK_COLUMNS = ("distinct blocks",)
+HOST_BLOCK_COLUMNS = ("CPU distinct", "distinct either")
+"""An eviction point's last columns: the distinct blocks the engines' device caches hold
+at the cell's end (held by several engines counted once: what placement kept), and with
+a CPU tier the distinct blocks in host memory and on either tier."""
+
+
+def fleet_blocks(runs: Sequence[CellResult], host_tier: bool) -> tuple[str, ...]:
+    """The `BLOCK_COLUMNS` (and `HOST_BLOCK_COLUMNS`) of a router's runs."""
+
+    def counts(values: Sequence[int | None]) -> str:
+        return _runs([math.nan if value is None else float(value) for value in values], ".0f")
+
+    device = (counts([run.distinct_blocks for run in runs]),)
+    if not host_tier:
+        return device
+    return (
+        *device,
+        counts([run.host_distinct_blocks for run in runs]),
+        counts([run.distinct_blocks_any_tier for run in runs]),
+    )
 
 
 PD_FLEET_SHORT = {FLEET_AGGREGATED: "4 plain", FLEET_PD: "2P+2D", FLEET_BOTH: "4 both"}

@@ -224,17 +224,23 @@ KVPLANE_BOTH_MODES = {
 }
 
 
+# kvplane crediting no hit on a slower tier (host memory's bandwidth 0: a hit there is
+# worth nothing over recomputing), the reference that shows what its tier credit does.
+NO_TIER_CREDIT_SETTINGS = {"KVPLANE_SCORING__HOST_BANDWIDTH_BYTES_PER_S": "0"}
+
+
 def disaggregation_settings(mode: str) -> dict[str, str]:
     """The environment of kvplane's routers that sets `[disaggregation] mode`."""
     return {"KVPLANE_DISAGGREGATION__MODE": mode}
 
 
-def _kvplane_pd_starter(
-    mode: str,
+def _kvplane_starter(
+    settings: dict[str, str],
 ) -> Callable[[RouterSpec, RunningEngines, Children, int, Workload], Deployment]:
-    """kvplane (its own policy) in front of a fleet that can split, splitting requests
-    as `[disaggregation] mode` says: `conditional` (the default, set all the same so
-    that the cell's settings say it), `always` or `never`."""
+    """kvplane (its own policy) with `settings` in its routers' environment: in front
+    of a fleet that can split, splitting requests as `[disaggregation] mode` says
+    (`disaggregation_settings`: `conditional`, the default, set all the same so that
+    the cell's settings say it, `always` or `never`); or without its tier credit."""
 
     def start(
         spec: RouterSpec,
@@ -250,7 +256,7 @@ def _kvplane_pd_starter(
             replicas,
             workload.tenants,
             picker=False,
-            settings=disaggregation_settings(mode),
+            settings=settings,
         )
         return Deployment(
             [url + "/v1" for url in kvplane.urls],
@@ -321,6 +327,9 @@ def launch_kvplane(
                 "blind_workers_after": sum(bool(row["wiring"]["blind"]) for row in workers),
                 "routing_after": {row["model"]: row["routing"] for row in answer["routing"]},
                 "index_entries": index["entries"],
+                # Locations over keys: above 1 where blocks sit on two tiers (a CPU
+                # tier's copies) or on two workers.
+                "index_keys": index["keys"],
                 "live_workers": sum(row["state"] == "live" for row in workers),
                 "suspect_workers": sum(bool(row["suspect"]) for row in workers),
                 # How much tokenising its caches spared (identical prompts, pieces).
@@ -336,6 +345,9 @@ def launch_kvplane(
                 # started): whether P/D was in play.
                 "disaggregation": disaggregation_counters(url),
                 "workers_by_role": dict(Counter(str(row.get("role")) for row in workers)),
+                # The cache-loss funnel since it started: what was lost where, copies
+                # and evictions among it.
+                "funnel": _admin_get(url, "/fleet/funnel"),
             }
         return evidence
 
@@ -809,7 +821,13 @@ ROUTERS: tuple[RouterSpec, ...] = (
 # the last that fleet's aggregated reference).
 PD_ROUTERS: tuple[RouterSpec, ...] = (
     *(
-        RouterSpec(f"kvplane {name}", "kvplane", name, _kvplane_pd_starter(mode), FLEET_PD)
+        RouterSpec(
+            f"kvplane {name}",
+            "kvplane",
+            name,
+            _kvplane_starter(disaggregation_settings(mode)),
+            FLEET_PD,
+        )
         for name, mode in KVPLANE_PD_MODES.items()
     ),
     RouterSpec(
@@ -824,10 +842,21 @@ PD_ROUTERS: tuple[RouterSpec, ...] = (
             f"kvplane {name}",
             "kvplane",
             name,
-            _kvplane_pd_starter(mode),
+            _kvplane_starter(disaggregation_settings(mode)),
             FLEET_BOTH,
             reference=mode == "never",
         )
         for name, mode in KVPLANE_BOTH_MODES.items()
+    ),
+)
+
+# The `eviction-cpu` situation's extra router: kvplane without its tier credit, beside
+# every router of `ROUTERS`, on the same engines with a CPU tier.
+TIER_ROUTERS: tuple[RouterSpec, ...] = (
+    RouterSpec(
+        "kvplane no-tier-credit",
+        "kvplane",
+        "no-tier-credit",
+        _kvplane_starter(NO_TIER_CREDIT_SETTINGS),
     ),
 )

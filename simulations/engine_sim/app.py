@@ -49,17 +49,19 @@ def cache_config_labels(config: EngineSimConfig) -> dict[str, str]:
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "prefix_caching_hash_algo": "sha256",
         "cache_dtype": "auto",
+        "kv_offloading_size": str(config.kv_offloading_size),
+        "kv_offloading_backend": config.kv_offloading_backend,
     }
 
 
 @contextlib.asynccontextmanager
 async def running_engine_sim(config: EngineSimConfig) -> AsyncIterator[RunningEngineSim]:
     tokenizer = load_tokenizer(config.tokenizer)
-    transfer = config.kv_transfer_config
     metrics = EngineMetrics(
         config.model_names[0],
         cache_config_labels(config),
-        kv_role=transfer.kv_role if transfer.enabled else None,
+        kv_connector=config.kv_connector,
+        kv_role=config.kv_role,
     )
     async with contextlib.AsyncExitStack() as stack:
         publisher = None
@@ -74,7 +76,7 @@ async def running_engine_sim(config: EngineSimConfig) -> AsyncIterator[RunningEn
         engine = SimEngine(config, tokenizer.plain_token_ids(), metrics, publisher)
         stack.push_async_callback(cancel_task, asyncio.create_task(engine.run()))
         pull_client = None
-        if config.kv_transfer_config.enabled:
+        if config.pd:
             pull_client = PullClient()
             stack.push_async_callback(pull_client.close)
         app = create_engine_app(engine, tokenizer, config, pull_client=pull_client)
@@ -93,16 +95,18 @@ async def serve_engine_sim(config: EngineSimConfig) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, die_now)
     async with running_engine_sim(config) as running:
+        offloading = config.cpu_offloading
         log.info(
-            "engine simulator serving %s on %s:%d (%d blocks of %d tokens), KV events %s, "
-            "KV transfer %s",
+            "engine simulator serving %s on %s:%d (%d blocks of %d tokens, %d on the CPU), "
+            "KV events %s, KV transfer %s",
             ", ".join(config.model_names),
             config.host,
             running.http_port,
             config.num_blocks,
             config.block_size,
+            0 if offloading is None else offloading.num_blocks,
             running.events_endpoint or "off",
-            config.kv_transfer_config.kv_role if config.kv_transfer_config.enabled else "off",
+            config.kv_role if config.pd else "off",
         )
         await wait_for_stop_signal()
         log.info("stopping")

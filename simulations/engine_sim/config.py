@@ -3,7 +3,7 @@
 Flags are generated from the fields below, so `--help` documents each one with its
 default. Where vLLM has a flag for the same setting the field carries vLLM's name and
 format (`--block-size`, `--num-gpu-blocks-override`, `--kv-events-config '{...}'`,
-`--kv-transfer-config '{...}'`, ...),
+`--kv-transfer-config '{...}'`, `--kv-offloading-size`, ...),
 so the simulator drops into a script or manifest written for vLLM. Every field can also
 be set from the environment as `KVPLANE_ENGINE_SIM_<FIELD>`; flags win.
 """
@@ -12,21 +12,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvplane.core.flags import add_model_flags, given_flags
 from simulations.engine_sim.kv_events import WireFormat
+from simulations.engine_sim.protocol import validation_message
 from simulations.engine_sim.scheduler import SchedulerLimits
 from simulations.engine_sim.timing import TimingModel
 
 _DEFAULT_TIMING = TimingModel()
 
-# The one KV connector the simulator models (vLLM's pull-mode P/D: kv_transfer.py).
+# The KV connectors the simulator models: vLLM's pull-mode P/D (kv_transfer.py) and its
+# native CPU offloading (offload.py). vLLM runs two at once only under MultiConnector.
 NIXL_CONNECTOR = "NixlConnector"
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+_CONNECTORS = (NIXL_CONNECTOR, OFFLOADING_CONNECTOR)
+_GIB = 1 << 30
+# vLLM pads each offloaded block to whole memory pages (CPUOffloadingSpec).
+_PAGE_BYTES = mmap.PAGESIZE
 
 
 class KVEventsConfig(BaseModel):
@@ -58,7 +74,8 @@ class KVTransferConfig(BaseModel):
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None
     kv_buffer_device: Literal["cuda", "cpu"] = "cuda"  # reported only: there is no device
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)  # not read
+    # Read for OffloadingConnector (OffloadingExtraConfig), not for NixlConnector.
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _role_of_a_connector(self) -> KVTransferConfig:
@@ -70,15 +87,51 @@ class KVTransferConfig(BaseModel):
     @field_validator("kv_connector")
     @classmethod
     def _simulated_connector(cls, name: str | None) -> str | None:
-        if name is not None and name != NIXL_CONNECTOR:
+        if name is not None and name not in _CONNECTORS:
             raise ValueError(
-                f"the simulator models only {NIXL_CONNECTOR}'s transfers, not {name!r}"
+                f"the simulator models only {NIXL_CONNECTOR} and {OFFLOADING_CONNECTOR}, "
+                f"not {name!r}"
             )
         return name
 
-    @property
-    def enabled(self) -> bool:
-        return self.kv_connector is not None
+    @model_validator(mode="after")
+    def _offloading_extra_config(self) -> KVTransferConfig:
+        if self.kv_connector == OFFLOADING_CONNECTOR:
+            self.offloading_extra_config()  # refuses what the simulator does not model
+        return self
+
+    def offloading_extra_config(self) -> OffloadingExtraConfig:
+        try:
+            return OffloadingExtraConfig.model_validate(self.kv_connector_extra_config)
+        except ValidationError as error:
+            raise ValueError(
+                f"kv_connector_extra_config of {OFFLOADING_CONNECTOR}: {validation_message(error)}"
+            ) from None
+
+
+class OffloadingExtraConfig(BaseModel):
+    """The `kv_connector_extra_config` keys of vLLM's OffloadingConnector that change what
+    the simulator does; a setting it does not model is refused, other keys ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    cpu_bytes_to_use: float | None = Field(None, gt=0)  # --kv-offloading-size sets it
+    offload_prompt_only: bool = True  # vLLM's default: decode-phase blocks stay on the device
+    eviction_policy: Literal["lru"] = "lru"  # vLLM also has "arc"
+    spec_name: Literal["CPUOffloadingSpec"] = "CPUOffloadingSpec"
+    # One block per offloaded chunk (vLLM's default); checked against --block-size.
+    blocks_per_chunk: Literal[1] | None = None
+    block_size: int | None = None
+    store_threshold: int = Field(0, le=1)  # 2 or more: vLLM's reuse filter
+    self_describing_kv_events: Literal[False] = False  # opt-in stores with their tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CPUOffloading:
+    """The CPU tier the configuration asks for (simulations/engine_sim/offload.py)."""
+
+    num_blocks: int
+    offload_prompt_only: bool
 
 
 class EngineSimConfig(BaseSettings):
@@ -125,9 +178,20 @@ class EngineSimConfig(BaseSettings):
 
     kv_transfer_config: KVTransferConfig = Field(
         KVTransferConfig(),
-        description="prefill/decode disaggregation, vLLM's JSON: kv_connector (NixlConnector "
-        "or none), kv_role, kv_buffer_device, kv_load_failure_policy (fail or recompute), "
-        "kv_connector_extra_config (ignored)",
+        description="vLLM's JSON: kv_connector (NixlConnector: prefill/decode "
+        "disaggregation; OffloadingConnector: CPU offloading, kv_connector_extra_config "
+        "cpu_bytes_to_use and offload_prompt_only; or none), kv_role, kv_buffer_device, "
+        "kv_load_failure_policy (fail or recompute)",
+    )
+    kv_offloading_size: float | None = Field(
+        None,
+        gt=0,
+        description="GiB of CPU memory for offloaded KV blocks: vLLM's native CPU "
+        "offloading (OffloadingConnector), as many blocks of --block-size x "
+        "--kv-bytes-per-token as fit",
+    )
+    kv_offloading_backend: Literal["native"] = Field(
+        "native", description="vLLM's offloading backend (its lmcache is not modelled)"
     )
 
     # Scheduling (vLLM's flags).
@@ -173,6 +237,20 @@ class EngineSimConfig(BaseSettings):
         "decode engine to pull (vLLM's kv_lease_duration)",
     )
 
+    # The CPU offloading model (simulator only): see simulations/engine_sim/offload.py.
+    cpu_offload_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="turn CPU offloading on with a CPU tier of this many blocks (instead of "
+        "--kv-offloading-size or cpu_bytes_to_use)",
+    )
+    kv_offload_bytes_per_s: float = Field(
+        20e9,
+        gt=0,
+        description="bandwidth of the copies between device and CPU blocks, both ways "
+        "(20e9: about PCIe 4.0 x16)",
+    )
+
     # Wire forms and hashing (simulator only).
     kv_events_format: WireFormat = Field(
         WireFormat.VLLM_0_32, description="which vLLM release's event bytes to send"
@@ -212,10 +290,52 @@ class EngineSimConfig(BaseSettings):
     def _check_pulled_blocks_can_be_cached(self) -> EngineSimConfig:
         # The decode side receives pulled blocks into its prefix cache (vLLM writes them
         # into the request's own blocks, which the simulator does not model apart).
-        if self.kv_transfer_config.enabled and not self.enable_prefix_caching:
+        if self.pd and not self.enable_prefix_caching:
             raise ValueError(
-                "--kv-transfer-config with a connector needs --enable-prefix-caching: the "
-                "simulator caches the blocks a decode engine pulls"
+                f"--kv-transfer-config with {NIXL_CONNECTOR} needs --enable-prefix-caching: "
+                "the simulator caches the blocks a decode engine pulls"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_offloading(self) -> EngineSimConfig:
+        sizes = []  # where the CPU tier's size comes from
+        if self.cpu_offload_blocks is not None:
+            sizes.append("--cpu-offload-blocks")
+        if self.kv_offloading_size is not None:
+            sizes.append("--kv-offloading-size")
+        if sizes and self.kv_transfer_config.kv_connector == NIXL_CONNECTOR:
+            # vLLM's --kv-offloading-size would replace the connector with its own.
+            raise ValueError(
+                f"{sizes[0]} with {NIXL_CONNECTOR}: vLLM runs CPU offloading beside P/D "
+                "only under MultiConnector, which the simulator does not model"
+            )
+        if self.kv_connector != OFFLOADING_CONNECTOR:
+            return self
+        extra = self.kv_transfer_config.offloading_extra_config()
+        if extra.cpu_bytes_to_use is not None and self.kv_offloading_size is None:
+            sizes.append("cpu_bytes_to_use")
+        if not sizes:
+            raise ValueError(
+                "cpu_bytes_to_use must be specified in kv_connector_extra_config (vLLM's "
+                "words), or the simulator's --cpu-offload-blocks"
+            )
+        if len(sizes) > 1 and self.cpu_offload_blocks is not None:
+            raise ValueError(f"the CPU tier's size is given twice: {' and '.join(sizes)}")
+        if extra.block_size not in (None, self.block_size):
+            raise ValueError(
+                f"kv_connector_extra_config block_size {extra.block_size}: the simulator "
+                f"offloads one block of {self.block_size} tokens at a time"
+            )
+        if self.kv_events_format is WireFormat.VLLM_0_9:
+            raise ValueError(
+                "CPU offloading with --kv-events-format vllm-0.9: that release had no "
+                "offloading, and its events name no medium"
+            )
+        if self.cpu_offloading is None:
+            raise ValueError(
+                f"the CPU tier would hold no block: {self._cpu_bytes():.0f} bytes for "
+                f"blocks of {self._padded_block_bytes()} bytes"
             )
         return self
 
@@ -230,6 +350,46 @@ class EngineSimConfig(BaseSettings):
     @property
     def num_blocks(self) -> int:
         return self.num_gpu_blocks_override or 8192
+
+    @property
+    def kv_connector(self) -> str | None:
+        """The connector the engine runs: as vLLM, --kv-offloading-size (and here
+        --cpu-offload-blocks) makes it OffloadingConnector."""
+        if self.kv_offloading_size is not None or self.cpu_offload_blocks is not None:
+            return OFFLOADING_CONNECTOR
+        return self.kv_transfer_config.kv_connector
+
+    @property
+    def kv_role(self) -> str | None:
+        if self.kv_transfer_config.kv_connector is None and self.kv_connector is not None:
+            return "kv_both"  # vLLM's role for the connector --kv-offloading-size sets
+        return self.kv_transfer_config.kv_role
+
+    @property
+    def pd(self) -> bool:
+        """Prefill/decode disaggregation (NixlConnector) is on."""
+        return self.kv_connector == NIXL_CONNECTOR
+
+    @property
+    def cpu_offloading(self) -> CPUOffloading | None:
+        """The CPU tier, if the engine offloads; sized as vLLM's CPUOffloadingSpec sizes
+        it: the bytes given over each block's bytes, padded to whole pages."""
+        if self.kv_connector != OFFLOADING_CONNECTOR:
+            return None
+        extra = self.kv_transfer_config.offloading_extra_config()
+        num_blocks = self.cpu_offload_blocks or int(self._cpu_bytes()) // self._padded_block_bytes()
+        if not num_blocks:
+            return None
+        return CPUOffloading(num_blocks, extra.offload_prompt_only)
+
+    def _cpu_bytes(self) -> float:
+        if self.kv_offloading_size is not None:
+            return self.kv_offloading_size * _GIB  # vLLM's cpu_bytes_to_use for it
+        return self.kv_transfer_config.offloading_extra_config().cpu_bytes_to_use or 0.0
+
+    def _padded_block_bytes(self) -> int:
+        block_bytes = self.block_size * self.kv_bytes_per_token
+        return -(-block_bytes // _PAGE_BYTES) * _PAGE_BYTES
 
     @property
     def timing(self) -> TimingModel:

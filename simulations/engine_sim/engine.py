@@ -13,6 +13,13 @@ cache when the scheduler takes the arrived KV. As vLLM, it counts the pulled tok
 apart from its own prefix-cache hits (`vllm:external_prefix_cache_*`,
 `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`), and a consumer engine
 reports its decode legs by KV-fetch stage.
+
+With CPU offloading (offload.py), blocks read back from the CPU tier load the same way,
+counted as the host tier's (`vllm:prompt_tokens_cached_by_source{source="host"}`). The
+copies take their bytes over `--kv-offload-bytes-per-s`: a read before the request
+computes, a step's writes once the step has computed their blocks (vLLM starts them
+with the next step). A completed write is announced in the next batch, even with no
+request to run, as vLLM steps while its connector has copies in flight.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
+from typing import Any
 
 from simulations.engine_sim.block_hash import none_hash
 from simulations.engine_sim.block_pool import BlockPool, KVBlock
 from simulations.engine_sim.config import EngineSimConfig
 from simulations.engine_sim.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from simulations.engine_sim.kv_events import KVEvent
 from simulations.engine_sim.kv_transfer import (
     BlockLender,
     KVLoadFailed,
@@ -36,10 +45,13 @@ from simulations.engine_sim.kv_transfer import (
 )
 from simulations.engine_sim.metrics import (
     EXTERNAL_KV_TRANSFER,
+    LOAD,
     LOCAL_CACHE_HIT,
     LOCAL_COMPUTE,
+    STORE,
     EngineMetrics,
 )
+from simulations.engine_sim.offload import CPUTier, OffloadingConnector
 from simulations.engine_sim.publisher import EventPublisher
 from simulations.engine_sim.request import RequestStatus, SimRequest
 from simulations.engine_sim.scheduler import (
@@ -71,7 +83,18 @@ class SimEngine:
         self.hash_root = none_hash(config.hash_seed)
         self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(self.pool, config.block_size)
-        self.scheduler = Scheduler(self.kv_cache, config.limits, sampler_over(output_token_ids))
+        offloading = config.cpu_offloading
+        self.offload = None
+        if offloading is not None:
+            self.offload = OffloadingConnector(
+                CPUTier(offloading.num_blocks),
+                config.block_size,
+                prompt_only=offloading.offload_prompt_only,
+                prefix_caching=config.enable_prefix_caching,
+            )
+        self.scheduler = Scheduler(
+            self.kv_cache, config.limits, sampler_over(output_token_ids), self.offload
+        )
         self.lender = BlockLender(
             self.pool, config.kv_lease_s, self._count_expired_lease, self._wake
         )
@@ -150,6 +173,7 @@ class SimEngine:
                 RequestStatus.PREEMPTED,
             ):
                 self.scheduler.abort(request)
+                self._ended(request)
                 self._wakeup.set()
                 self._update_gauges()
 
@@ -171,6 +195,7 @@ class SimEngine:
         while True:
             if not self.scheduler.has_work:
                 self._wakeup.clear()
+                await self.publish_events()  # copies to the CPU tier that completed since
                 await self._wakeup.wait()
             stall = self._stall_until - time.monotonic()
             if stall > 0:
@@ -179,6 +204,7 @@ class SimEngine:
             step = self.scheduler.schedule()
             self._count_admissions(step)
             self._start_transfers(step)
+            writes = self._offer_writes(step)
             if step.is_empty:
                 if step.num_preempted:
                     continue  # the preempted request freed blocks: schedule again
@@ -195,23 +221,78 @@ class SimEngine:
             lending = self._blocks_to_lend(step)
             for progress in self.scheduler.finish_step(step):
                 self._record(progress, now)
+                if progress.finished:
+                    self._ended(progress.request)
                 if progress.finished and progress.request in lending:
                     self._lend(progress.request, lending[progress.request])
                 queue = self._streams.get(progress.request)
                 if queue is not None:
                     queue.put_nowait(progress)
+            for request, digests in writes.items():
+                self._spawn(self._write(request.request_id, digests))
             await self.publish_events()
             self._update_gauges()
 
     def _start_transfers(self, step: ScheduledStep[SimRequest]) -> None:
         """Start the KV loads the step admitted, each into its request's blocks."""
         for request, num_blocks in step.kv_loads.items():
+            if self.offload is not None:
+                self._spawn(self._read(request, self.offload.loading(request)))
+                continue
             remote = self._remote.pop(request, None)
             if remote is None:
                 continue
-            transfer = asyncio.create_task(self._transfer(request, *remote, num_blocks))
-            self._transfers.add(transfer)
-            transfer.add_done_callback(self._transfers.discard)
+            self._spawn(self._transfer(request, *remote, num_blocks))
+
+    def _spawn(self, copy: Coroutine[Any, Any, None]) -> None:
+        transfer = asyncio.create_task(copy)
+        self._transfers.add(transfer)
+        transfer.add_done_callback(self._transfers.discard)
+
+    def _kv_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.config.block_size * self.config.kv_bytes_per_token
+
+    def _offer_writes(self, step: ScheduledStep[SimRequest]) -> dict[SimRequest, list[bytes]]:
+        """The step's writes to the CPU tier: each scheduled request's blocks computed by
+        the end of the step that the tier lacks (room made for them now)."""
+        writes: dict[SimRequest, list[bytes]] = {}
+        if self.offload is None:
+            return writes
+        for request, count in step.tokens.items():
+            blocks = self.kv_cache.blocks_of(request)
+            digests = self.offload.store(request, request.num_computed_tokens + count, blocks)
+            if digests is None:
+                log.warning("request %s: no room for its blocks on the CPU", request.request_id)
+                self.metrics.kv_offload.allocation_failures.inc()
+            elif digests:
+                writes[request] = digests
+        return writes
+
+    async def _write(self, request_id: str, digests: list[bytes]) -> None:
+        assert self.offload is not None
+        num_bytes = self._kv_bytes(len(digests))
+        seconds = num_bytes / self.config.kv_offload_bytes_per_s * self.config.time_scale
+        await asyncio.sleep(seconds)
+        self.offload.store_finished(request_id, digests)
+        self.metrics.kv_offload.copied(STORE, num_bytes, seconds)
+        self._wakeup.set()  # announce them, and let requests waiting for them look again
+
+    async def _read(self, request: SimRequest, digests: list[bytes]) -> None:
+        """Read blocks back from the CPU tier into the request's blocks, then hand the
+        request back to the scheduler."""
+        assert self.offload is not None
+        num_bytes = self._kv_bytes(len(digests))
+        seconds = num_bytes / self.config.kv_offload_bytes_per_s * self.config.time_scale
+        await asyncio.sleep(seconds)
+        self.offload.load_finished(digests)
+        self.metrics.kv_offload.copied(LOAD, num_bytes, seconds)
+        self.scheduler.finish_load(request)
+        self._wakeup.set()
+        self._update_gauges()
+
+    def _ended(self, request: SimRequest) -> None:
+        if self.offload is not None:
+            self.offload.request_finished(request)
 
     async def _transfer(
         self, request: SimRequest, source: RemotePrefill, client: PullClient, num_blocks: int
@@ -224,7 +305,7 @@ class SimEngine:
             with contextlib.suppress(KVLoadFailed):
                 await client.pull(source, 0)
             return
-        num_bytes = num_blocks * self.config.block_size * self.config.kv_bytes_per_token
+        num_bytes = self._kv_bytes(num_blocks)
         seconds = num_bytes / self.config.kv_transfer_bytes_per_s * self.config.time_scale
         try:
             await client.pull(source, num_blocks)
@@ -277,6 +358,8 @@ class SimEngine:
         self.scheduler.free_aborted_loads()
         self._stall_until = 0.0
         self.pool.forget_everything()
+        if self.offload is not None:
+            self.offload.forget_everything()
         self.lender.restart()
         self.kv_cache.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
@@ -313,7 +396,9 @@ class SimEngine:
         self.metrics.kv_transfer.expired_leases.inc()
 
     async def publish_events(self) -> None:
-        events = self.pool.take_events()
+        events: list[KVEvent] = [*self.pool.take_events()]
+        if self.offload is not None:  # after the device's, as vLLM adds its connector's
+            events += self.offload.tier.take_events()
         if self.publisher is not None:
             await self.publisher.publish(events)
 
@@ -321,19 +406,21 @@ class SimEngine:
         """Count the external tokens of the step's admissions as vLLM's scheduler does
         when it allocates: a KV load's, and 0 for a request scheduled for the first time
         without one. With a connector, vLLM counts external queries (every token its own
-        cache missed) and hits (the loaded ones)."""
+        cache missed) and hits (the loaded ones, by the tier they came from). A load
+        after a preemption is not counted, as vLLM counts preempted requests apart."""
         block_size = self.config.block_size
         admitted = [
             (request, num_blocks * block_size)
             for request, num_blocks in step.kv_loads.items()
-            if num_blocks
+            if num_blocks and not request.num_preemptions
         ]
         admitted += [
             (request, 0)
             for request in step.tokens
             if request.num_external_tokens is None and request.num_cached_tokens is not None
         ]
-        connector = self.config.kv_transfer_config.enabled
+        connector = self.config.kv_connector is not None
+        source = "p2p" if self.config.pd else "host"
         for request, external in admitted:
             request.num_external_tokens = external
             if not connector:
@@ -342,7 +429,7 @@ class SimEngine:
             metrics = self.metrics
             metrics.external_prefix_cache_queries.inc(request.num_prompt_tokens - local)
             metrics.external_prefix_cache_hits.inc(external)
-            metrics.prompt_tokens_cached_by_source["p2p"].inc(external)
+            metrics.prompt_tokens_cached_by_source[source].inc(external)
 
     def _record(self, progress: RequestProgress[SimRequest], now: float) -> None:
         request = progress.request
@@ -375,6 +462,11 @@ class SimEngine:
             stages = Counter(self.scheduler.kv_fetch_stages.values())
             for stage, gauge in metrics.kv_fetch_by_stage.items():
                 gauge.set(stages[stage])
+        if self.offload is not None:
+            tier, offload = self.offload.tier, metrics.kv_offload
+            offload.cpu_cache_write_usage.set(tier.num_writing / tier.num_blocks)
+            offload.cpu_cache_read_usage.set(tier.num_reading / tier.num_blocks)
+            offload.cpu_cache_usage.set((tier.num_writing + tier.num_reading) / tier.num_blocks)
         metrics.preemptions.inc(self.scheduler.num_preemptions - self._reported_preemptions)
         self._reported_queries = stats.queries
         self._reported_hits = stats.hits

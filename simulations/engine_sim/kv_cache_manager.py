@@ -62,12 +62,15 @@ class KVCacheManager:
                 block = self.pool.cached_block(digest)
                 if block is None:
                     break
-                if block.scope != request.scope:
-                    self.stats.cross_scope_hits += 1
                 hits.append(block)
+        return hits
+
+    def record_lookup(self, request: CacheRequest, hits: Sequence[KVBlock]) -> None:
+        """Count a lookup's hits (vLLM's PrefixCacheStats); not one of a request that a
+        connector had the scheduler pass over, which is looked up again later."""
+        self.stats.cross_scope_hits += sum(block.scope != request.scope for block in hits)
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * self.block_size
-        return hits
 
     def blocks_of(self, request: CacheRequest) -> list[KVBlock]:
         """The blocks the request holds, in order."""

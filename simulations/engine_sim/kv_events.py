@@ -7,6 +7,13 @@ Three forms, named after the vLLM release whose bytes they reproduce (see
 - `vllm-0.23`: events are positional arrays led by their tag, the same batches, replay
   replies without the topic frame;
 - `vllm-0.9`: arrays with only the fields of that time, batches `[ts, events]`.
+
+The CPU tier's events (offload.py) are vLLM's offloading connector's: hash-only stores
+(no tokens, no parent, block size 0) and removals on medium CPU. vLLM 0.32's
+`OffloadingEventsTracker` sends a store per block, and a removal per eviction, in group
+0, with hashes as the device's; 0.23's connector sent one store or removal for all the
+blocks, with the raw digests whatever `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` says
+(vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py: `take_events`).
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from simulations.engine_sim.block_pool import (
     BlocksStored,
     CacheEvent,
 )
+from simulations.engine_sim.offload import BlocksOffloaded, OffloadedBlocksRemoved, OffloadEvent
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 KV_CACHE_SPEC_KIND = "full_attention"
 
 
@@ -42,6 +51,7 @@ class WireFormat(StrEnum):
 
 
 WireHash = int | bytes
+KVEvent = CacheEvent | OffloadEvent
 
 
 # vLLM 0.24 and later: maps tagged with the class name; fields left at a None default
@@ -58,15 +68,15 @@ class BlockStored(_Tagged):
     lora_id: int | None
     medium: str
     lora_name: str | None
-    extra_keys: list[list[str] | None]
-    group_idx: int
-    kv_cache_spec_kind: str
+    extra_keys: list[list[str] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemovedEvent(_Tagged, tag="BlockRemoved"):
     block_hashes: list[WireHash]
     medium: str
-    group_idx: int
+    group_idx: int | None = None
 
 
 class AllBlocksClearedEvent(_Tagged, tag="AllBlocksCleared"):
@@ -117,7 +127,8 @@ def use_int_hashes() -> bool:
 
 
 class EventEncoder:
-    """Turns the block pool's events into one msgpack payload per batch."""
+    """Turns the block pool's and the CPU tier's events into one msgpack payload per
+    batch."""
 
     def __init__(
         self, wire_format: WireFormat, *, int_hashes: bool = True, data_parallel_rank: int = 0
@@ -127,10 +138,15 @@ class EventEncoder:
         self._rank = data_parallel_rank
         self._encoder = msgspec.msgpack.Encoder()
 
-    def encode_batch(self, ts: float, events: Sequence[CacheEvent], *, odd: bool = False) -> bytes:
+    def encode_batch(self, ts: float, events: Sequence[KVEvent], *, odd: bool = False) -> bytes:
         """The batch as the engine sends it; `odd`: with events no agent can use among
         them (a fault the chaos suite injects: see odd_events())."""
-        wire_events: list[Any] = [self._wire_event(event) for event in events]
+        wire_events: list[Any] = []
+        for event in events:
+            if isinstance(event, BlocksOffloaded | OffloadedBlocksRemoved):
+                wire_events += self._offload_events(event)
+            else:
+                wire_events.append(self._wire_event(event))
         if odd:
             wire_events = [*odd_events(events), *wire_events]
         batch: EventBatch | EarlyEventBatch
@@ -175,8 +191,36 @@ class EventEncoder:
             return AllBlocksClearedEvent()
         return LegacyAllBlocksCleared()
 
+    def _offload_events(self, event: OffloadEvent) -> list[msgspec.Struct]:
+        removed = isinstance(event, OffloadedBlocksRemoved)
+        if self.wire_format is WireFormat.VLLM_0_32:
+            hashes = [self._hash(digest) for digest in event.digests]
+            if removed:
+                return [BlockRemovedEvent(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=0)]
+            return [_hash_only(BlockStored, [block_hash], group_idx=0) for block_hash in hashes]
+        digests: list[WireHash] = list(event.digests)
+        if removed:
+            return [LegacyBlockRemoved(block_hashes=digests, medium=MEDIUM_CPU)]
+        return [_hash_only(LegacyBlockStored, digests)]
 
-def odd_events(events: Sequence[CacheEvent]) -> list[dict[str, Any]]:
+
+def _hash_only(
+    stored_type: type[BlockStored], hashes: list[WireHash], group_idx: int | None = None
+) -> BlockStored:
+    """A store of blocks on the CPU tier as vLLM's offloading connector sends it."""
+    return stored_type(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium=MEDIUM_CPU,
+        lora_name=None,
+        group_idx=group_idx,
+    )
+
+
+def odd_events(events: Sequence[KVEvent]) -> list[dict[str, Any]]:
     """Events a newer or stranger engine might send that an agent must skip, never
     credit: an unknown event type, a store on an unknown medium, a store of blocks
     another node holds (fresh hashes and tokens, so that crediting them would show as

@@ -4,11 +4,14 @@ Agents and routers scrape these exactly as they scrape vLLM: `model_name` and `e
 labels on every series, counters exposed with `_total`. Prompt tokens are split by
 source as vLLM 0.34 splits them (v1/metrics/loggers.py): computed here, hits on this
 engine's prefix cache, and tokens a KV connector brought in (counted apart from the
-local prefix cache). With a KV connector, the P/D transfer metrics too: vLLM's
-NixlConnector names (its `nixl/stats.py`) where vLLM has one, `kvplane_sim:` where it
-has none; and, on an engine that consumes KV, vLLM's gauge of requests by KV-fetch
-stage. vLLM labels no metric with its connector or role: those families are what tell a
-scraper (a producer has the NixlConnector families and no fetch gauge).
+local prefix cache). With a KV connector, its metrics too: for NixlConnector the P/D
+transfers, vLLM's names (its `nixl/stats.py`) where vLLM has one, `kvplane_sim:` where
+it has none; for OffloadingConnector the copies to and from the CPU tier and the tier's
+use, as vLLM 0.32 names them (kv_connector/v1/offloading/metrics.py, kv_offload/cpu/);
+and, on an engine that consumes KV (any role but `kv_producer`), vLLM's gauge of
+requests by KV-fetch stage. vLLM labels no metric with its connector or role: those
+families are what tell a scraper (a producer has the NixlConnector families and no
+fetch gauge).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ _TTFT_BUCKETS = (
 # vLLM's NixlConnector buckets: transfer seconds, and bytes (2 KiB to 8 GiB, x4 apart).
 _XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 _XFER_BYTES_BUCKETS = tuple(2 ** (10 + step) for step in range(1, 25, 2))
+# vLLM's offloading connector's buckets: bytes a copy moves.
+_OFFLOAD_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
 _LABELS = ("model_name", "engine")
 
 # vllm:prompt_tokens_by_source's sources (vLLM's PromptTokenStats.ALL_SOURCES).
@@ -48,6 +53,8 @@ KV_FETCH_COMPLETED_WAITING = "completed_waiting"
 KV_FETCH_STAGES = (KV_FETCH_WAITING_TO_START, KV_FETCH_IN_PROGRESS, KV_FETCH_COMPLETED_WAITING)
 # The kv_role values that make an engine consume KV (vLLM's KVConsumer).
 _CONSUMER_ROLES = ("kv_consumer", "kv_both")
+NIXL_CONNECTOR = "NixlConnector"
+OFFLOADING_CONNECTOR = "OffloadingConnector"
 
 
 class KVTransferMetrics:
@@ -85,17 +92,98 @@ class KVTransferMetrics:
         )
 
 
+# vLLM's transfer types (the label of its earlier offload metrics).
+LOAD, STORE = "CPU_to_GPU", "GPU_to_CPU"
+
+
+class KVOffloadMetrics:
+    """Copies between the device and the CPU tier, and how much of the tier they pin.
+    A copy is one request's read, or one request's writes offered in one step (vLLM's
+    transfer jobs)."""
+
+    def __init__(self, registry: CollectorRegistry | None, labels: dict[str, str]) -> None:
+        def family(kind: type[Any], name: str, doc: str, *extra: str, **more: Any) -> Any:
+            return kind(name, doc, [*_LABELS, *extra], registry=registry, **more)
+
+        # vLLM's earlier names, by transfer type, which it still exports for its CPU tier.
+        old = (
+            family(
+                Counter,
+                "vllm:kv_offload_total_bytes",
+                "Number of bytes offloaded by KV connector",
+                "transfer_type",
+            ),
+            family(
+                Counter,
+                "vllm:kv_offload_total_time",
+                "Total time measured by all KV offloading operations",
+                "transfer_type",
+            ),
+            family(
+                Histogram,
+                "vllm:kv_offload_size",
+                "Histogram of KV offload transfer size, in bytes.",
+                "transfer_type",
+                buckets=_OFFLOAD_SIZE_BUCKETS,
+            ),
+        )
+        # Each transfer type's (bytes, seconds, size histogram), under both names.
+        self._copies: dict[str, list[tuple[Any, ...]]] = {}
+        for transfer_type, op, done, way in (
+            (LOAD, "load", "loaded", "from offload storage to GPU"),
+            (STORE, "store", "stored", "from GPU to offload storage"),
+        ):
+            flat = (
+                family(Counter, f"vllm:kv_offload_{op}_bytes", f"Total bytes {done} {way}."),
+                family(
+                    Counter, f"vllm:kv_offload_{op}_time", f"Total {op} time {way}, in seconds."
+                ),
+                family(
+                    Histogram,
+                    f"vllm:kv_offload_{op}_size",
+                    f"Histogram of KV offload {op} operation size, in bytes.",
+                    buckets=_OFFLOAD_SIZE_BUCKETS,
+                ),
+            )
+            self._copies[transfer_type] = [
+                tuple(metric.labels(**labels) for metric in flat),
+                tuple(metric.labels(**labels, transfer_type=transfer_type) for metric in old),
+            ]
+        self.allocation_failures: Counter = family(
+            Counter,
+            "vllm:kv_offload_allocation_failure",
+            "Number of KV offload store allocation attempts that failed.",
+        ).labels(**labels)
+        # Blocks that copies pin (not the blocks held), over the tier's size.
+        self.cpu_cache_usage, self.cpu_cache_write_usage, self.cpu_cache_read_usage = (
+            family(Gauge, f"vllm:kv_offload_cpu_cache{part}_usage_perc", doc).labels(**labels)
+            for part, doc in (
+                ("", "Fraction of CPU KV-cache space currently pinned by active transfers."),
+                ("_write", "Fraction of CPU KV-cache space currently pinned by in-flight stores."),
+                ("_read", "Fraction of CPU KV-cache space currently pinned by in-flight loads."),
+            )
+        )
+
+    def copied(self, transfer_type: str, num_bytes: int, seconds: float) -> None:
+        """One completed copy: a load (`CPU_to_GPU`) or a store (`GPU_to_CPU`)."""
+        for total_bytes, total_seconds, sizes in self._copies[transfer_type]:
+            total_bytes.inc(num_bytes)
+            total_seconds.inc(seconds)
+            sizes.observe(num_bytes)
+
+
 class EngineMetrics:
     def __init__(
         self,
         model_name: str,
         cache_config: dict[str, str],
         engine_index: int = 0,
+        kv_connector: str | None = None,
         kv_role: str | None = None,
     ) -> None:
-        """`kv_role`: the configured KV connector's role; None without a connector (no
-        transfer metrics are exported then, as vLLM exports none)."""
-        self._arguments = (model_name, cache_config, engine_index, kv_role)
+        """`kv_connector` and its `kv_role`: None without a connector (no connector
+        metrics are exported then, as vLLM exports none)."""
+        self._arguments = (model_name, cache_config, engine_index, kv_connector, kv_role)
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)  # process_start_time_seconds, as vLLM
         labels = {"model_name": model_name, "engine": str(engine_index)}
@@ -176,8 +264,10 @@ class EngineMetrics:
             [*cache_config, "engine"],
             registry=self.registry,
         ).labels(**cache_config, engine=str(engine_index)).set(1)
-        transfer_registry = None if kv_role is None else self.registry
-        self.kv_transfer = KVTransferMetrics(transfer_registry, labels)
+        nixl = kv_connector == NIXL_CONNECTOR
+        self.kv_transfer = KVTransferMetrics(self.registry if nixl else None, labels)
+        offloading = kv_connector == OFFLOADING_CONNECTOR
+        self.kv_offload = KVOffloadMetrics(self.registry if offloading else None, labels)
         # Only on an engine that consumes KV, as vLLM (kv_transfer_config.is_kv_consumer).
         self.kv_fetch_by_stage: dict[str, Gauge] = {}
         if kv_role in _CONSUMER_ROLES:

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from simulations.engine_sim.block_pool import CacheEvent
 from simulations.engine_sim.config import KVEventsConfig
-from simulations.engine_sim.kv_events import EventEncoder
+from simulations.engine_sim.kv_events import EventEncoder, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class EventPublisher:
             _open(self._replay, self._config.replay_endpoint)
             self._replay_task = asyncio.create_task(self._serve_replay(self._replay))
 
-    async def publish(self, events: Sequence[CacheEvent]) -> None:
+    async def publish(self, events: Sequence[KVEvent]) -> None:
         if not events:
             return  # only non-empty batches are sent, as vLLM
         sequence = self._next_sequence

@@ -16,6 +16,11 @@ do not fit, it waits like any request; it then holds them, waiting for its KV
 it. When the load ends, the received blocks enter the prefix cache the next time the
 scheduler reaches the request, and it is scheduled for the rest of its prompt before
 anyone still waiting.
+
+A connector that holds KV of its own (a `KVLoader`: the CPU tier of offload.py) is asked,
+as vLLM asks its connector, how many blocks past a new request's local hit it can load;
+those load the same way. While it cannot tell yet, the request is passed over this step
+(vLLM's `skip_request`) and keeps its place.
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ class ScheduledRequest(CacheRequest, Protocol):
 
 
 R = TypeVar("R", bound=ScheduledRequest)
+R_contra = TypeVar("R_contra", contravariant=True)
+
+
+class KVLoader(Protocol[R_contra]):
+    """A connector's answers, in blocks (vLLM's `get_num_new_matched_tokens` and
+    `update_state_after_alloc`)."""
+
+    def blocks_to_load(self, request: R_contra, num_local_blocks: int) -> int | None:
+        """Blocks after the local hit the connector can load; None: ask again later."""
+        ...
+
+    def load_started(self, request: R_contra, num_local_blocks: int, num_blocks: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +112,12 @@ class Scheduler(Generic[R]):
         kv_cache: KVCacheManager,
         limits: SchedulerLimits,
         sample_token: Callable[[R], int],
+        loader: KVLoader[R] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.limits = limits
         self._sample_token = sample_token
+        self._loader = loader
         self.waiting: deque[R] = deque()
         self.running: list[R] = []
         self.num_preemptions = 0
@@ -203,6 +222,7 @@ class Scheduler(Generic[R]):
             budget -= count
             index += 1
 
+        passed_over: list[R] = []
         # vLLM admits nobody in a step that had to preempt: memory is short.
         while (
             not step.num_preempted
@@ -219,9 +239,13 @@ class Scheduler(Generic[R]):
             if not computed:
                 hits = self.kv_cache.cached_prefix(request)
                 computed = len(hits) * self.kv_cache.block_size
-                remote_blocks = self._remote_blocks.get(request)
-                if remote_blocks is not None and remote_blocks > len(hits):
-                    if not self._start_load(request, hits, remote_blocks - len(hits), step):
+                to_load = self._blocks_to_load(request, len(hits))
+                if to_load is None:
+                    passed_over.append(queue.popleft())
+                    continue
+                self.kv_cache.record_lookup(request, hits)
+                if to_load:
+                    if not self._start_load(request, hits, to_load, step):
                         break
                     queue.popleft()
                     continue
@@ -240,6 +264,7 @@ class Scheduler(Generic[R]):
             step.tokens[request] = count
             budget -= count
 
+        self.waiting.extendleft(reversed(passed_over))
         step.work = self._work(step)
         return step
 
@@ -261,6 +286,12 @@ class Scheduler(Generic[R]):
                 request.status = RequestStatus.FINISHED
             progress.append(RequestProgress(request, token_id, finished))
         return progress
+
+    def _blocks_to_load(self, request: R, num_hits: int) -> int | None:
+        remote_blocks = self._remote_blocks.get(request)
+        if remote_blocks is not None:
+            return max(remote_blocks - num_hits, 0)
+        return 0 if self._loader is None else self._loader.blocks_to_load(request, num_hits)
 
     def _start_load(
         self, request: R, hits: Sequence[KVBlock], num_blocks: int, step: ScheduledStep[R]
@@ -287,10 +318,12 @@ class Scheduler(Generic[R]):
         ):
             self.kv_fetch_stages[request] = KV_FETCH_WAITING_TO_START
             return False
-        del self._remote_blocks[request]
+        if self._remote_blocks.pop(request, None) is None and self._loader is not None:
+            self._loader.load_started(request, len(hits), num_blocks)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = len(hits) * block_size + num_tokens
-        request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if request.num_cached_tokens is None:  # not after a preemption, as vLLM counts
+            request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         self.kv_fetch_stages[request] = KV_FETCH_IN_PROGRESS
         self.loading.append(request)
         step.kv_loads[request] = num_blocks
@@ -302,6 +335,8 @@ class Scheduler(Generic[R]):
         wait to be scheduled."""
         if request.num_computed_tokens:
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            # A load of the whole prompt leaves its last token to compute (its logits).
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         else:
             self.kv_cache.free(request)
             request.num_cached_tokens = None  # counted again when scheduled

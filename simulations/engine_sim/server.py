@@ -10,8 +10,9 @@
   only with `--enable-scale-out`; without it these and vLLM's other scale-out paths
   answer 403.
 - `GET /sim/blocks`: the engine's true block set, each block tagged with its cache scope
-  (`?prefixes=1`: and every token up to its end), and hits on another scope's blocks,
-  for tests that compare the router's index with the engines.
+  and tier (`?prefixes=1`: and every token up to its end): the device's in `blocks`, the
+  CPU tier's (with offloading) in `host_blocks`; and hits on another scope's blocks, for
+  tests that compare the router's index with the engines.
 - `POST /sim/faults`: inject faults at run time (stall, drop event batches, restart, die,
   slow metrics, P/D faults).
 - `POST /sim/kv/pull` (with a KV connector): a decode engine takes over a finished prefill
@@ -42,6 +43,7 @@ from starlette.routing import Route
 from kvplane.core.tokenizer import PromptTokenizer
 from simulations.engine_sim import protocol
 from simulations.engine_sim.block_hash import wire_hash
+from simulations.engine_sim.block_pool import KVBlock
 from simulations.engine_sim.config import EngineSimConfig
 from simulations.engine_sim.engine import EngineStopped, SimEngine
 from simulations.engine_sim.kv_transfer import (
@@ -56,6 +58,7 @@ from simulations.engine_sim.kv_transfer import (
     remote_prefill,
     remote_prefill_cached_tokens,
 )
+from simulations.engine_sim.offload import CPUBlock
 from simulations.engine_sim.protocol import ChatCompletionRequest, CompletionRequest
 from simulations.engine_sim.request import SimRequest
 from simulations.engine_sim.scheduler import RequestProgress, RequestTooLarge
@@ -342,25 +345,29 @@ def create_engine_app(
 
     async def blocks(request: Request) -> Response:
         with_prefixes = request.query_params.get("prefixes") == "1"
-        cached = []
-        for block in engine.pool.cached_blocks():
-            if block.digest is None:
-                continue
-            entry: dict[str, Any] = {
-                "hash": wire_hash(block.digest),
-                "scope": block.scope,
-                "ref_cnt": block.ref_cnt,
-            }
+
+        def entry(block: KVBlock | CPUBlock, digest: bytes, **fields: Any) -> dict[str, Any]:
+            listed = {"hash": wire_hash(digest), "scope": block.scope, **fields}
             if with_prefixes and block.lineage is not None:
-                entry["prefix_token_ids"] = block.lineage.prefix_token_ids()
-            cached.append(entry)
+                listed["prefix_token_ids"] = block.lineage.prefix_token_ids()
+            return listed
+
+        cached = [
+            entry(block, block.digest, ref_cnt=block.ref_cnt, tier="device")
+            for block in engine.pool.cached_blocks()
+            if block.digest is not None
+        ]
+        tier = None if engine.offload is None else engine.offload.tier
+        host = [] if tier is None else tier.stored_blocks()
         return _json_response(
             {
                 "block_size": config.block_size,
                 "num_blocks": config.num_blocks,
                 "num_free_blocks": engine.pool.num_free_blocks,
+                "num_host_blocks": 0 if tier is None else tier.num_blocks,
                 "cross_scope_hits": engine.kv_cache.stats.cross_scope_hits,
                 "blocks": cached,
+                "host_blocks": [entry(block, block.digest, tier="host") for block in host],
             }
         )
 
@@ -386,7 +393,7 @@ def create_engine_app(
         except ValidationError as error:
             return _error(protocol.validation_message(error))
         if fault.touches_pd and pull_client is None:
-            return _error("P/D is off: no --kv-transfer-config connector", 409, "Conflict")
+            return _error("P/D is off: no NixlConnector in --kv-transfer-config", 409, "Conflict")
         if fault.die:
             die()
         if fault.stall_s is not None:

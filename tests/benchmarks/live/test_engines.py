@@ -4,6 +4,7 @@ report tells that a router dropped the tenants' salts)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,3 +70,32 @@ def test_salted_and_unsalted_blocks_are_told_apart(fleet: RunningEngines) -> Non
     unsalted = fleet.unsalted_blocks()
     assert len(unsalted) == fleet.cache_scopes()[UNSALTED_SCOPE]
     assert {engine for engine, _ in unsalted} == {"engine-1"}
+
+
+def test_the_fleets_blocks_count_a_copy_once_on_either_tier(tmp_path: Path) -> None:
+    children = Children(tmp_path)
+    try:
+        fleet = start_engines(children, EngineShape(engines=2, kv_blocks=64, cpu_offload_blocks=64))
+        prompt = words("copied", 200)
+        for url in fleet.urls:  # the same prompt on both engines: a copy
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 2,
+            }
+            httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
+        # Writes to the CPU tier complete after the step that computed the blocks.
+        deadline = time.monotonic() + 10
+        blocks = fleet.fleet_blocks()
+        while blocks.host_held < blocks.held and time.monotonic() < deadline:
+            time.sleep(0.05)
+            blocks = fleet.fleet_blocks()
+        assert blocks.distinct > 0
+        assert blocks.held == 2 * blocks.distinct
+        # Offloaded as computed (vLLM's CPU offloading), so both tiers hold the prompt,
+        # and a block on the device and in host memory is one distinct block.
+        assert blocks.host_held == blocks.held
+        assert blocks.host_distinct == blocks.distinct
+        assert blocks.distinct_any_tier == blocks.distinct
+    finally:
+        children.stop_all()

@@ -94,6 +94,7 @@ def test_a_cache_hit_takes_a_reference_and_leaves_the_free_queue() -> None:
     manager.free(first)
     again = request("b", list(range(9)))
     hits = manager.cached_prefix(again)
+    manager.record_lookup(again, hits)
     assert [block.digest for block in hits] == first.block_digests
     assert manager.allocate_slots(again, 1, hits)
     assert all(block.ref_cnt == 1 for block in hits)
@@ -180,9 +181,11 @@ def test_hits_on_a_block_of_another_scope_are_counted() -> None:
     assert manager.allocate_slots(owner, 9)
     manager.free(owner)
     same_scope = request("b", list(range(9)), salt="tenant-a")
-    assert len(manager.cached_prefix(same_scope)) == 2
+    hits = manager.cached_prefix(same_scope)
+    manager.record_lookup(same_scope, hits)
+    assert len(hits) == 2
     assert manager.stats.cross_scope_hits == 0
     for block in pool.cached_blocks():
         block.scope = "/tenant-b"  # as if another tenant's request had filled them
-    manager.cached_prefix(same_scope)
+    manager.record_lookup(same_scope, manager.cached_prefix(same_scope))
     assert manager.stats.cross_scope_hits == 2

@@ -242,7 +242,7 @@ def run_cell(
             part: round(seconds, 3)
             for part, seconds in deployment.by_part(result.cpu_s_by_process).items()
         }
-        _figures(result, outcomes, fleet, totals_before)
+        _figures(result, outcomes, fleet, totals_before, tiered=shape.cpu_offload_blocks > 0)
         blocks = fleet.fleet_blocks()
         result.held_blocks, result.distinct_blocks = blocks.held, blocks.distinct
         result.host_held_blocks, result.host_distinct_blocks = (
@@ -319,6 +319,8 @@ def _figures(
     outcomes: list[Outcome],
     fleet: RunningEngines,
     before: dict[str, EngineTotals],
+    *,
+    tiered: bool,
 ) -> None:
     result.requests = len(outcomes)
     result.failed = sum(not outcome.ok for outcome in outcomes)
@@ -334,7 +336,9 @@ def _figures(
         name: total.since(before.get(name, EngineTotals()))
         for name, total in fleet.totals().items()
     }
-    result.engine_hit_rate = hit_rate(list(totals.values()))
+    # With a CPU tier, a prefix read back from host memory is a hit too (the connector's
+    # counters); a decode engine's pulls are not (in P/D, a hit is the engine's own).
+    result.engine_hit_rate = hit_rate(list(totals.values()), external=tiered)
     result.engine_requests = {name: total.requests for name, total in totals.items()}
     counts = list(result.engine_requests.values())
     mean = statistics.fmean(counts) if counts else 0.0

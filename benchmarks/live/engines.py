@@ -125,6 +125,9 @@ class EngineTotals:
     hit_tokens: float = 0.0
     requests: float = 0.0
     preemptions: float = 0.0
+    # Hits a KV connector loaded past the device's (`vllm:external_prefix_cache_hits`):
+    # a CPU tier's, or the tokens a decode engine pulled.
+    external_hit_tokens: float = 0.0
     # Prompt tokens by where they came from (`vllm:prompt_tokens_by_source`): the source
     # names vLLM's (local_compute, local_cache_hit, external_kv_transfer). Empty where
     # the engine does not export them.
@@ -135,6 +138,7 @@ class EngineTotals:
         self.hit_tokens += other.hit_tokens
         self.requests += other.requests
         self.preemptions += other.preemptions
+        self.external_hit_tokens += other.external_hit_tokens
         for source, tokens in other.prompt_tokens_by_source.items():
             self.prompt_tokens_by_source[source] = (
                 self.prompt_tokens_by_source.get(source, 0.0) + tokens
@@ -147,6 +151,7 @@ class EngineTotals:
             self.hit_tokens - before.hit_tokens,
             self.requests - before.requests,
             self.preemptions - before.preemptions,
+            self.external_hit_tokens - before.external_hit_tokens,
             {
                 source: tokens - before.prompt_tokens_by_source.get(source, 0.0)
                 for source, tokens in self.prompt_tokens_by_source.items()
@@ -314,10 +319,16 @@ def parse_totals(text: str) -> EngineTotals:
         hit_tokens=values.get("vllm:prefix_cache_hits_total", 0.0),
         requests=values.get("vllm:e2e_request_latency_seconds_count", 0.0),
         preemptions=values.get("vllm:num_preemptions_total", 0.0),
+        external_hit_tokens=values.get("vllm:external_prefix_cache_hits_total", 0.0),
         prompt_tokens_by_source=by_source,
     )
 
 
-def hit_rate(totals: Sequence[EngineTotals]) -> float:
+def hit_rate(totals: Sequence[EngineTotals], *, external: bool = False) -> float:
+    """Hit over queried tokens of the engines' prefix caches; with `external`, the hits
+    a KV connector loaded count too (a CPU tier's: hits on either tier)."""
     queried = sum(total.queried_tokens for total in totals)
-    return sum(total.hit_tokens for total in totals) / queried if queried else 0.0
+    hits = sum(
+        total.hit_tokens + (total.external_hit_tokens if external else 0.0) for total in totals
+    )
+    return hits / queried if queried else 0.0

@@ -16,6 +16,8 @@ from benchmarks.live.engines import (
     UNSALTED_SCOPE,
     EngineShape,
     RunningEngines,
+    hit_rate,
+    parse_totals,
     start_engines,
 )
 from benchmarks.live.processes import Children
@@ -99,3 +101,16 @@ def test_the_fleets_blocks_count_a_copy_once_on_either_tier(tmp_path: Path) -> N
         assert blocks.distinct_any_tier == blocks.distinct
     finally:
         children.stop_all()
+
+
+def test_hits_on_a_cpu_tier_count_only_where_asked() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total 1000\n"
+        "# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total 300\n"
+        "# TYPE vllm:external_prefix_cache_hits counter\n"
+        "vllm:external_prefix_cache_hits_total 200\n"
+    )
+    totals = parse_totals(text)
+    assert totals.external_hit_tokens == 200
+    assert hit_rate([totals]) == 0.3  # the device's own cache (and P/D's)
+    assert hit_rate([totals], external=True) == 0.5  # either tier

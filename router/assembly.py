@@ -38,7 +38,7 @@ from router.proxy.upstream import Upstream
 from router.routes import HotPaths
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import RoutingPlanner
-from router.routing.evictions import RecentEvictions
+from router.routing.evictions import RecentEvictions, RecentRemovals
 from router.routing.funnel import CacheFunnel
 from router.routing.hot_prefixes import HotPrefixes
 from router.routing.pool import WorkerPool
@@ -111,6 +111,7 @@ def assemble_router(
         on_suspect=lambda worker_id: metrics.worker_suspicions.labels(worker=worker_id).inc(),
     )
     evictions = RecentEvictions(settings.scoring.eviction_horizon_s)
+    removals = RecentRemovals(settings.scoring.recent_removals_keys)
     pool = WorkerPool(
         index,
         view,
@@ -148,6 +149,7 @@ def assemble_router(
             accuracy=accuracy,
             agreement=agreement,
             funnel=funnel,
+            removals=removals,
             hot_prefixes=hot_prefixes,
             metrics=metrics,
         ),
@@ -189,7 +191,7 @@ def assemble_router(
         view,
         metrics,
         cp,
-        on_removed=_removals_heard(predicted, accuracy, evictions, clock),
+        on_removed=_removals_heard(predicted, accuracy, evictions, removals, clock),
         clock=clock,
         wall_clock=wall_clock,
     )
@@ -321,6 +323,7 @@ def _funnel_samples(funnel: CacheFunnel) -> list[FunnelSample]:
             {stage.value: tokens for stage, tokens in totals.stages.items()},
             {loss.value: tokens for loss, tokens in totals.losses.items()},
             totals.reported_prompt_tokens,
+            totals.copied_tokens,
         )
         for (model, tenant), totals in sorted(funnel.totals().items())
     ]
@@ -330,9 +333,12 @@ def _removals_heard(
     predicted: PredictedPrefixes,
     accuracy: PredictionAccuracy,
     evictions: RecentEvictions,
+    removals: RecentRemovals,
     clock: Clock,
 ) -> Callable[[str, BlocksRemoved | None], None]:
     def on_removed(worker_id: str, removal: BlocksRemoved | None) -> None:
+        # A cleared cache (or a new incarnation) leaves `removals` as they are: it names
+        # no keys, and the removals marked before it did happen.
         if removal is None:
             predicted.forget_worker(worker_id)
             accuracy.forget(worker_id)
@@ -340,6 +346,8 @@ def _removals_heard(
             return
         predicted.removed(worker_id, removal.keys)
         if removal.tier is Tier.DEVICE:
-            evictions.record(worker_id, len(removal.keys), clock())
+            now = clock()
+            evictions.record(worker_id, len(removal.keys), now)
+            removals.record(removal.keys, now)
 
     return on_removed

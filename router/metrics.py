@@ -519,6 +519,7 @@ class FunnelSample(NamedTuple):
     stages: Mapping[str, int]
     losses: Mapping[str, int]
     reported_prompt_tokens: int
+    copied_tokens: int
 
 
 class FunnelCollector(Collector):
@@ -538,8 +539,15 @@ class FunnelCollector(Collector):
         )
         lost = CounterMetricFamily(
             "kvplane_funnel_lost_tokens",
-            "Tokens a funnel stage lost against the one before it, by reason",
+            "Tokens a funnel stage lost against the one before it, by reason "
+            "(evicted_from_fleet: of the prompt's, ones the fleet held and evicted lately)",
             labels=["model", "tenant", "reason"],
+        )
+        copied = CounterMetricFamily(
+            "kvplane_funnel_copied_tokens",
+            "Duplication: prompt tokens prefilled on a worker while another held them "
+            "(routed_for_load plus holder_unavailable), which the fleet then holds twice",
+            labels=["model", "tenant"],
         )
         reported = CounterMetricFamily(
             "kvplane_funnel_reported_prompt_tokens",
@@ -554,4 +562,5 @@ class FunnelCollector(Collector):
             for reason, count in sample.losses.items():
                 lost.add_metric([*labels, reason], count)
             reported.add_metric(labels, sample.reported_prompt_tokens)
-        yield from (tokens, lost, reported)
+            copied.add_metric(labels, sample.copied_tokens)
+        yield from (tokens, lost, reported, copied)

@@ -136,6 +136,11 @@ class ScoringSettings(_Section):
     # Memory pressure: past this KV usage, a request's new blocks evict cached ones.
     memory_pressure_start: float = Field(default=0.9, ge=0, lt=1)
     memory_pressure_weight: float = Field(default=1.0, ge=0)  # per new token, at full pressure
+    # Of those new tokens, the ones another eligible worker already holds make a copy:
+    # the fleet then keeps that prefix twice, in room another prefix needed. They cost
+    # this instead (per token, at full pressure), so that a copy is made where load
+    # outweighs it, and the breakdown says when avoiding one decided.
+    copy_pressure_weight: float = Field(default=1.0, ge=0)
     # Spill: past a gate (its requests waiting and running over the eligible workers'
     # mean by spill_margin_requests and by spill_load_ratio times), each of a worker's
     # requests over that mean costs spill_request_tokens more (margin 0: off). The queue
@@ -154,6 +159,10 @@ class ScoringSettings(_Section):
     # reads as empty: a worker that evicted its whole cache within about this many
     # seconds is under full pressure too (0: off).
     eviction_horizon_s: float = Field(default=10.0, ge=0)
+    # The latest device-tier removals remembered, in keys (about 80 bytes each: 500,000
+    # take at most 40 MB): the prompt tokens the fleet had held and evicted, for the
+    # cache-loss funnel (0: none remembered, so none told apart).
+    recent_removals_keys: int = Field(default=500_000, ge=0)
     # Tenant risk, for the `private` isolation class.
     co_residence_tokens: float = Field(default=2048.0, ge=0)  # per other tenant's request
     missing_label_tokens: float = Field(default=8192.0, ge=0)  # per required label missing

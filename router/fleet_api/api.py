@@ -78,7 +78,7 @@ from router.probe import WiringProbe
 from router.routes import RawBodyRoute
 from router.routing.accuracy import PredictionAccuracy
 from router.routing.decide import Decision, RoutingPlanner
-from router.routing.funnel import CacheFunnel, FunnelTotals, Stage
+from router.routing.funnel import CacheFunnel, FunnelTotals, Loss, Stage
 from router.routing.hot_prefixes import HotPrefixes
 from router.routing.pool import WorkerPool
 from router.routing.sight import WiringSight
@@ -441,6 +441,7 @@ class FleetApi:
                     reported_prompt_tokens=totals.reported_prompt_tokens,
                     hit_rate=_ratio(achieved, totals.reported_prompt_tokens),
                     lost_tokens={loss.value: tokens for loss, tokens in totals.losses.items()},
+                    copied_tokens=totals.copied_tokens,
                 )
             )
         return Funnel(rows=rows)
@@ -642,6 +643,8 @@ def _worker_cache(totals: FunnelTotals | None) -> WorkerCache:
         achieved_tokens=achieved,
         hit_rate=_ratio(achieved, totals.reported_prompt_tokens),
         agreement=_ratio(achieved, totals.reported_predicted_tokens),
+        evicted_from_fleet_tokens=totals.losses[Loss.EVICTED_FROM_FLEET],
+        copied_tokens=totals.copied_tokens,
     )
 
 
@@ -670,6 +673,8 @@ def _describe(decision: Decision, model: str, tenant: Tenant, *, detailed: bool)
             row["saved_tokens"] = breakdown.saved_tokens
             row["queue_penalty"] = breakdown.queue_penalty
             row["memory_penalty"] = breakdown.memory_penalty
+            row["copy_penalty"] = breakdown.copy_penalty
+            row["copied_tokens"] = breakdown.copied_tokens
             row["tenant_penalty"] = breakdown.tenant_penalty
             row["spilled"] = breakdown.spilled
         rows.append(row)

@@ -82,6 +82,9 @@ class LocalityRow(TypedDict):
     saved_tokens: NotRequired[float]
     queue_penalty: NotRequired[float]
     memory_penalty: NotRequired[float]
+    # Of its new tokens, those another eligible worker holds (a copy), and their cost.
+    copy_penalty: NotRequired[float]
+    copied_tokens: NotRequired[int]
     tenant_penalty: NotRequired[float]
     spilled: NotRequired[bool]  # far busier than its peers: its queue penalty has the spill
 
@@ -185,6 +188,14 @@ class WorkerCache(BaseModel):
     agreement: float | None = Field(
         description="achieved / predicted: below 1, the engine held less than the router "
         "believed (see prediction_verdicts in the metrics); null while nothing was predicted"
+    )
+    evicted_from_fleet_tokens: int = Field(
+        description="of these requests' prompt tokens, ones the fleet had held and evicted "
+        "lately (on any worker)"
+    )
+    copied_tokens: int = Field(
+        description="duplication: prompt tokens prefilled here while another worker held "
+        "them (it was passed over for its load, or ineligible)"
     )
 
 
@@ -291,9 +302,14 @@ class FunnelRow(BaseModel):
         "engines did not prefill; null before any report"
     )
     lost_tokens: dict[str, int] = Field(
-        description="per reason: routed_for_load, holder_unavailable (attainable, not "
-        "predicted); tier_restore, evicted_before_arrival, prediction_wrong, unreported "
-        "(predicted, not achieved)"
+        description="per reason: evicted_from_fleet (prompt, not attainable: the fleet had "
+        "held them and evicted them lately); routed_for_load, holder_unavailable "
+        "(attainable, not predicted); tier_restore, evicted_before_arrival, "
+        "prediction_wrong, unreported (predicted, not achieved)"
+    )
+    copied_tokens: int = Field(
+        description="duplication: tokens prefilled on a worker while another held them "
+        "(routed_for_load + holder_unavailable), which the fleet then holds twice"
     )
 
 

@@ -18,7 +18,8 @@ from router.lifecycle.bodies import Usage
 from router.lifecycle.legs import Leg
 from router.metrics import RouterMetrics
 from router.routing.accuracy import PredictionAccuracy, Verdict
-from router.routing.decide import Decision
+from router.routing.decide import Decision, servable_blocks
+from router.routing.evictions import RecentRemovals
 from router.routing.funnel import CacheFunnel, funnel_step
 from router.routing.hot_prefixes import HotPrefixes
 from router.routing.pool import WorkerPool
@@ -53,6 +54,7 @@ class AnswerAccounting:
         accuracy: PredictionAccuracy,
         agreement: TokenCountAgreement,
         funnel: CacheFunnel,
+        removals: RecentRemovals,
         hot_prefixes: HotPrefixes,
         metrics: RouterMetrics,
     ) -> None:
@@ -60,6 +62,7 @@ class AnswerAccounting:
         self.accuracy = accuracy
         self.agreement = agreement
         self.funnel = funnel
+        self.removals = removals
         self.hot_prefixes = hot_prefixes
         self.metrics = metrics
         # Worker incarnations seen sending prompt_tokens_details: from them, usage
@@ -137,20 +140,34 @@ class AnswerAccounting:
 
     def _through_funnel(self, sent: SentTo, prompt_tokens: int, reported: int | None) -> None:
         """Add the request to the funnel's totals (the metrics read them at scrape time)
-        and its longest match to the hot prefixes."""
+        and its longest match to the hot prefixes.
+
+        Lost to eviction: the servable blocks right after the attainable prefix that
+        the fleet removed lately, before the request went out (not the request's own,
+        should its engine evict them meanwhile), up to the first it did not. Only the
+        keys the decision holds are read: of a prompt routed on its start, the start's."""
         decision, worker = sent.decision, sent.worker_id
         longest = decision.longest_match()
         if longest is not None:
             self.hot_prefixes.matched(sent.tenant, longest.key, longest.tokens)
+        attainable = 0 if longest is None else longest.tokens
+        block_size = decision.block_size
+        evicted_blocks = self.removals.removed_run(
+            decision.keys,
+            attainable // block_size,
+            min(len(decision.keys), servable_blocks(prompt_tokens, block_size)),
+            before=sent.dispatched_at,
+        )
         evicted_at = self.pool.evictions.recorded(worker)[1]
         step = funnel_step(
             prompt_tokens=prompt_tokens,
-            attainable_tokens=0 if longest is None else longest.tokens,
+            attainable_tokens=attainable,
             predicted_tokens=sent.predicted_tokens,
             predicted_off_device_tokens=decision.off_device_tokens(worker),
             holder_eligible=longest is None or longest.holder_eligible,
             achieved_tokens=reported,
             evicted_meanwhile=evicted_at > sent.dispatched_at,
+            evicted_from_fleet_tokens=evicted_blocks * block_size,
         )
         self.funnel.add(sent.model, sent.tenant, worker, step)
 

@@ -397,7 +397,7 @@ def _routed_line(decision: Decision, worker_id: str, last_key: BlockKey | None) 
     candidates = "; ".join(
         f"{b.worker_id} cached={b.cached_tokens} saved={b.saved_tokens:.0f} "
         f"queue={b.queue_penalty:.0f} memory={b.memory_penalty:.0f} "
-        f"tenant={b.tenant_penalty:.0f}"
+        f"copy={b.copy_penalty:.0f} tenant={b.tenant_penalty:.0f}"
         for b in decision.ranked[:_LOGGED_CANDIDATES]
     )
     longest = int(decision.held.max(initial=0))

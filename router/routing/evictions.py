@@ -16,14 +16,20 @@ Removals are counted in router blocks (`control_plane.block_size` tokens), while
 agent registers its engine's capacity in the engine's own blocks, which may be smaller
 (SGLang's pages are often one token): `capacity_in_router_blocks` puts the two in one
 unit.
+
+`RecentRemovals` keeps the removed keys themselves, a bounded number of the latest: the
+cache-loss funnel tells by them how much of a prompt the fleet had held and evicted.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
+
+from kvplane.core.keys import BlockKey
 
 Column = npt.NDArray[np.float64]
 
@@ -91,3 +97,48 @@ class RecentEvictions:
     def _decayed(self, worker_id: str, now: float) -> float:
         blocks, as_of = self._evicted.get(worker_id, (0.0, now))
         return blocks * math.exp(-max(0.0, now - as_of) / self.horizon_s)
+
+
+class RecentRemovals:
+    """The keys of the latest device-tier removals in the fleet, at most `capacity` of
+    them (under 2: none), each with when it was last removed.
+
+    Two generations of at most `capacity // 2` keys each: a removal goes into the newer,
+    a full newer one becomes the older and the older one is forgotten whole. So the
+    oldest are forgotten first, and a key removed again moves to the newer (refreshed)
+    while the older keeps its earlier time until it goes. A batch's keys share one time,
+    so that a key costs its dict entry and its int (about 80 bytes a key with both
+    generations full, measured) and a batch one dict update in C."""
+
+    def __init__(self, capacity: int) -> None:
+        self._generation = capacity // 2
+        self._newer: dict[BlockKey, float] = {}
+        self._older: dict[BlockKey, float] = {}
+
+    def record(self, keys: Sequence[BlockKey], now: float) -> None:
+        """Some worker removed `keys` from its device tier at `now`."""
+        if not self._generation:
+            return
+        start = 0
+        while start < len(keys):  # a batch larger than the room left spans generations
+            room = self._generation - len(self._newer)
+            self._newer.update(dict.fromkeys(keys[start : start + room], now))
+            start += room
+            if len(self._newer) >= self._generation:
+                self._older, self._newer = self._newer, {}
+
+    def removed_run(self, keys: Sequence[BlockKey], start: int, stop: int, before: float) -> int:
+        """How many of `keys[start:stop]`, from the first, were removed at or before
+        `before`: it stops at the first key that was not. A key removed before and again
+        after `before` within one generation keeps only its later time, and is missed."""
+        newer, older = self._newer, self._older
+        run = 0
+        for position in range(start, stop):
+            key = keys[position]
+            earlier = older.get(key)
+            if earlier is None or earlier > before:
+                earlier = newer.get(key)
+                if earlier is None or earlier > before:
+                    break
+            run += 1
+        return run

@@ -2,6 +2,10 @@
 (attainable), how many on the worker it went to (predicted), how many that engine
 reported cached (achieved), and why each stage lost what it lost.
 
+Two losses name what an operator can act on: tokens the fleet had held and evicted
+(its caches are too small for its working set), and tokens copied, prefilled on a
+worker while another held them (load spread a prefix over several engines).
+
 A request's step through the funnel is a pure function of what the router decided and
 what the engine answered (`funnel_step`); `CacheFunnel` adds the steps up per model and
 tenant, and per worker, for the metrics, the fleet API and its page. Tokens, never text.
@@ -26,9 +30,12 @@ class Stage(enum.StrEnum):
 class Loss(enum.StrEnum):
     """Why a stage holds fewer tokens than the one before it."""
 
+    # prompt, not attainable: the blocks right after the attainable prefix were removed
+    # from a worker's device tier lately (the rest of the gap: never held, or long ago)
+    EVICTED_FROM_FLEET = "evicted_from_fleet"
     # attainable, not predicted: a worker holding more was passed over ...
     ROUTED_FOR_LOAD = "routed_for_load"  # ... for its load or other penalties
-    HOLDER_UNAVAILABLE = "holder_unavailable"  # ... being ineligible (draining, unreachable)
+    HOLDER_UNAVAILABLE = "holder_unavailable"  # ... being ineligible (max_model_len, pool)
     # predicted, not achieved:
     TIER_RESTORE = "tier_restore"  # held on a slower tier, not restored as cached
     EVICTED_BEFORE_ARRIVAL = "evicted_before_arrival"  # the engine evicted blocks meanwhile
@@ -53,18 +60,23 @@ def funnel_step(
     holder_eligible: bool,
     achieved_tokens: int | None,
     evicted_meanwhile: bool,
+    evicted_from_fleet_tokens: int,
 ) -> FunnelStep:
     """`attainable_tokens`: the most any candidate held; `holder_eligible`: whether a
     worker holding that much was eligible; `predicted_off_device_tokens`: the part of
     the prediction on host, disk or remote tiers; `achieved_tokens`: the engine's
     report (None: it sent none); `evicted_meanwhile`: the worker evicted blocks between
-    the request's dispatch and its answer."""
+    the request's dispatch and its answer; `evicted_from_fleet_tokens`: of the tokens
+    past `attainable_tokens`, the ones right after it that the fleet removed from its
+    device tiers lately (the caller's count, at most prompt less attainable)."""
     stages = {
         Stage.PROMPT: prompt_tokens,
         Stage.ATTAINABLE: attainable_tokens,
         Stage.PREDICTED: predicted_tokens,
     }
     losses: dict[Loss, int] = {}
+    if evicted_from_fleet_tokens > 0:
+        losses[Loss.EVICTED_FROM_FLEET] = evicted_from_fleet_tokens
     passed_over = attainable_tokens - predicted_tokens
     if passed_over > 0:
         losses[Loss.ROUTED_FOR_LOAD if holder_eligible else Loss.HOLDER_UNAVAILABLE] = passed_over
@@ -103,6 +115,12 @@ class FunnelTotals:
             self.reported_requests += 1
             self.reported_prompt_tokens += step.stages[Stage.PROMPT]
             self.reported_predicted_tokens += step.stages[Stage.PREDICTED]
+
+    @property
+    def copied_tokens(self) -> int:
+        """Duplication: tokens prefilled on a worker while another held them (passed over
+        for its load, or ineligible), which the fleet then holds twice."""
+        return self.losses[Loss.ROUTED_FOR_LOAD] + self.losses[Loss.HOLDER_UNAVAILABLE]
 
 
 class CacheFunnel:

@@ -3,9 +3,10 @@
 Every term is in the same unit, prefill tokens: what sending the request to a worker
 saves (its cached prefix, each tier's hit worth what restoring it saves over
 recomputing it) minus what it costs there (the queue ahead of it, the evictions its new
-blocks would cause on a nearly full or turning-over cache, the tenant risk of its
-company). The highest score wins; ties are broken at random, never by list order.
-Every score can be broken down into its terms, so that the decision can be explained.
+blocks would cause on a nearly full or turning-over cache, the copy it would make of a
+prefix another worker holds, the tenant risk of its company). The highest score wins;
+ties are broken at random, never by list order. Every score can be broken down into its
+terms, so that the decision can be explained.
 
 The facts and the scores are columns, one row per candidate worker: a fleet of a
 thousand workers is scored in a few numpy operations, not a thousand Python calls, and
@@ -95,10 +96,18 @@ class ScoreBreakdown(NamedTuple):
     memory_penalty: float
     tenant_penalty: float
     spilled: bool = False  # far busier than the fleet: its queue penalty has the spill
+    copy_penalty: float = 0.0
+    copied_tokens: int = 0  # of its new tokens, those another eligible worker holds
 
     @property
     def score(self) -> float:
-        return self.saved_tokens - self.queue_penalty - self.memory_penalty - self.tenant_penalty
+        return (
+            self.saved_tokens
+            - self.queue_penalty
+            - self.memory_penalty
+            - self.copy_penalty
+            - self.tenant_penalty
+        )
 
 
 class Scores(NamedTuple):
@@ -112,10 +121,18 @@ class Scores(NamedTuple):
     tenant_penalty: Column
     eligible: Flags
     spilled: Flags
+    copy_penalty: Column
+    copied_tokens: Column
 
     @property
     def total(self) -> Column:
-        return self.saved_tokens - self.queue_penalty - self.memory_penalty - self.tenant_penalty
+        return (
+            self.saved_tokens
+            - self.queue_penalty
+            - self.memory_penalty
+            - self.copy_penalty
+            - self.tenant_penalty
+        )
 
     def breakdown(self, row: int) -> ScoreBreakdown:
         return ScoreBreakdown(
@@ -126,6 +143,8 @@ class Scores(NamedTuple):
             float(self.memory_penalty[row]),
             float(self.tenant_penalty[row]),
             bool(self.spilled[row]),
+            float(self.copy_penalty[row]),
+            int(self.copied_tokens[row]),
         )
 
 
@@ -226,7 +245,13 @@ def score_candidates(
     # A cache that is turning over evicts prefixes still in use, whatever its usage.
     # np.minimum and np.maximum, not np.clip: its Python wrapper costs more than both.
     pressure = np.minimum(np.maximum(np.maximum(usage_pressure, facts.evicted_share), 0.0), 1.0)
-    memory = pressure * (prompt - cached) * weights.memory_pressure_weight
+    # New tokens another eligible worker holds are a copy, priced apart; the others are
+    # new to the fleet, wherever the request goes.
+    believed = allowed & ~facts.suspect  # a suspect worker's entries count for nothing
+    held_elsewhere = float(cached[believed].max()) if believed.any() else 0.0
+    copied = np.maximum(held_elsewhere - cached, 0.0)
+    memory = pressure * (prompt - cached - copied) * weights.memory_pressure_weight
+    copy = pressure * copied * weights.copy_pressure_weight
     tenant = np.zeros(len(facts.worker_ids))
     if request.isolation == "private":
         tenant += facts.other_tenants_running * weights.co_residence_tokens
@@ -236,7 +261,9 @@ def score_candidates(
                 for labels in facts.labels
             ]
             tenant += np.array(missing, dtype=np.float64) * weights.missing_label_tokens
-    return Scores(facts.worker_ids, cached, saved, queue, memory, tenant, allowed, spilled)
+    return Scores(
+        facts.worker_ids, cached, saved, queue, memory, tenant, allowed, spilled, copy, copied
+    )
 
 
 class RankedWorkers(Sequence[ScoreBreakdown]):
@@ -289,8 +316,9 @@ def rank_by_score(scores: Scores, rng: np.random.Generator) -> RankedWorkers:
 
 def deciding_factor(ranked: Sequence[ScoreBreakdown]) -> str:
     """The term that set the winner furthest apart from the runner-up: `cache`, `load`
-    (`spill` when the runner-up was past the spill gate), `memory` or `tenant`;
-    `only_choice` with one worker, `tie` when nothing did."""
+    (`spill` when the runner-up was past the spill gate), `memory`, `copy` (the
+    runner-up would have copied a prefix the winner holds into a cache under pressure)
+    or `tenant`; `only_choice` with one worker, `tie` when nothing did."""
     if not ranked:
         return "none"
     if len(ranked) == 1:
@@ -300,6 +328,7 @@ def deciding_factor(ranked: Sequence[ScoreBreakdown]) -> str:
         "cache": best.saved_tokens - second.saved_tokens,
         "load": second.queue_penalty - best.queue_penalty,
         "memory": second.memory_penalty - best.memory_penalty,
+        "copy": second.copy_penalty - best.copy_penalty,
         "tenant": second.tenant_penalty - best.tenant_penalty,
     }
     factor, margin = max(margins.items(), key=lambda item: item[1])

@@ -175,6 +175,8 @@ function renderFunnel(answer) {
       cell("predicted_tokens", count(f.predicted_tokens), "number"),
       cell("achieved_tokens", count(f.achieved_tokens), "number"),
       cell("hit_rate", share(f.hit_rate), "number"),
+      cell("evicted_from_fleet", count(f.lost_tokens.evicted_from_fleet), "number"),
+      cell("copied", count(f.copied_tokens), "number"),
       cell("bars", bars(f)),
       cell("lost_tokens", lost.join("; ") || "none"),
     ]);
@@ -275,6 +277,7 @@ async function locate(event) {
         cell("saved_tokens", decimal(w.saved_tokens), "number"),
         cell("queue_penalty", decimal(w.queue_penalty), "number"),
         cell("memory_penalty", decimal(w.memory_penalty), "number"),
+        cell("copy_penalty", decimal(w.copy_penalty), "number"),
         cell("tenant_penalty", decimal(w.tenant_penalty), "number"),
         cell("score", decimal(w.score), "number"),
       ]);

@@ -445,7 +445,7 @@ def test_the_dashboard_reads_metrics_the_router_exports(tmp_path: Path) -> None:
         used |= named
     # The funnel, the hit rate's parts and the loss reasons are all on it.
     assert {"kvplane_funnel_tokens", "kvplane_funnel_lost_tokens"} <= used
-    assert {"kvplane_funnel_reported_prompt_tokens"} <= used
+    assert {"kvplane_funnel_reported_prompt_tokens", "kvplane_funnel_copied_tokens"} <= used
     off = render(tmp_path, {"grafana": {"dashboard": {"enabled": False}}})
     assert [
         o for o in by_kind(off, "ConfigMap") if o["metadata"]["name"].endswith("dashboard")

@@ -107,6 +107,8 @@ def funnel_cells(row: dict[str, Any]) -> dict[str, str]:
         "predicted_tokens": count(row["predicted_tokens"]),
         "achieved_tokens": count(row["achieved_tokens"]),
         "hit_rate": share(row["hit_rate"]),
+        "evicted_from_fleet": count(row["lost_tokens"]["evicted_from_fleet"]),
+        "copied": count(row["copied_tokens"]),
         "lost_tokens": "; ".join(
             f"{reason.replace('_', ' ')} {count(tokens)}"
             for reason, tokens in row["lost_tokens"].items()
@@ -140,6 +142,7 @@ def locality_cells(worker: dict[str, Any]) -> dict[str, str]:
         "saved_tokens": decimal(worker.get("saved_tokens")),
         "queue_penalty": decimal(worker.get("queue_penalty")),
         "memory_penalty": decimal(worker.get("memory_penalty")),
+        "copy_penalty": decimal(worker.get("copy_penalty")),
         "tenant_penalty": decimal(worker.get("tenant_penalty")),
         "score": decimal(worker.get("score")),
     }

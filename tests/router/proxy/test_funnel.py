@@ -1,14 +1,16 @@
 """The cache-loss funnel against the engines' own counters: a fleet serves a workload
 with known reuse (a shared system prompt, conversations that grow), and every figure the
 router reports, in its metrics and its fleet API, is checked against what the engine
-simulators counted themselves."""
+simulators counted themselves; and what a fleet evicted, or copied, is named so."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.abuse.conftest import auth, cache_and_wait
+from tests.abuse.conftest import auth, block_keys, cache_and_wait
 from tests.router.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet, router_settings
 from tests.waiting import wait_until
 
@@ -28,6 +30,22 @@ async def engines_counted(fleet: RoutedFleet, name: str) -> float:
     async with httpx.AsyncClient(timeout=5) as client:
         texts = [(await client.get(w.base_url + "/metrics")).text for w in fleet.workers]
     return sum(total(text, name) for text in texts)
+
+
+async def funnel_row(fleet: RoutedFleet) -> dict[str, Any]:
+    async with fleet.http() as http:
+        (row,) = (await http.get("/fleet/funnel", headers=ADMIN)).json()["rows"]
+    assert isinstance(row, dict)
+    return row
+
+
+async def completed(fleet: RoutedFleet, prompt: str) -> str:
+    """The worker that answered `prompt`."""
+    async with fleet.openai() as client:
+        raw = await client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=1
+        )
+    return raw.headers["x-kvplane-worker"]
 
 
 async def test_the_funnel_matches_the_engines_counters() -> None:
@@ -72,6 +90,11 @@ async def test_the_funnel_matches_the_engines_counters() -> None:
     assert row["attainable_tokens"] - row["predicted_tokens"] == (
         lost["routed_for_load"] + lost["holder_unavailable"]
     )
+    # The copies are those passed-over tokens; a cache this size evicted nothing.
+    assert row["copied_tokens"] == lost["routed_for_load"] + lost["holder_unavailable"]
+    copied = total(metrics, "kvplane_funnel_copied_tokens_total", tenant="acme")
+    assert copied == row["copied_tokens"]
+    assert lost["evicted_from_fleet"] == 0
     assert row["hit_rate"] == round(row["achieved_tokens"] / row["reported_prompt_tokens"], 4)
     reported = total(metrics, "kvplane_funnel_reported_prompt_tokens_total", tenant="acme")
     assert reported == row["reported_prompt_tokens"]
@@ -123,3 +146,69 @@ async def test_a_worker_that_left_leaves_no_series_behind() -> None:
     assert total(metrics, "kvplane_requests_total", worker="none", outcome="bad_request") == 1
     # What names no worker stays: the model's and tenant's funnel.
     assert total(metrics, "kvplane_funnel_tokens_total", stage="prompt") > 0
+
+
+async def test_a_prefix_the_fleet_evicted_is_lost_to_eviction() -> None:
+    """One engine with a cache of 16 blocks: other prompts push a conversation's blocks
+    out, and when it comes back, the funnel says the fleet held them and evicted them,
+    not that it never held them."""
+    options = {"enable_prompt_tokens_details": True, "num_gpu_blocks_override": 16}
+    first = SYSTEM[:300]
+    async with routed_fleet(1, sim_options=options) as fleet:
+        await cache_and_wait(fleet, first)
+        held = block_keys(fleet.router, first, "acme")
+
+        async def evicted() -> bool:
+            return not await fleet.router.index.lookup(held[:1])
+
+        for filler in range(8):
+            if await evicted():
+                break
+            await completed(fleet, f"Filler {filler}: list the shelves of aisle {filler}. " * 6)
+        await wait_until("the conversation's first block is evicted", evicted)
+        before = await funnel_row(fleet)
+        await completed(fleet, first + " And the next question, please.")
+        after = await funnel_row(fleet)
+        async with fleet.http() as http:
+            metrics = (await http.get("/metrics", headers=ADMIN)).text
+            (worker,) = (await http.get("/fleet/workers", headers=ADMIN)).json()["workers"]
+
+    def evicted_from_fleet(row: dict[str, Any]) -> int:
+        return int(row["lost_tokens"]["evicted_from_fleet"])
+
+    # Nothing evicted was asked for before; then every block the engine had held of the
+    # prompt was (an engine evicts a sequence's tail before its head), and nothing past.
+    assert evicted_from_fleet(before) == 0
+    assert evicted_from_fleet(after) == len(held) * 16 > 0
+    assert after["attainable_tokens"] == before["attainable_tokens"]
+    assert after["achieved_tokens"] == before["achieved_tokens"]  # really not cached
+    reason = "evicted_from_fleet"
+    lost = total(metrics, "kvplane_funnel_lost_tokens_total", reason=reason)
+    assert lost == worker["cache"]["evicted_from_fleet_tokens"] == evicted_from_fleet(after)
+
+
+async def test_a_prefix_prefilled_beside_its_holder_is_a_copy() -> None:
+    """A prompt's prefix cached on a worker whose engine takes short prompts only: the
+    prompt grown past that length goes to the other worker, which prefills the prefix a
+    second time, and the funnel counts it copied."""
+    short = {"worker-1": {"max_model_len": 160}}
+    options = {"enable_prompt_tokens_details": True}
+    first = SYSTEM[:200]
+    async with (
+        routed_fleet(2, sim_options=options, worker_sim_options=short) as fleet,
+        fleet.http() as http,
+    ):
+        await http.post("/fleet/workers/worker-2/drain", headers=ADMIN)
+        assert await cache_and_wait(fleet, first) == "worker-1"
+        await http.post("/fleet/workers/worker-2/undrain", headers=ADMIN)
+        assert await completed(fleet, first + " Which shelf holds box 12?" * 8) == "worker-2"
+        row = await funnel_row(fleet)
+        metrics = (await http.get("/metrics", headers=ADMIN)).text
+        workers = (await http.get("/fleet/workers", headers=ADMIN)).json()["workers"]
+
+    held = len(block_keys(fleet.router, first, "acme")) * 16
+    assert held > 0
+    assert row["lost_tokens"]["holder_unavailable"] == row["copied_tokens"] == held
+    assert total(metrics, "kvplane_funnel_copied_tokens_total", tenant="acme") == held
+    copies = {w["worker_id"]: w["cache"]["copied_tokens"] for w in workers}
+    assert copies == {"worker-1": 0, "worker-2": held}

@@ -197,6 +197,44 @@ def test_a_cache_turning_over_is_under_pressure_whatever_its_usage() -> None:
     assert best(request, worker("evicting", 1000, evicted_share=1.0), calm) == "evicting"
 
 
+def test_new_tokens_another_worker_holds_are_a_copy_priced_apart() -> None:
+    request = RequestFacts(prompt_tokens=1000)
+    holder = worker("holder", 600, kv_usage=0.95)
+    other = worker("other", kv_usage=0.95)  # half way into the last 10 %: pressure 0.5
+    scores = score_candidates(request, facts_of([holder, other]), WEIGHTS)
+    held, copying = scores.breakdown(0), scores.breakdown(1)
+    assert (held.copied_tokens, held.copy_penalty) == (0, 0.0)
+    assert copying.copied_tokens == 600
+    assert copying.copy_penalty == pytest.approx(0.5 * 600)
+    # The rest is new to the fleet wherever it goes: the same memory penalty on both.
+    assert held.memory_penalty == copying.memory_penalty == pytest.approx(0.5 * 400)
+    # At equal weights the two terms add up to what every new token costs.
+    assert copying.memory_penalty + copying.copy_penalty == pytest.approx(0.5 * 1000)
+    priced = ScoringSettings(copy_pressure_weight=3.0)
+    assert score_candidates(request, facts_of([holder, other]), priced).breakdown(
+        1
+    ).copy_penalty == pytest.approx(3 * 0.5 * 600)
+    # The breakdown adds the copy in.
+    assert copying.score == pytest.approx(
+        copying.saved_tokens
+        - copying.queue_penalty
+        - copying.memory_penalty
+        - copying.copy_penalty
+        - copying.tenant_penalty
+    )
+
+
+def test_only_a_believed_eligible_holder_makes_a_copy() -> None:
+    request = RequestFacts(prompt_tokens=1000)
+    other = worker("other", kv_usage=0.95)
+    for holder in (
+        worker("suspect", 600, kv_usage=0.95, suspect=True),
+        worker("too-short", 600, kv_usage=0.95, max_model_len=500.0),
+    ):
+        scores = score_candidates(request, facts_of([holder, other]), WEIGHTS)
+        assert scores.breakdown(1).copied_tokens == 0
+
+
 def test_private_tenants_pay_for_company_and_missing_labels() -> None:
     request = RequestFacts(prompt_tokens=1000, isolation="private", required_labels={"zone": "a"})
     crowded = score_worker(
@@ -253,6 +291,7 @@ def test_the_breakdown_adds_up_and_the_cached_prefix_is_capped() -> None:
         breakdown.saved_tokens
         - breakdown.queue_penalty
         - breakdown.memory_penalty
+        - breakdown.copy_penalty
         - breakdown.tenant_penalty
     )
 
@@ -265,6 +304,7 @@ def breakdown(worker_id: str, saved: float = 0.0, **penalties: float) -> ScoreBr
         queue_penalty=penalties.get("queue", 0.0),
         memory_penalty=penalties.get("memory", 0.0),
         tenant_penalty=penalties.get("tenant", 0.0),
+        copy_penalty=penalties.get("copy", 0.0),
     )
 
 
@@ -274,6 +314,7 @@ def test_the_deciding_factor_is_the_term_that_set_the_winner_apart() -> None:
     crowded = breakdown("b", 1000, queue=2048)._replace(spilled=True)
     assert deciding_factor([breakdown("a"), crowded]) == "spill"
     assert deciding_factor([breakdown("a"), breakdown("b", memory=300)]) == "memory"
+    assert deciding_factor([breakdown("a"), breakdown("b", copy=300)]) == "copy"
     assert deciding_factor([breakdown("a"), breakdown("b", tenant=2048)]) == "tenant"
     # The cache lead outweighs the load handicap that went against it.
     assert deciding_factor([breakdown("a", 3000, queue=1024), breakdown("b")]) == "cache"
@@ -362,12 +403,20 @@ requests = st.builds(
 def test_a_fleet_scored_at_once_scores_each_worker_as_alone(
     request: RequestFacts, workers: list[WorkerFacts]
 ) -> None:
-    # The spill compares each worker with the others: off here.
+    # The spill compares each worker with the others: off here. So does the copy term,
+    # which takes its share of the memory penalty: at equal weights the two add up to
+    # what the worker pays alone.
     weights = WEIGHTS.model_copy(update={"spill_margin_requests": 0.0})
     together = score_candidates(request, facts_of(workers), weights)
     for row, one in enumerate(workers):
         alone = score_worker(request, one, weights)
-        assert together.breakdown(row) == pytest.approx(alone)
+        scored = together.breakdown(row)
+        merged = scored._replace(
+            memory_penalty=scored.memory_penalty + scored.copy_penalty,
+            copy_penalty=0.0,
+            copied_tokens=0,
+        )
+        assert merged == pytest.approx(alone)
     ranked = rank_workers(request, workers)
     # Best first, and exactly the eligible workers.
     assert [b.score for b in ranked] == sorted((b.score for b in ranked), reverse=True)

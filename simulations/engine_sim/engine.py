@@ -18,7 +18,8 @@ With CPU offloading (offload.py), blocks read back from the CPU tier load the sa
 counted as the host tier's (`vllm:prompt_tokens_cached_by_source{source="host"}`). The
 copies take their bytes over `--kv-offload-bytes-per-s`: a read before the request
 computes, a step's writes once the step has computed their blocks (vLLM starts them
-with the next step). A completed write is announced in the next batch, even with no
+with the next step); offload_copies.py says which, and how long, for this loop and the
+fleet simulator's. A completed write is announced in the next batch, even with no
 request to run, as vLLM steps while its connector has copies in flight.
 """
 
@@ -45,13 +46,12 @@ from simulations.engine_sim.kv_transfer import (
 )
 from simulations.engine_sim.metrics import (
     EXTERNAL_KV_TRANSFER,
-    LOAD,
     LOCAL_CACHE_HIT,
     LOCAL_COMPUTE,
-    STORE,
     EngineMetrics,
 )
 from simulations.engine_sim.offload import CPUTier, OffloadingConnector
+from simulations.engine_sim.offload_copies import OffloadCopies, TierCopy, counted_loads
 from simulations.engine_sim.publisher import EventPublisher
 from simulations.engine_sim.request import RequestStatus, SimRequest
 from simulations.engine_sim.scheduler import (
@@ -92,9 +92,18 @@ class SimEngine:
                 prompt_only=offloading.offload_prompt_only,
                 prefix_caching=config.enable_prefix_caching,
             )
-        self.scheduler = Scheduler(
+        self.scheduler: Scheduler[SimRequest] = Scheduler(
             self.kv_cache, config.limits, sampler_over(output_token_ids), self.offload
         )
+        self.copies: OffloadCopies[SimRequest] | None = None
+        if self.offload is not None:
+            self.copies = OffloadCopies(
+                self.offload,
+                self.scheduler,
+                kv_bytes_per_token=config.kv_bytes_per_token,
+                bytes_per_s=config.kv_offload_bytes_per_s,
+                time_scale=config.time_scale,
+            )
         self.lender = BlockLender(
             self.pool, config.kv_lease_s, self._count_expired_lease, self._wake
         )
@@ -228,17 +237,18 @@ class SimEngine:
                 queue = self._streams.get(progress.request)
                 if queue is not None:
                     queue.put_nowait(progress)
-            for request, digests in writes.items():
-                self._spawn(self._write(request.request_id, digests))
+            for write in writes:
+                self._spawn(self._copy(write))
             await self.publish_events()
             self._update_gauges()
 
     def _start_transfers(self, step: ScheduledStep[SimRequest]) -> None:
         """Start the KV loads the step admitted, each into its request's blocks."""
+        if self.copies is not None:
+            for read in self.copies.reads(step):
+                self._spawn(self._copy(read))
+            return
         for request, num_blocks in step.kv_loads.items():
-            if self.offload is not None:
-                self._spawn(self._read(request, self.offload.loading(request)))
-                continue
             remote = self._remote.pop(request, None)
             if remote is None:
                 continue
@@ -252,47 +262,30 @@ class SimEngine:
     def _kv_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.config.block_size * self.config.kv_bytes_per_token
 
-    def _offer_writes(self, step: ScheduledStep[SimRequest]) -> dict[SimRequest, list[bytes]]:
-        """The step's writes to the CPU tier: each scheduled request's blocks computed by
-        the end of the step that the tier lacks (room made for them now)."""
-        writes: dict[SimRequest, list[bytes]] = {}
-        if self.offload is None:
-            return writes
-        for request, count in step.tokens.items():
-            blocks = self.kv_cache.blocks_of(request)
-            digests = self.offload.store(request, request.num_computed_tokens + count, blocks)
-            if digests is None:
-                log.warning("request %s: no room for its blocks on the CPU", request.request_id)
-                self.metrics.kv_offload.allocation_failures.inc()
-            elif digests:
-                writes[request] = digests
+    def _offer_writes(self, step: ScheduledStep[SimRequest]) -> list[TierCopy[SimRequest]]:
+        """The step's writes to the CPU tier (room made for them now)."""
+        if self.copies is None:
+            return []
+        writes, refused = self.copies.writes(step)
+        for request in refused:
+            log.warning("request %s: no room for its blocks on the CPU", request.request_id)
+            self.metrics.kv_offload.allocation_failures.inc()
         return writes
 
-    async def _write(self, request_id: str, digests: list[bytes]) -> None:
-        assert self.offload is not None
-        num_bytes = self._kv_bytes(len(digests))
-        seconds = num_bytes / self.config.kv_offload_bytes_per_s * self.config.time_scale
-        await asyncio.sleep(seconds)
-        self.offload.store_finished(request_id, digests)
-        self.metrics.kv_offload.copied(STORE, num_bytes, seconds)
-        self._wakeup.set()  # announce them, and let requests waiting for them look again
-
-    async def _read(self, request: SimRequest, digests: list[bytes]) -> None:
-        """Read blocks back from the CPU tier into the request's blocks, then hand the
-        request back to the scheduler."""
-        assert self.offload is not None
-        num_bytes = self._kv_bytes(len(digests))
-        seconds = num_bytes / self.config.kv_offload_bytes_per_s * self.config.time_scale
-        await asyncio.sleep(seconds)
-        self.offload.load_finished(digests)
-        self.metrics.kv_offload.copied(LOAD, num_bytes, seconds)
-        self.scheduler.finish_load(request)
+    async def _copy(self, copy: TierCopy[SimRequest]) -> None:
+        """Wait out a copy between the device and the CPU tier, then end it: a read hands
+        its request back to the scheduler, a write's blocks are announced (and requests
+        waiting for them look again)."""
+        assert self.copies is not None
+        await asyncio.sleep(copy.seconds)
+        self.copies.done(copy)
+        self.metrics.kv_offload.copied(copy.transfer_type, copy.num_bytes, copy.seconds)
         self._wakeup.set()
         self._update_gauges()
 
     def _ended(self, request: SimRequest) -> None:
-        if self.offload is not None:
-            self.offload.request_finished(request)
+        if self.copies is not None:
+            self.copies.ended(request)
 
     async def _transfer(
         self, request: SimRequest, source: RemotePrefill, client: PullClient, num_blocks: int
@@ -408,12 +401,7 @@ class SimEngine:
         without one. With a connector, vLLM counts external queries (every token its own
         cache missed) and hits (the loaded ones, by the tier they came from). A load
         after a preemption is not counted, as vLLM counts preempted requests apart."""
-        block_size = self.config.block_size
-        admitted = [
-            (request, num_blocks * block_size)
-            for request, num_blocks in step.kv_loads.items()
-            if num_blocks and not request.num_preemptions
-        ]
+        admitted = counted_loads(step, self.config.block_size)
         admitted += [
             (request, 0)
             for request in step.tokens

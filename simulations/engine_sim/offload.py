@@ -5,7 +5,7 @@ offloaded chunk (its defaults): `CPUTier` is its `CPUOffloadingManager` with the
 policy (vllm/v1/kv_offload/cpu/manager.py, cpu/policies/lru.py); `OffloadingConnector`
 is the scheduler side of its `OffloadingConnector`, which decides what each request
 writes and reads (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py).
-When copies start and how long they take is the engine's business.
+When copies start and how long they take is the engine loop's business (offload_copies.py).
 
 - Writes go through as blocks are computed, not on eviction: each time a request is
   scheduled, its full blocks computed by the end of the step, from where its last
@@ -32,9 +32,18 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from simulations.engine_sim.block_pool import BlockLineage, KVBlock
-from simulations.engine_sim.request import SimRequest
+from simulations.engine_sim.kv_cache_manager import CacheRequest
+
+
+class OffloadRequest(CacheRequest, Protocol):
+    """What the connector reads of a request: the engine simulator's SimRequest, or the
+    fleet simulator's requests, which carry block ids instead of tokens."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 class Lookup(enum.Enum):
@@ -182,7 +191,7 @@ class OffloadingConnector:
         self._being_loaded: set[bytes] | None = set() if prefix_caching else None
         self._requests: dict[str, _Offloading] = {}
 
-    def blocks_to_load(self, request: SimRequest, num_local_blocks: int) -> int | None:
+    def blocks_to_load(self, request: OffloadRequest, num_local_blocks: int) -> int | None:
         """How many blocks after the device hit the tier holds, consecutively; None while
         one of them is still being written or read for another request, or the request
         still writes (vLLM's `get_num_new_matched_tokens` answering None)."""
@@ -201,20 +210,20 @@ class OffloadingConnector:
             return None
         return len(found)
 
-    def load_started(self, request: SimRequest, num_local_blocks: int, num_blocks: int) -> None:
+    def load_started(self, request: OffloadRequest, num_local_blocks: int, num_blocks: int) -> None:
         """The scheduler gave the request blocks to read `num_blocks` into: pin them
         (vLLM's `update_state_after_alloc`). Under vLLM's chunk-level policy the request
         offers no block before the end of what it reads."""
         state = self._requests[request.request_id]
         end = num_local_blocks + num_blocks
-        state.loading = request.block_digests[num_local_blocks:end]
+        state.loading = list(request.block_digests[num_local_blocks:end])
         state.accessed.update(zip(range(num_local_blocks, end), state.loading, strict=True))
         state.next_block = end
         self.tier.prepare_load(state.loading)
         if self._being_loaded is not None:
             self._being_loaded.update(state.loading)
 
-    def loading(self, request: SimRequest) -> list[bytes]:
+    def loading(self, request: OffloadRequest) -> list[bytes]:
         """The blocks the request's started read brings."""
         return self._requests[request.request_id].loading
 
@@ -224,7 +233,7 @@ class OffloadingConnector:
             self._being_loaded.difference_update(digests)
 
     def store(
-        self, request: SimRequest, num_tokens: int, device_blocks: Sequence[KVBlock]
+        self, request: OffloadRequest, num_tokens: int, device_blocks: Sequence[KVBlock]
     ) -> list[bytes] | None:
         """Offer the request's full blocks up to `num_tokens` (what it will have computed
         after the step) that it has not offered; the digests to write (vLLM's
@@ -261,7 +270,7 @@ class OffloadingConnector:
         if state is not None:
             state.writes_in_flight -= 1
 
-    def request_finished(self, request: SimRequest) -> None:
+    def request_finished(self, request: OffloadRequest) -> None:
         """The request ended (finished or aborted): what it used becomes most recent."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:

@@ -8,7 +8,9 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 def _workload(
@@ -35,8 +37,8 @@ def _workload(
 
 def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = None) -> Any:
     """The workload and fleet of a `kvplane sim` run, with one setting changed (a
-    sweep's point): `workers`, `capacity_tokens`, `speedup` (a trace) or any parameter
-    of a generated workload."""
+    sweep's point): `workers`, `capacity_tokens`, `cpu_offload_blocks`, `speedup` (a
+    trace) or any parameter of a generated workload."""
     from simulations.engine_sim.scheduler import SchedulerLimits
     from simulations.engine_sim.timing import TimingModel
     from simulations.fleet_sim import live_shapes
@@ -48,6 +50,7 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
         "workers": args.workers or (live_shapes.LIVE_ENGINES if live else 10),
         "capacity_tokens": args.capacity_tokens
         or (live_shapes.live_capacity_tokens() if live else 3_000_000),
+        "cpu_offload_blocks": args.cpu_offload_blocks,
     }
     max_num_seqs = args.max_num_seqs or (
         live_shapes.LIVE_MAX_NUM_SEQS if live else SchedulerLimits().max_num_seqs
@@ -76,6 +79,7 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
                 for f in dataclasses.fields(timing)
             },
         )
+    default = FleetConfig()
     config = FleetConfig(
         workers=fleet["workers"],
         capacity_tokens=fleet["capacity_tokens"],
@@ -85,13 +89,24 @@ def _sim_inputs(args: argparse.Namespace, setting: tuple[str, float] | None = No
         load_interval_s=args.load_interval_s,
         load_delay_s=args.load_delay_s,
         router_overhead_s={name: ms / 1000 for name, ms in overheads_ms.items()},
+        cpu_offload_blocks=fleet["cpu_offload_blocks"],
+        # A slower fleet copies more slowly too, as the engine simulator's time scale has it.
+        kv_offload_bytes_per_s=_given(args.kv_offload_bytes_per_s, default.kv_offload_bytes_per_s)
+        / args.time_scale,
+        kv_bytes_per_token=_given(args.kv_bytes_per_token, default.kv_bytes_per_token),
     )
     return workload, config
+
+
+def _given(value: _T | None, default: _T) -> _T:
+    """A flag's value, or the default where it was not given."""
+    return default if value is None else value
 
 
 def _run_sim(args: argparse.Namespace) -> int:
     import json
 
+    from kvplane.core.config import ScoringSettings
     from simulations.fleet_sim.policies import POLICIES
     from simulations.fleet_sim.report import as_json, render_sweep, render_table
     from simulations.fleet_sim.run import compare, run_description
@@ -111,11 +126,12 @@ def _run_sim(args: argparse.Namespace) -> int:
     points = [None] if args.sweep is None else [(args.sweep[0], v) for v in args.sweep[1]]
     comparisons = []
     try:
+        scoring = ScoringSettings.model_validate(dict(args.scoring))
         for point in points:
             workload, config = _sim_inputs(args, point)
             comparisons.append(
                 compare(workload, config, policies, seed=args.seed,
-                        show_progress=sys.stderr.isatty())
+                        show_progress=sys.stderr.isatty(), scoring=scoring)
             )  # fmt: skip
     except (TypeError, ValueError) as error:
         print(f"kvplane sim: {error}", file=sys.stderr)
@@ -123,9 +139,10 @@ def _run_sim(args: argparse.Namespace) -> int:
     comparison = comparisons[-1]
     description = run_description(workload, config, args.seed)
     if args.sweep is None:
+        tier = f" and {config.cpu_offload_blocks:,} CPU blocks" if config.cpu_offload_blocks else ""
         print(
             f"{workload.name}: {len(workload.requests):,} requests, {config.workers} workers "
-            f"of {config.capacity_tokens:,} tokens, seed {args.seed}"
+            f"of {config.capacity_tokens:,} tokens{tier}, seed {args.seed}"
         )
         print(render_table(comparison.results, comparison.bounds))
         seconds = ", ".join(f"{k} {v:.1f} s" for k, v in comparison.seconds.items())
@@ -254,12 +271,27 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
         "--workload-arg", type=workload_arg, action="append", default=[], metavar="KEY=VALUE",
         help="a parameter of the generated workload (repeatable), e.g. groups=32",
     )  # fmt: skip
+    parser.add_argument(
+        "--scoring", type=workload_arg, action="append", default=[], metavar="KEY=VALUE",
+        help="one of kvplane's [scoring] weights for its policies (repeatable), e.g. "
+        "host_bandwidth_bytes_per_s=0",
+    )  # fmt: skip
     parser.add_argument("--limit", type=int, help="replay only the first N requests of a trace")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay a trace N times faster")
     parser.add_argument("--workers", type=int, help="engine replicas (default 10; --live: 4)")
     parser.add_argument("--capacity-tokens", type=int,
                         help="KV cache per worker, in tokens (default 3,000,000; --live: "
                         "8,192)")  # fmt: skip
+    parser.add_argument("--cpu-offload-blocks", type=int, default=0,
+                        help="a CPU tier of this many blocks behind each worker's cache, "
+                        "as the engine simulator's (vLLM's native CPU offloading; default 0: "
+                        "none)")  # fmt: skip
+    parser.add_argument("--kv-offload-bytes-per-s", type=float,
+                        help="bandwidth of the copies between device and CPU blocks, both "
+                        "ways (default 20e9, the engine simulator's)")  # fmt: skip
+    parser.add_argument("--kv-bytes-per-token", type=int,
+                        help="the model's KV bytes per token, the copies' size (default "
+                        "131072, the engine simulator's: an 8B model in fp16)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int,
                         help="most requests running at once on a worker (default 256; "
                         "--live: 16)")  # fmt: skip
@@ -284,8 +316,8 @@ def _add_sim_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="write PNG charts into this directory")
     parser.add_argument(
         "--sweep", type=_sweep_arg, metavar="KEY=V1,V2,...",
-        help="run once per value of workers, capacity_tokens, speedup or a workload "
-        "parameter (e.g. workers=4,6,8 or rate_per_s=2,4,8)",
+        help="run once per value of workers, capacity_tokens, cpu_offload_blocks, speedup "
+        "or a workload parameter (e.g. workers=4,6,8 or rate_per_s=2,4,8)",
     )  # fmt: skip
     parser.add_argument(
         "--slo-ttft-p90", type=float, default=2.0,

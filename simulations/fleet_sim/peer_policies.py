@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
+from kvplane.core.types import Tier
 from router.routing.predicted import PredictedPrefixes
 from simulations.fleet_sim.requests import TraceRequest
 from simulations.fleet_sim.router_view import RouterView, leading_matches
@@ -162,7 +163,9 @@ class SglangCacheAwarePolicy:
         self._insert(chosen, request, now)
         return chosen
 
-    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
+    def events(
+        self, worker: int, removed: list[int], cleared: bool, now: float, tier: Tier = Tier.DEVICE
+    ) -> None:
         """SGLang's gateway never sees engine events."""
         return None
 
@@ -401,7 +404,13 @@ class LlmdPolicy:
         while len(estimated) > self.capacity_blocks:
             estimated.popitem(last=False)
 
-    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
+    def events(
+        self, worker: int, removed: list[int], cleared: bool, now: float, tier: Tier = Tier.DEVICE
+    ) -> None:
+        """Its prefix scorer reads the view's device blocks only, so only the device's
+        removals take its speculative entries."""
+        if tier is not Tier.DEVICE:
+            return
         if cleared:
             self.speculative.forget_worker(str(worker))
         elif removed:
@@ -532,7 +541,9 @@ class DynamoPolicy:
         self._activate(chosen, request)
         return chosen
 
-    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
+    def events(
+        self, worker: int, removed: list[int], cleared: bool, now: float, tier: Tier = Tier.DEVICE
+    ) -> None:
         """The index is the view's; nothing of the policy's own to correct."""
         return None
 

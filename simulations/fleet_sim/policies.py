@@ -19,6 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.core.config import ScoringSettings
+from kvplane.core.types import Tier
+from router.routing.decide import believed_blocks
 from router.routing.evictions import RecentEvictions
 from router.routing.predicted import PredictedPrefixes
 from router.scoring.policy import POLICIES as ROUTER_POLICIES
@@ -41,12 +43,17 @@ class Policy(Protocol):
     def choose(self, request: TraceRequest, view: RouterView, now: float) -> int:
         """The worker (an index) to send the request to."""
 
-    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
-        """Removals the view has just learnt of (policies with state of their own)."""
+    def events(
+        self, worker: int, removed: list[int], cleared: bool, now: float, tier: Tier = Tier.DEVICE
+    ) -> None:
+        """Removals the view has just learnt of, from the worker's `tier` (policies with
+        state of their own)."""
 
 
 class _Stateless:
-    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
+    def events(
+        self, worker: int, removed: list[int], cleared: bool, now: float, tier: Tier = Tier.DEVICE
+    ) -> None:
         return None
 
 
@@ -95,6 +102,9 @@ class LongestPrefixPolicy(_Stateless):
         return self.rng.choice([w for w, key in enumerate(keys) if key == best])
 
 
+_DEVICE, _HOST = TIERS.index(Tier.DEVICE), TIERS.index(Tier.HOST)
+
+
 def worker_id(worker: int) -> str:
     """A simulated worker's id for the router's policies: its index, zero-padded so
     that the ids sort as the indexes do (round-robin takes turns in id order)."""
@@ -104,7 +114,9 @@ def worker_id(worker: int) -> str:
 class RouterPolicy:
     """One of the router's policies deciding for the simulated router: the facts are
     gathered from the view, and the choice booked, as RoutingPlanner gathers and books
-    them (the prompt's servable blocks predicted on the chosen worker)."""
+    them (each worker's blocks per tier, extended on the device by a prediction and cut
+    to the servable blocks by the router's `believed_blocks`; the prompt's servable
+    blocks predicted on the chosen worker)."""
 
     def __init__(
         self,
@@ -130,31 +142,45 @@ class RouterPolicy:
         blocks = request.blocks[:full]
         self.predicted.prune(now)
         predicted = self.predicted.match(blocks, now)
-        matched = [
-            min(max(view.matched_blocks(w, blocks), predicted.get(worker_id(w), 0)), servable)
-            for w in range(view.workers)
+        index_tiers = np.zeros((view.workers, len(TIERS)), dtype=np.int64)
+        index_tiers[:, [_DEVICE, _HOST]] = [
+            view.matched_by_tier(w, blocks) for w in range(view.workers)
         ]
+        believed = believed_blocks(
+            index_tiers,
+            index_tiers.sum(axis=1),
+            np.array([predicted.get(worker_id(w), 0) for w in range(view.workers)]),
+            servable,
+        )
         ranking = self.policy.rank(
             RequestFacts(prompt_tokens=request.prompt_tokens),
-            self._facts(view, matched, now),
+            self._facts(view, believed * self.block_tokens, now),
             self.rng,
         )
         chosen = int(ranking.ranked[0].worker_id)
         self.predicted.record(worker_id(chosen), blocks[:servable], now)
         return chosen
 
-    def events(self, worker: int, removed: list[int], cleared: bool, now: float) -> None:
+    def events(
+        self, worker: int, removed: list[int], cleared: bool, now: float, tier: Tier = Tier.DEVICE
+    ) -> None:
+        """As the router hears removals: a prediction goes with its key on any tier; the
+        eviction term counts the device's removals only."""
         if cleared:
             self.predicted.forget_worker(worker_id(worker))
             self.evictions.forget(worker_id(worker))
         elif removed:
             self.predicted.removed(worker_id(worker), removed)
-            self.evictions.record(worker_id(worker), len(removed), now)
+            if tier is Tier.DEVICE:
+                self.evictions.record(worker_id(worker), len(removed), now)
 
-    def _facts(self, view: RouterView, matched: list[int], now: float) -> CandidateFacts:
-        """The columns the router's Fleet.facts() keeps, read off the view."""
+    def _facts(
+        self, view: RouterView, matched_tokens: npt.NDArray[np.int64], now: float
+    ) -> CandidateFacts:
+        """The columns the router's Fleet.facts() keeps, read off the view;
+        `matched_tokens`: per worker and tier (TIERS' order)."""
         reports = view.reports
-        workers = len(matched)
+        workers = len(matched_tokens)
 
         def column(values: Sequence[float]) -> npt.NDArray[np.float64]:
             return np.array(values, dtype=np.float64).reshape(workers)
@@ -178,11 +204,9 @@ class RouterPolicy:
         )
         ids = [worker_id(worker) for worker in range(workers)]
         evicted = [self.evictions.recorded(worker_id) for worker_id in ids]
-        matched_tokens = np.zeros((workers, len(TIERS)))
-        matched_tokens[:, 0] = column(matched) * self.block_tokens
         return CandidateFacts(
             worker_ids=ids,
-            matched_tokens=matched_tokens,
+            matched_tokens=matched_tokens.astype(np.float64),
             waiting_requests=waiting,
             running_requests=running,
             load_reported=reported,

@@ -28,8 +28,9 @@ class PolicyFigures:
     requests: int
     rejected: int
     # The engines' counters' hit rate (hits / queries over every lookup, a waiting
-    # request's retries and a preempted one's included): what `kvplane bench live`
-    # reports as the engines' hit rate (`hit_rate` is what its clients see).
+    # request's retries and a preempted one's included; hits on the device, plus those
+    # read back from a CPU tier): what `kvplane bench live` reports as the engines' hit
+    # rate (`hit_rate` is what its clients see, CPU-tier hits included too).
     engine_hit_rate: float = 0.0
 
 
@@ -62,7 +63,9 @@ def figures(record: RunRecord, pooled_hit_rate: float, ceiling_hit_rate: float) 
         requests=len(record.outcomes),
         rejected=sum(1 for o in record.outcomes if o.rejected),
         engine_hit_rate=(
-            round(record.cache_hits / record.cache_queries, 4) if record.cache_queries else 0.0
+            round((record.cache_hits + record.external_hits) / record.cache_queries, 4)
+            if record.cache_queries
+            else 0.0
         ),
     )
 

@@ -32,8 +32,10 @@ def compare(
     show_progress: bool = False,
     scoring: ScoringSettings | None = None,
 ) -> Comparison:
+    # A worker holds its device cache and its CPU tier (if any).
+    per_worker = config.capacity_tokens + config.cpu_offload_blocks * workload.block_tokens
     bounds = {
-        "pooled": pooled_cache_hit_rate(workload, config.workers * config.capacity_tokens),
+        "pooled": pooled_cache_hit_rate(workload, config.workers * per_worker),
         "infinite": infinite_cache_hit_rate(workload),
     }
     results, seconds, records = {}, {}, {}

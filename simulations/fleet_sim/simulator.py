@@ -13,6 +13,14 @@ Closed loop: a request that follows another (`TraceRequest.follows`) is sent
 `after_s` after that request finishes; one whose parent was refused is never sent.
 Macro steps are off for such workloads (an arrival can then be created while another
 worker's macro step runs, which would then overshoot it).
+
+CPU tier (`FleetConfig.cpu_offload_blocks`, per worker; 0: none): the engine
+simulator's, driven as its engine drives it (worker.py). Each copy ends its bytes over
+`kv_offload_bytes_per_s` after it starts (a read when the scheduler admits its load,
+before the request computes; a step's writes when the step ends); the tier's stores and
+removals reach the router `event_delay_s` after the batch they go out in, as the
+device's do: at the end of the worker's step, or at once if it is idle (the engine
+publishes while its copies are in flight).
 """
 
 from __future__ import annotations
@@ -23,12 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplane.core.types import Tier
+from simulations.engine_sim.config import EngineSimConfig
 from simulations.engine_sim.scheduler import RequestTooLarge, SchedulerLimits
 from simulations.engine_sim.timing import TimingModel
 from simulations.fleet_sim.policies import Policy
 from simulations.fleet_sim.requests import TraceRequest, Workload
 from simulations.fleet_sim.router_view import LoadReport, RouterView
-from simulations.fleet_sim.worker import FleetRequest, SimWorker, stored_and_removed
+from simulations.fleet_sim.worker import CpuTierShape, FleetRequest, SimWorker, cache_news
+
+_ENGINE_DEFAULTS = EngineSimConfig.model_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +55,25 @@ class FleetConfig:
     macro_steps: bool = True  # runs of unchanging decode steps as one event
     # Per policy name: seconds from a request's sending to its worker having it.
     router_overhead_s: dict[str, float] = field(default_factory=dict)
+    # A CPU tier of this many blocks per worker (0: none); its copies' bandwidth and the
+    # bytes of a token's KV, the engine simulator's defaults.
+    cpu_offload_blocks: int = 0
+    kv_offload_bytes_per_s: float = _ENGINE_DEFAULTS["kv_offload_bytes_per_s"].default
+    kv_bytes_per_token: int = _ENGINE_DEFAULTS["kv_bytes_per_token"].default
+
+    def __post_init__(self) -> None:
+        if self.cpu_offload_blocks < 0:
+            raise ValueError("cpu_offload_blocks cannot be negative")
+        if not self.kv_offload_bytes_per_s > 0 or self.kv_bytes_per_token < 1:
+            raise ValueError("kv_offload_bytes_per_s and kv_bytes_per_token must be positive")
+
+    @property
+    def cpu_tier(self) -> CpuTierShape | None:
+        if not self.cpu_offload_blocks:
+            return None
+        return CpuTierShape(
+            self.cpu_offload_blocks, self.kv_offload_bytes_per_s, self.kv_bytes_per_token
+        )
 
 
 @dataclass(slots=True)
@@ -72,9 +103,11 @@ class RunRecord:
     # waiting request's retries while its blocks do not fit and a preempted one's.
     cache_queries: int = 0
     cache_hits: int = 0
+    # Tokens read back from the CPU tiers (vLLM's external_prefix_cache_hits).
+    external_hits: int = 0
 
 
-_ARRIVAL, _STEP_DONE, _EVENTS, _LOAD_TAKEN, _LOAD_DELIVERED = range(5)
+_ARRIVAL, _STEP_DONE, _EVENTS, _LOAD_TAKEN, _LOAD_DELIVERED, _COPY_DONE = range(6)
 
 
 def simulate(
@@ -101,6 +134,7 @@ def simulate(
             timing=config.timing,
             limits=config.limits,
             macro_steps=config.macro_steps and not followers,
+            cpu_tier=config.cpu_tier,
         )
         for w in range(config.workers)
     ]
@@ -138,11 +172,20 @@ def simulate(
         """How many requests wait, directly or not, on this one's response."""
         return sum(1 + never_sent(child.request_id) for child in followers.get(request_id, ()))
 
+    def publish(worker: SimWorker, now: float) -> None:
+        events = worker.take_cache_events()
+        if events:
+            push(now + config.event_delay_s, _EVENTS, worker.index, events)
+
     def run_worker(worker: SimWorker, now: float) -> None:
         if not worker.busy:
             end = worker.start_step(now, horizon())
             if end is not None:
                 push(end, _STEP_DONE, worker.index)
+            else:
+                publish(worker, now)  # idle: what its copies or loads changed goes out now
+        for copy in worker.take_copies():
+            push(now + copy.seconds, _COPY_DONE, worker.index, copy)
 
     while heap and unfinished:
         now, _, kind, w, payload = heapq.heappop(heap)
@@ -172,7 +215,7 @@ def simulate(
                 outcome.rejected = True
                 unfinished -= 1 + never_sent(trace.request_id)
                 continue
-            known = view.matched_blocks(chosen, trace.blocks) * workload.block_tokens
+            known = sum(view.matched_by_tier(chosen, trace.blocks)) * workload.block_tokens
             view.sent(chosen, trace.request_id, now, max(0, trace.prompt_tokens - known))
             in_flight[id(request)] = outcome
             run_worker(workers[chosen], now)
@@ -196,15 +239,19 @@ def simulate(
                         heapq.heappush(pending, sent + overhead)
                     if progress is not None:
                         progress(len(requests) - unfinished)
-            events = worker.take_cache_events()
-            if events:
-                push(now + config.event_delay_s, _EVENTS, worker.index, events)
+            publish(worker, now)
             worker.busy = False
             run_worker(worker, now)
+        elif kind == _COPY_DONE:
+            workers[w].copy_done(payload)
+            run_worker(workers[w], now)
         elif kind == _EVENTS:
-            stored, removed, cleared = stored_and_removed(payload)
-            view.events(w, stored, removed, cleared)
-            policy.events(w, removed, cleared, now)
+            news = cache_news(payload)
+            view.events(w, news.stored, news.removed, news.cleared)
+            policy.events(w, news.removed, news.cleared, now)
+            if news.host_stored or news.host_removed:
+                view.events(w, news.host_stored, news.host_removed, False, tier=Tier.HOST)
+                policy.events(w, news.host_removed, False, now, tier=Tier.HOST)
         elif kind == _LOAD_TAKEN:
             load = workers[w].load()
             record.load_samples.append((now, w, load.running + load.waiting))
@@ -217,4 +264,5 @@ def simulate(
     record.preemptions = sum(worker.scheduler.num_preemptions for worker in workers)
     record.cache_queries = sum(worker.kv_cache.stats.queries for worker in workers)
     record.cache_hits = sum(worker.kv_cache.stats.hits for worker in workers)
+    record.external_hits = sum(worker.external_hits for worker in workers)
     return record

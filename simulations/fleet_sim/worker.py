@@ -1,20 +1,32 @@
 """One simulated engine replica, driven in simulated time: the engine simulator's block
-pool, cache manager, scheduler and timing model, unchanged.
+pool, cache manager, scheduler and timing model, unchanged, and optionally its CPU tier
+(offload.py's CPUTier and OffloadingConnector, as the scheduler's KV loader), whose
+copies offload_copies.py starts and ends as for the engine simulator: the simulator
+waits them out on its clock (`take_copies`, `copy_done`).
 
 Token by token a long trace would take hours of Python, so a run of decode steps in
 which nothing can change (nobody waiting, nobody needing a new block, nobody finishing,
-no arrival due) is taken as one macro step: its duration is the sum of the timing
-model's step durations, its effect k tokens for every running request.
+no arrival due, no copy to or from the CPU tier in flight or still to offer) is taken
+as one macro step: its duration is the sum of the timing model's step durations, its
+effect k tokens for every running request.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from simulations.engine_sim.block_pool import BlockPool, BlockRemoved, BlocksStored, CacheEvent
 from simulations.engine_sim.kv_cache_manager import KVCacheManager
+from simulations.engine_sim.offload import (
+    BlocksOffloaded,
+    CPUTier,
+    OffloadedBlocksRemoved,
+    OffloadEvent,
+    OffloadingConnector,
+)
+from simulations.engine_sim.offload_copies import OffloadCopies, TierCopy, counted_loads
 from simulations.engine_sim.request import RequestStatus
 from simulations.engine_sim.scheduler import (
     RequestProgress,
@@ -108,6 +120,16 @@ class WorkerLoad:
     kv_usage: float
 
 
+@dataclass(frozen=True, slots=True)
+class CpuTierShape:
+    """A worker's CPU tier: its blocks and its copies' cost (the engine simulator's
+    `--cpu-offload-blocks`, `--kv-offload-bytes-per-s`, `--kv-bytes-per-token`)."""
+
+    blocks: int
+    bytes_per_s: float
+    kv_bytes_per_token: int
+
+
 @dataclass(slots=True)
 class _MacroStep:
     steps: int
@@ -124,23 +146,50 @@ class SimWorker:
         timing: TimingModel,
         limits: SchedulerLimits,
         macro_steps: bool = True,
+        cpu_tier: CpuTierShape | None = None,
     ) -> None:
         self.index = index
         self.macro_steps = macro_steps  # off: every step one at a time (tests compare)
         self.timing = timing
         self.pool = BlockPool(max(1, capacity_tokens // block_tokens))
         self.kv_cache = KVCacheManager(self.pool, block_tokens)
-        self.scheduler: Scheduler[FleetRequest] = Scheduler(self.kv_cache, limits, _no_token)
+        self.scheduler: Scheduler[FleetRequest]
+        self.copies: OffloadCopies[FleetRequest] | None = None
+        if cpu_tier is None:
+            self.scheduler = Scheduler(self.kv_cache, limits, _no_token)
+        else:
+            # The fleet's requests cache prompt blocks only, so the tier gets those alone
+            # either way; the prefix cache is always on.
+            connector = OffloadingConnector(
+                CPUTier(cpu_tier.blocks), block_tokens, prompt_only=True, prefix_caching=True
+            )
+            self.scheduler = Scheduler(self.kv_cache, limits, _no_token, connector)
+            self.copies = OffloadCopies(
+                connector,
+                self.scheduler,
+                kv_bytes_per_token=cpu_tier.kv_bytes_per_token,
+                bytes_per_s=cpu_tier.bytes_per_s,
+            )
         self.busy = False
         self._step: ScheduledStep[FleetRequest] | _MacroStep | None = None
         self.computed_tokens = 0  # prefill and decode tokens computed: the worker's work
+        # The CPU tier's copies: started and not yet handed to the simulator, the step's
+        # writes (started when it ends), how many are in flight, and whether the last
+        # step's offers found no room (then offered again next step).
+        self._started: list[TierCopy[FleetRequest]] = []
+        self._writes: list[TierCopy[FleetRequest]] = []
+        self._copies_in_flight = 0
+        self._offers_refused = False
+        # Tokens read back from the CPU tier, as vLLM's external_prefix_cache_hits counts
+        # them.
+        self.external_hits = 0
 
     def add(self, request: FleetRequest) -> None:
         self.scheduler.add(request)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
-            waiting=len(self.scheduler.waiting),
+            waiting=self.scheduler.num_waiting,
             running=len(self.scheduler.running),
             kv_usage=self.pool.usage,
         )
@@ -154,6 +203,7 @@ class SimWorker:
             duration = _decode_seconds(self.timing, macro.requests, macro.steps)
         else:
             step = self.scheduler.schedule()
+            self._start_copies(step)
             if step.is_empty:
                 self._step, self.busy = None, False
                 return None
@@ -165,18 +215,55 @@ class SimWorker:
     def finish_step(self) -> list[RequestProgress[FleetRequest]]:
         step, self._step = self._step, None
         if isinstance(step, _MacroStep):
-            return self._finish_macro(step)
-        assert step is not None
-        self.computed_tokens += sum(step.tokens.values())
-        return self.scheduler.finish_step(step)
+            progress = self._finish_macro(step)
+        else:
+            assert step is not None
+            self.computed_tokens += sum(step.tokens.values())
+            progress = self.scheduler.finish_step(step)
+        if self.copies is not None:
+            for done in progress:
+                if done.finished:
+                    self.copies.ended(done.request)
+        self._started += self._writes
+        self._writes = []
+        return progress
 
-    def take_cache_events(self) -> list[CacheEvent]:
-        return self.pool.take_events()
+    def take_copies(self) -> list[TierCopy[FleetRequest]]:
+        """The copies started since the last call (now): their ends are the caller's to
+        time, and to report with `copy_done`."""
+        started, self._started = self._started, []
+        self._copies_in_flight += len(started)
+        return started
+
+    def copy_done(self, copy: TierCopy[FleetRequest]) -> None:
+        assert self.copies is not None
+        self._copies_in_flight -= 1
+        self.copies.done(copy)
+
+    def take_cache_events(self) -> list[CacheEvent | OffloadEvent]:
+        """The device's events, then the CPU tier's (as vLLM adds its connector's)."""
+        events: list[CacheEvent | OffloadEvent] = [*self.pool.take_events()]
+        if self.copies is not None:
+            events += self.copies.connector.tier.take_events()
+        return events
+
+    def _start_copies(self, step: ScheduledStep[FleetRequest]) -> None:
+        """The step's reads start now; its writes when it ends."""
+        if self.copies is None:
+            return
+        self.external_hits += sum(
+            tokens for _, tokens in counted_loads(step, self.kv_cache.block_size)
+        )
+        self._started += self.copies.reads(step)
+        self._writes, refused = self.copies.writes(step)
+        self._offers_refused = bool(refused)
 
     def _macro_step(self, seconds_left: float) -> _MacroStep | None:
         scheduler = self.scheduler
         running = scheduler.running
-        if scheduler.waiting or not running:
+        if scheduler.num_waiting or not running:
+            return None
+        if self._copies_in_flight or self._offers_refused:
             return None
         steps = None
         for request in running:
@@ -239,16 +326,28 @@ def _steps_within(timing: TimingModel, running: Sequence[FleetRequest], seconds:
     return low
 
 
-def stored_and_removed(events: Sequence[CacheEvent]) -> tuple[list[int], list[int], bool]:
-    """Block ids stored and removed, and whether the cache was cleared."""
-    stored: list[int] = []
-    removed: list[int] = []
-    cleared = False
+@dataclass(slots=True)
+class CacheNews:
+    """A batch of a worker's events in block ids: the device's, and its CPU tier's."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False
+    host_stored: list[int] = field(default_factory=list)
+    host_removed: list[int] = field(default_factory=list)
+
+
+def cache_news(events: Sequence[CacheEvent | OffloadEvent]) -> CacheNews:
+    news = CacheNews()
     for event in events:
         if isinstance(event, BlocksStored):
-            stored.extend(block_id(digest) for digest in event.digests)
+            news.stored.extend(block_id(digest) for digest in event.digests)
         elif isinstance(event, BlockRemoved):
-            removed.append(block_id(event.digest))
+            news.removed.append(block_id(event.digest))
+        elif isinstance(event, BlocksOffloaded):
+            news.host_stored.extend(block_id(digest) for digest in event.digests)
+        elif isinstance(event, OffloadedBlocksRemoved):
+            news.host_removed.extend(block_id(digest) for digest in event.digests)
         else:
-            cleared = True
-    return stored, removed, cleared
+            news.cleared = True
+    return news

@@ -219,3 +219,29 @@ def test_the_live_router_overheads_are_a_preset_flags_override(tmp_path: Path) -
         "kvplane": 0.04, "round-robin": 0.025, "sglang-cache-aware": 0.005,
         "vllm-router-cache-aware": 0.005,
     }  # fmt: skip
+
+
+def test_scoring_weights_change_kvplanes_policies_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    figures = {}
+    for name, weights in (
+        ("default", []),
+        (
+            "queue-shy",
+            ["--scoring", "waiting_request_tokens=1e6", "--scoring", "running_request_tokens=1e6"],
+        ),
+    ):
+        out = tmp_path / f"{name}.json"
+        code = main(
+            ["sim", "--live", "shared-2", "--workload-arg", "rate_per_s=10", "--workload-arg",
+             "duration_s=4", "--policies", "kvplane,round-robin", *weights, "--json", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        figures[name] = json.loads(out.read_text())["policies"]
+    # Queue terms that dwarf any cached prefix spread the two prompts over every worker.
+    assert figures["queue-shy"]["kvplane"]["hit_rate"] < figures["default"]["kvplane"]["hit_rate"]
+    assert figures["queue-shy"]["round-robin"] == figures["default"]["round-robin"]
+    capsys.readouterr()
+    assert main(["sim", "--live", "shared-2", "--scoring", "no_such_weight=1"]) == 2
+    assert "no_such_weight" in capsys.readouterr().err

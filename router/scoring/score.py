@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, overload
+from typing import NamedTuple, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -88,6 +88,15 @@ class RequestFacts:
     prompt_tokens_at_most: int | None = None
 
 
+Term = TypeVar("Term", float, Column)
+
+
+def net_score(saved: Term, queue: Term, memory: Term, copy: Term, tenant: Term) -> Term:
+    """What a worker saves less what it costs there: one worker's (floats) or every
+    candidate's (columns)."""
+    return saved - queue - memory - copy - tenant
+
+
 class ScoreBreakdown(NamedTuple):
     worker_id: str
     cached_tokens: int  # the longest matched prefix, any tier
@@ -101,12 +110,12 @@ class ScoreBreakdown(NamedTuple):
 
     @property
     def score(self) -> float:
-        return (
-            self.saved_tokens
-            - self.queue_penalty
-            - self.memory_penalty
-            - self.copy_penalty
-            - self.tenant_penalty
+        return net_score(
+            self.saved_tokens,
+            self.queue_penalty,
+            self.memory_penalty,
+            self.copy_penalty,
+            self.tenant_penalty,
         )
 
 
@@ -126,12 +135,12 @@ class Scores(NamedTuple):
 
     @property
     def total(self) -> Column:
-        return (
-            self.saved_tokens
-            - self.queue_penalty
-            - self.memory_penalty
-            - self.copy_penalty
-            - self.tenant_penalty
+        return net_score(
+            self.saved_tokens,
+            self.queue_penalty,
+            self.memory_penalty,
+            self.copy_penalty,
+            self.tenant_penalty,
         )
 
     def breakdown(self, row: int) -> ScoreBreakdown:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import msgspec
 import zmq
 import zmq.asyncio
 
 from simulations.engine_sim.app import RunningEngineSim, running_engine_sim
 from simulations.engine_sim.config import EngineSimConfig, KVEventsConfig
+from tests.metrics_text import sample_sum
 
 EVENTS = KVEventsConfig(
     enable_kv_cache_events=True,
@@ -97,3 +101,23 @@ async def replay(endpoint: str, start: int, timeout_s: float = 5.0) -> list[list
 
 def decode_payload(payload: bytes) -> Any:
     return msgspec.msgpack.decode(payload)
+
+
+def refused_at_start_up(*flags: str) -> str:
+    """`kvplane engine-sim` with `flags`, which must refuse them as a usage error (exit
+    2) in a message, not a traceback: its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane.cli", "engine-sim", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+async def metric(client: httpx.AsyncClient, sample_name: str, **labels: str) -> float:
+    """The engine's /metrics sample `sample_name` with these labels among its own,
+    summed (0 where there is none)."""
+    return sample_sum((await client.get("/metrics")).text, sample_name, **labels)

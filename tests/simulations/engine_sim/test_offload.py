@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +25,13 @@ from simulations.engine_sim.block_hash import BlockHasher, none_hash, wire_hash
 from simulations.engine_sim.config import EngineSimConfig
 from simulations.engine_sim.kv_events import EventEncoder, WireFormat
 from simulations.engine_sim.offload import BlocksOffloaded
-from tests.simulations.engine_sim.conftest import decode_payload, engine_sim, replay
+from tests.simulations.engine_sim.conftest import (
+    decode_payload,
+    engine_sim,
+    metric,
+    refused_at_start_up,
+    replay,
+)
 from tests.waiting import wait_until
 from worker_agent.engines.vllm import VllmAdapter
 from worker_agent.translate import BlockTranslator
@@ -97,15 +101,6 @@ async def cpu_events(sim: RunningEngineSim) -> list[dict[str, Any]]:
     assert sim.replay_endpoint is not None
     batches = [decode_payload(frames[3]) for frames in (await replay(sim.replay_endpoint, 0))[:-1]]
     return [event for batch in batches for event in batch[1] if event.get("medium") == "CPU"]
-
-
-async def metric(client: httpx.AsyncClient, sample_name: str, **labels: str) -> float:
-    text = (await client.get("/metrics")).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == sample_name and labels.items() <= sample.labels.items():
-                return float(sample.value)
-    return 0.0
 
 
 async def test_prompt_blocks_are_written_through_as_they_are_computed() -> None:
@@ -405,15 +400,8 @@ def test_offloading_settings_vllm_or_the_simulator_refuse_are_refused_clearly(
 
 
 def test_offloading_beside_nixl_is_refused_at_start_up() -> None:
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "kvplane.cli", "engine-sim", "--kv-offloading-size", "4",
-            "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    stderr = refused_at_start_up(
+        "--kv-offloading-size", "4",
+        "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
     )  # fmt: skip
-    assert result.returncode == 2
-    assert "MultiConnector" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "MultiConnector" in stderr

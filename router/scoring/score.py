@@ -31,6 +31,7 @@ Flags = npt.NDArray[np.bool_]
 
 TIERS = tuple(Tier)
 """The order of CandidateFacts.matched_tokens' columns."""
+_DEVICE = TIERS.index(Tier.DEVICE)
 
 
 def hit_value(tier: Tier, weights: ScoringSettings) -> float:
@@ -254,12 +255,15 @@ def score_candidates(
     # A cache that is turning over evicts prefixes still in use, whatever its usage.
     # np.minimum and np.maximum, not np.clip: its Python wrapper costs more than both.
     pressure = np.minimum(np.maximum(np.maximum(usage_pressure, facts.evicted_share), 0.0), 1.0)
-    # New tokens another eligible worker holds are a copy, priced apart; the others are
-    # new to the fleet, wherever the request goes.
+    # Every token not on the worker's device takes a device block there, restored from
+    # a slower tier or computed: what a hit on a slower tier saves is its tier credit
+    # alone. Of those tokens, the ones no tier of this worker holds and another eligible
+    # worker does are a copy, priced apart.
+    on_device = np.minimum(facts.matched_tokens[:, _DEVICE], prompt)
     believed = allowed & ~facts.suspect  # a suspect worker's entries count for nothing
     held_elsewhere = float(cached[believed].max()) if believed.any() else 0.0
     copied = np.maximum(held_elsewhere - cached, 0.0)
-    memory = pressure * (prompt - cached - copied) * weights.memory_pressure_weight
+    memory = pressure * (prompt - on_device - copied) * weights.memory_pressure_weight
     copy = pressure * copied * weights.copy_pressure_weight
     tenant = np.zeros(len(facts.worker_ids))
     if request.isolation == "private":

@@ -224,6 +224,22 @@ def test_new_tokens_another_worker_holds_are_a_copy_priced_apart() -> None:
     )
 
 
+def test_a_prefix_in_host_memory_still_takes_device_blocks_and_is_no_copy_there() -> None:
+    """Restored or computed, every token not on the device takes a device block: a
+    worker holding the prefix in host memory is ahead by its tier credit alone."""
+    request = RequestFacts(prompt_tokens=1000)
+    host = WorkerFacts("host", {Tier.HOST: 600}, kv_usage=0.95)  # pressure 0.5
+    other = worker("other", kv_usage=0.95)
+    for weights in (WEIGHTS, ScoringSettings(host_bandwidth_bytes_per_s=0)):
+        scores = score_candidates(request, facts_of([host, other]), weights)
+        holder, copying = scores.breakdown(0), scores.breakdown(1)
+        assert holder.memory_penalty == pytest.approx(0.5 * 1000)
+        assert (holder.copied_tokens, holder.copy_penalty) == (0, 0.0)
+        assert copying.copied_tokens == 600
+        assert copying.memory_penalty + copying.copy_penalty == pytest.approx(0.5 * 1000)
+        assert holder.score - copying.score == pytest.approx(600 * hit_value(Tier.HOST, weights))
+
+
 def test_only_a_believed_eligible_holder_makes_a_copy() -> None:
     request = RequestFacts(prompt_tokens=1000)
     other = worker("other", kv_usage=0.95)

@@ -132,7 +132,9 @@ class Scores(NamedTuple):
     eligible: Flags
     spilled: Flags
     copy_penalty: Column
-    copied_tokens: Column
+    # The longest prefix a believed eligible worker holds: a worker's tokens short of
+    # it are a copy (its breakdown's copied_tokens).
+    held_elsewhere: float
 
     @property
     def total(self) -> Column:
@@ -154,7 +156,7 @@ class Scores(NamedTuple):
             float(self.tenant_penalty[row]),
             bool(self.spilled[row]),
             float(self.copy_penalty[row]),
-            int(self.copied_tokens[row]),
+            int(max(self.held_elsewhere - self.cached_tokens[row], 0.0)),
         )
 
 
@@ -259,12 +261,15 @@ def score_candidates(
     # a slower tier or computed: what a hit on a slower tier saves is its tier credit
     # alone. Of those tokens, the ones no tier of this worker holds and another eligible
     # worker does are a copy, priced apart.
-    on_device = np.minimum(facts.matched_tokens[:, _DEVICE], prompt)
     believed = allowed & ~facts.suspect  # a suspect worker's entries count for nothing
-    held_elsewhere = float(cached[believed].max()) if believed.any() else 0.0
-    copied = np.maximum(held_elsewhere - cached, 0.0)
-    memory = pressure * (prompt - on_device - copied) * weights.memory_pressure_weight
-    copy = pressure * copied * weights.copy_pressure_weight
+    held_elsewhere = float(np.max(cached, where=believed, initial=0.0))
+    if pressure.any():
+        on_device = np.minimum(facts.matched_tokens[:, _DEVICE], prompt)
+        copied = np.maximum(held_elsewhere - cached, 0.0)
+        memory = pressure * (prompt - on_device - copied) * weights.memory_pressure_weight
+        copy = pressure * copied * weights.copy_pressure_weight
+    else:  # a calm fleet (the common case): no eviction to price, and no numpy to spend
+        memory = copy = np.zeros(len(cached))
     tenant = np.zeros(len(facts.worker_ids))
     if request.isolation == "private":
         tenant += facts.other_tenants_running * weights.co_residence_tokens
@@ -275,7 +280,16 @@ def score_candidates(
             ]
             tenant += np.array(missing, dtype=np.float64) * weights.missing_label_tokens
     return Scores(
-        facts.worker_ids, cached, saved, queue, memory, tenant, allowed, spilled, copy, copied
+        facts.worker_ids,
+        cached,
+        saved,
+        queue,
+        memory,
+        tenant,
+        allowed,
+        spilled,
+        copy,
+        held_elsewhere,
     )
 
 

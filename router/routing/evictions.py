@@ -129,16 +129,17 @@ class RecentRemovals:
 
     def removed_run(self, keys: Sequence[BlockKey], start: int, stop: int, before: float) -> int:
         """How many of `keys[start:stop]`, from the first, were removed at or before
-        `before`: it stops at the first key that was not. A key removed before and again
-        after `before` within one generation keeps only its later time, and is missed."""
+        `before`: it stops at the first key that was not. A key's older time is its
+        earlier one; a key removed before and again after `before` within one generation
+        keeps only its later time, and is missed."""
         newer, older = self._newer, self._older
         run = 0
         for position in range(start, stop):
             key = keys[position]
-            earlier = older.get(key)
-            if earlier is None or earlier > before:
-                earlier = newer.get(key)
-                if earlier is None or earlier > before:
-                    break
+            removed_at = older.get(key)
+            if removed_at is None:
+                removed_at = newer.get(key)
+            if removed_at is None or removed_at > before:
+                break
             run += 1
         return run

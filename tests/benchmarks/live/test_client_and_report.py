@@ -70,6 +70,37 @@ def test_tables_show_every_run_and_say_why_a_router_has_no_figures() -> None:
     assert "smg round_robin: tenants" not in table
 
 
+def test_an_eviction_points_table_shows_the_distinct_blocks_per_tier() -> None:
+    def evicting(router: str, situation: str, **blocks: int) -> CellResult:
+        result = _cell(router, 1, engine_hit_rate=0.5, distinct_blocks=2000, held_blocks=2010)
+        result.workload, result.load, result.situation = "zipf-96", "moderate", situation
+        for name, value in blocks.items():
+            setattr(result, name, value)
+        return result
+
+    device_only = render_tables([evicting("kvplane kvplane", "eviction")])
+    assert "distinct blocks" in device_only
+    assert "2000" in device_only
+    assert "CPU distinct" not in device_only
+    tiered = render_tables(
+        [
+            evicting(
+                "kvplane kvplane",
+                "eviction-cpu",
+                host_held_blocks=4096,
+                host_distinct_blocks=4090,
+                distinct_blocks_any_tier=4121,
+            )
+        ]
+    )
+    assert "CPU distinct" in tiered
+    assert "distinct either" in tiered
+    assert "4090" in tiered
+    assert "4121" in tiered
+    # Elsewhere the columns stay out of the table.
+    assert "distinct blocks" not in render_tables([_cell("kvplane kvplane", 1)])
+
+
 def test_the_markdown_summary_has_a_column_per_load_and_per_situation() -> None:
     def at(router: str, run: int, load: str, situation: str = "steady") -> CellResult:
         result = _cell(router, run, engine_hit_rate=0.5 + run / 10, ttft_p90_ms=100.0 * run)

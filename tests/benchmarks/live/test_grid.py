@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from benchmarks.live.engines import EngineShape
 from benchmarks.live.grid import PROFILES, cells, select, traffic_seconds
 from benchmarks.live.routers import ROUTERS
 
@@ -44,6 +45,14 @@ def test_the_full_grid_runs_eviction_on_a_working_set_larger_than_the_cache() ->
         ("zipf-96", "moderate", 8.0)
     }
     assert traffic_seconds(PROFILES["full"].duration_s, "zipf-96") == 30.0
+    # Only eviction-cpu's engines have a CPU tier, and only there runs kvplane without
+    # its tier credit.
+    for cell in full:
+        tiered = cell.situation == "eviction-cpu"
+        assert (cell.shape(EngineShape()).cpu_offload_blocks > 0) == tiered
+        if cell.router.name == "kvplane no-tier-credit":
+            assert tiered
+    assert any(cell.router.name == "kvplane no-tier-credit" for cell in evicting)
     assert {cell.load for cell in full if cell.situation == "steady"} == {
         "light",
         "medium",

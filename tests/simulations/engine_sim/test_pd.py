@@ -313,13 +313,21 @@ async def test_a_decode_leg_waits_for_blocks_held_by_running_requests_then_pulls
     assert stages == {"waiting_to_start": 0, "in_progress": 0, "completed_waiting": 0}
 
 
+def pulled_in(transfer_s: float) -> dict[str, float]:
+    """A decode engine's transfer model under which PROMPT's full blocks take
+    `transfer_s` to pull."""
+    return {
+        "kv_bytes_per_token": 1000,
+        "kv_transfer_bytes_per_s": full_blocks(PROMPT) * BLOCK * 1000 / transfer_s,
+    }
+
+
 async def test_pulled_blocks_belong_to_the_decode_leg_until_it_runs() -> None:
-    transfer_s = 0.6  # the filler reaches its 7th block about 1.6 s after it starts
     decode_settings = {
         **SMALL_SLOW_DECODE,
         "max_num_seqs": 1,  # a running request keeps the pulled leg waiting
-        "kv_bytes_per_token": 1000,
-        "kv_transfer_bytes_per_s": full_blocks(PROMPT) * BLOCK * 1000 / transfer_s,
+        # the filler reaches its 7th block about 1.6 s after it starts
+        **pulled_in(0.6),
     }
     # 5 full blocks, growing to 7: more than the cache has beside the leg's 4 (and the
     # one it reserves for its last tokens).
@@ -384,12 +392,7 @@ async def test_pulled_blocks_belong_to_the_decode_leg_until_it_runs() -> None:
 
 
 async def test_a_leg_aborted_while_its_kv_arrives_frees_its_blocks_when_the_transfer_ends() -> None:
-    transfer_s = 1.5
-    decode_settings = {
-        "time_scale": 1.0,
-        "kv_bytes_per_token": 1000,
-        "kv_transfer_bytes_per_s": full_blocks(PROMPT) * BLOCK * 1000 / transfer_s,
-    }
+    decode_settings = {"time_scale": 1.0, **pulled_in(1.5)}
     async with pd_pair(decode=decode_settings) as (prefill, decode, decode_sim):
         params = await transfer_params(prefill, PROMPT)
         leg = asyncio.create_task(decode_leg(decode, PROMPT, params))
@@ -611,12 +614,7 @@ async def test_the_metric_families_tell_a_producer_from_a_consumer_as_vllms_do()
 
 
 async def test_the_fetch_gauge_counts_a_decode_leg_while_it_pulls() -> None:
-    transfer_s = 0.5
-    decode_settings = {
-        "time_scale": 1.0,
-        "kv_bytes_per_token": 1000,
-        "kv_transfer_bytes_per_s": full_blocks(PROMPT) * BLOCK * 1000 / transfer_s,
-    }
+    decode_settings = {"time_scale": 1.0, **pulled_in(0.5)}
     fetch = "vllm:num_requests_kv_fetch_by_stage"
     async with pd_pair(decode=decode_settings) as (prefill, decode, _):
         params = await transfer_params(prefill, PROMPT)

@@ -26,8 +26,9 @@ from kvplane.core.types import BlocksRemoved, Tier
 from router.control_plane.service import ControlPlaneService
 from router.control_plane.workers import WorkerView
 from router.fleet_api import FleetApi, fleet_page_routes
+from router.flow_control import FlowGate
 from router.http import create_http_app
-from router.index.base import LocationIndex
+from router.index.base import LocationIndex, SharedFlowState
 from router.index.instrumented import InstrumentedIndex
 from router.lifecycle import AnswerAccounting, RequestFlow
 from router.lifecycle.tokens import PromptTokens
@@ -138,6 +139,17 @@ def assemble_router(
         clock=clock,
     )
     upstream = Upstream(proxy_settings)
+    gate = (
+        FlowGate(
+            settings.flow_control,
+            pool,
+            metrics,
+            shared=backend if isinstance(backend, SharedFlowState) else None,
+            clock=clock,
+        )
+        if settings.flow_control.enabled
+        else None
+    )
     flow = RequestFlow(
         settings=proxy_settings,
         tenants=tenants,
@@ -155,6 +167,7 @@ def assemble_router(
         ),
         metrics=metrics,
         tracer=tracer,
+        gate=gate,
         clock=clock,
     )
     proxy = ProxyService(flow=flow, pool=pool, upstream=upstream, metrics=metrics)
@@ -247,6 +260,7 @@ def assemble_router(
                 pool.refresh_forever, REGISTRY_REFRESH_S, proxy_settings.index_timeout_s * 4
             ),
             functools.partial(follow_scope_generations, index, tenants),
+            *([] if gate is None else [gate.run_forever]),
         ],
     )
 

@@ -192,6 +192,34 @@ class RouterMetrics:
             buckets=_TTFB_BUCKETS,
             registry=r,
         )
+        # Flow control (router/flow_control): requests waiting for saturated engines.
+        self.flow_queued = Gauge(
+            "kvplane_flow_queued_requests",
+            "Requests waiting in the router for their model's engines to make room, by band",
+            ["model", "band"],
+            registry=r,
+        )
+        self.flow_wait_seconds = Histogram(
+            "kvplane_flow_wait_seconds",
+            "Time requests of a saturated model waited in the router (shed ones included)",
+            ["band", "tenant"],
+            buckets=_TTFB_BUCKETS,
+            registry=r,
+        )
+        self.flow_shed = Counter(
+            "kvplane_flow_shed",
+            "Requests shed with a 429 by flow control, by tenant and reason",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.flow_service_tokens = Counter(
+            "kvplane_flow_service_tokens",
+            "Service each tenant had, in flow control's cost units (prompt tokens computed "
+            "x input_token_cost, generated x output_token_cost): its share is its rate "
+            "over all tenants'",
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.predicted_cached_tokens = Counter(
             "kvplane_predicted_cached_tokens",
             "Cached prompt tokens the router predicted, for requests whose engine reported",

@@ -56,6 +56,11 @@ class Tenant:
     required_labels: Mapping[str, str] = field(default_factory=dict)
     pool: str | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Flow control (router/flow_control): its band, the highest band its requests' header
+    # may ask (None: the header is ignored), its share of a band.
+    priority: int = 0
+    max_priority: int | None = None
+    share: float = 1.0
 
 
 ANONYMOUS_TENANT = Tenant(name=ANONYMOUS, cache_scope=SHARED_SCOPE, cache_salt=None)
@@ -124,6 +129,9 @@ class TenantDirectory:
                 required_labels=dict(spec.required_labels),
                 pool=spec.pool,
                 limits=spec.limits,
+                priority=spec.priority,
+                max_priority=spec.max_priority,
+                share=spec.share,
             )
             by_name[spec.name] = tenant
             by_digest.update(dict.fromkeys(spec.api_key_sha256, tenant))

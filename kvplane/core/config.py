@@ -226,6 +226,35 @@ class ProxySettings(_Section):
     token_cache_tokens: int = Field(default=2_000_000, ge=0)
 
 
+class FlowControlSettings(_Section):
+    """Requests wait in the router while a model's engines are saturated, in priority
+    bands, tenants sharing each band by what they cost (docs/router.md "Flow control")."""
+
+    enabled: bool = False
+    # A worker can take a request while fewer than this wait in its engine's queue (as
+    # its engine reports it, plus what was sent since); a model whose every worker is at
+    # it is saturated, and its requests wait here. 0: a worker whose engine queues any.
+    max_engine_waiting: int = Field(default=2, ge=0)
+    # A worker whose KV cache is this full takes no more (a new request would evict or
+    # preempt there); 1.0 leaves it to the queue alone.
+    max_kv_usage: float = Field(default=1.0, gt=0, le=1)
+    max_queued_requests: int = Field(default=1024, ge=0)  # waiting here, per model
+    max_wait_s: float = Field(default=60.0, gt=0)  # past it, shed (queue_timeout)
+    # What a tenant's service costs, per token, on its virtual counter: prompt tokens
+    # not predicted cached at dispatch, generated tokens as they stream.
+    input_token_cost: float = Field(default=1.0, ge=0)
+    output_token_cost: float = Field(default=2.0, ge=0)
+    # Within a tenant: first come first served, or earliest deadline first (requests
+    # without a deadline last, in arrival order).
+    order: Literal["fcfs", "deadline"] = "fcfs"
+    # Shared by router replicas on a Redis index: tenants' counters, which tenants wait
+    # where, the router's traffic at each worker. Re-read this often while any waits.
+    shared_refresh_s: float = Field(default=0.05, gt=0)
+    # Tenants' counters are read as this much service apart before one's turn is
+    # another's: a request's worth, so that two routers do not trade turns every token.
+    fairness_slack_tokens: float = Field(default=2048.0, ge=0)
+
+
 class DisaggregationSettings(_Section):
     """Prefill/decode disaggregation, for models whose workers register a KV connector
     (docs/pd-disaggregation.md). The costs are in seconds, with the prefill rate and KV
@@ -306,6 +335,12 @@ class TenantSpec(_Section):
     required_labels: dict[str, str] = Field(default_factory=dict)  # `private`: soft
     pool: str | None = None  # `dedicated`: only workers labelled kvplane.io/pool=<pool>
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    # Flow control (FlowControlSettings): the band its requests wait in (higher first;
+    # below 0, shed first), the highest a request's `x-kvplane-priority` may ask (None:
+    # the header is ignored), and its share of a band against the band's other tenants.
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    max_priority: int | None = Field(default=None, ge=-1000, le=1000)
+    share: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> TenantSpec:
@@ -498,6 +533,7 @@ class Settings(BaseSettings):
     proxy: ProxySettings = ProxySettings()
     picker: PickerSettings = PickerSettings()
     disaggregation: DisaggregationSettings = DisaggregationSettings()
+    flow_control: FlowControlSettings = FlowControlSettings()
     tenants: TenantSettings = TenantSettings()
     agent: AgentSettings = AgentSettings()
     tracing: TracingSettings = TracingSettings()

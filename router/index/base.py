@@ -34,7 +34,7 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvplane.core.keys import BlockKey
 from kvplane.core.types import KvEvent, Tier, WorkerInfo
@@ -130,6 +130,39 @@ async def index_deadline(timeout_s: float) -> AsyncIterator[None]:
                 f"the location index gave no answer within {timeout_s:g} s"
             ) from None
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class CounterChanges:
+    """One model's changes to flow control's virtual counters since the last exchange."""
+
+    charges: Mapping[str, float]  # tenant -> amount added
+    clamps: Sequence[tuple[str, float, float]]  # (tenant, low, high), applied after
+
+
+@dataclass(frozen=True, slots=True)
+class FlowExchanged:
+    """What router replicas share for flow control, as of one exchange."""
+
+    states: dict[str, bytes]  # router id -> the state it last put (this one's included)
+    counters: dict[str, dict[str, float]]  # model -> tenant -> virtual counter
+
+
+@runtime_checkable
+class SharedFlowState(Protocol):
+    """A store router replicas exchange flow control's state through (router/
+    flow_control/shared.py): the Redis index is one; an index in one process is not."""
+
+    async def exchange_flow(
+        self,
+        router_id: str,
+        state: bytes,
+        ttl_s: float,
+        changes: Mapping[str, CounterChanges],
+    ) -> FlowExchanged:
+        """Put this router's `state` (kept `ttl_s` unless put again) and apply its
+        counter `changes` (model -> changes), in one step; returns every live router's
+        state and the counters of the models `changes` names."""
 
 
 class LocationIndex(Protocol):

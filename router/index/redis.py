@@ -60,6 +60,8 @@ from kvplane.core.types import (
 )
 from router.index.base import (
     MAX_POSITION,
+    CounterChanges,
+    FlowExchanged,
     IndexStats,
     IndexTimeout,
     IndexUnavailable,
@@ -167,7 +169,21 @@ _ENLIST = _Script("enlist")
 _LOOKUP = _Script("lookup", flags="no-writes,allow-cross-slot-keys")
 _STATUS = _Script("status", flags="no-writes")
 _HOLDERS = _Script("holders", flags="no-writes")
-_SCRIPTS = (_REGISTER, _RENEW, _APPLY, _EVICT, _DROP, _PURGE, _ENLIST, _LOOKUP, _STATUS, _HOLDERS)
+_FLOW = _Script("flow")
+_SCRIPTS = (
+    _REGISTER,
+    _RENEW,
+    _APPLY,
+    _EVICT,
+    _DROP,
+    _PURGE,
+    _ENLIST,
+    _LOOKUP,
+    _STATUS,
+    _HOLDERS,
+    _FLOW,
+)
+_FLOW_COUNTERS_KEPT_MS = 24 * 3600 * 1000  # a model's counters, once no router charges them
 
 
 class _WorkerKey(NamedTuple):
@@ -560,6 +576,42 @@ class RedisLocationIndex:
     async def bump_scope_generation(self, scope: str) -> int:
         (generation,) = await self._run([("HINCRBY", self._scopes, scope, 1)])
         return int(generation)
+
+    async def exchange_flow(
+        self,
+        router_id: str,
+        state: bytes,
+        ttl_s: float,
+        changes: Mapping[str, CounterChanges],
+    ) -> FlowExchanged:
+        # Every key in one slot (one node of a cluster), so that one script does it all.
+        tag = f"{self._prefix}:{{{self._prefix}:flow}}"
+        models = list(changes)
+        keys = [f"{tag}:states".encode(), f"{tag}:expiries".encode()]
+        keys += [f"{tag}:counters:{model}".encode() for model in models]
+        args: list[bytes | str | int] = [
+            router_id,
+            state,
+            max(1, round(ttl_s * 1000)),
+            _FLOW_COUNTERS_KEPT_MS,
+        ]
+        for model in models:
+            change = changes[model]
+            args.append(len(change.charges))
+            for tenant, amount in change.charges.items():
+                args += [tenant, repr(float(amount))]
+            args.append(len(change.clamps))
+            for tenant, low, high in change.clamps:
+                args += [tenant, repr(float(low)), repr(float(high))]
+        (reply,) = await self._run([_FLOW.call(keys, *args)])
+        states = reply[0]
+        return FlowExchanged(
+            states={states[i].decode(): bytes(states[i + 1]) for i in range(0, len(states), 2)},
+            counters={
+                model: {pairs[i].decode(): float(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+                for model, pairs in zip(models, reply[1:], strict=True)
+            },
+        )
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -225,6 +225,7 @@ class Usage:
 
     cached_tokens: int | None  # None: no prompt_tokens_details (vLLM leaves it out at 0)
     prompt_tokens: int | None = None  # the engine's count; None: it sent none
+    completion_tokens: int | None = None  # what it generated; None: it did not say
 
 
 def response_usage(body: bytes) -> Usage | None:
@@ -244,7 +245,9 @@ def _usage(document: Any) -> Usage | None:
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(_count(cached), _count(usage.get("prompt_tokens")))
+    return Usage(
+        _count(cached), _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    )
 
 
 def _count(value: Any) -> int | None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -26,6 +27,7 @@ from kvplane.core.clock import Clock
 from kvplane.core.config import ProxySettings
 from router.auth import unauthorized
 from router.errors import RequestRefused, unavailable
+from router.flow_control import FlowGate, FlowPass, Placement, placement
 from router.lifecycle.accounting import AnswerAccounting, SentTo
 from router.lifecycle.bodies import (
     BadRequest,
@@ -41,12 +43,17 @@ from router.lifecycle.tokens import PromptLength, PromptStart, PromptTokens, Pro
 from router.metrics import NO_WORKER, RouterMetrics
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.pool import Ticket, WorkerPool
+from router.routing.roster import Rows
 from router.scoring.disaggregation import LegPlan, LegReason
+from router.scoring.score import Flags
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
 from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
+
+WaitWrapper = Callable[[Awaitable[Any]], Awaitable[Any]]
+"""What a front door wraps a wait in (the proxy's ends it when the client leaves)."""
 
 _NO_PREFILL_WARNING_S = 60.0  # a model without prefill workers is said again after this
 
@@ -82,9 +89,11 @@ class RequestFlow:
         accounting: AnswerAccounting,
         metrics: RouterMetrics,
         tracer: Tracer,
+        gate: FlowGate | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.settings = settings
+        self.gate = gate  # None: flow control is off
         self.tenants = tenants
         self.pool = pool
         self.planner = planner
@@ -96,17 +105,28 @@ class RequestFlow:
         self.prompt_tokens = PromptTokens(settings)
         self._no_prefill_warned: dict[str, float] = {}  # model -> when last said
 
-    def admit(self, authorization: str | None) -> RequestLifecycle:
+    def admit(
+        self,
+        authorization: str | None,
+        priority: str | None = None,
+        deadline_ms: str | None = None,
+    ) -> RequestLifecycle:
         """A request's life from here, once its tenant is known and within its limits
         (checked before the body is read: a refusal costs nothing); `close` it however
-        it ends."""
+        it ends. `priority` and `deadline_ms`: its flow control headers, where present."""
         tenant = self.tenants.authenticate(authorization)
         if tenant is None:
             raise self.refused(unauthorized())
+        where = Placement(tenant.priority)
+        if self.gate is not None and (priority is not None or deadline_ms is not None):
+            try:
+                where = placement(tenant, priority, deadline_ms)
+            except RequestRefused as error:
+                raise self.refused(error) from None
         limit = self.limiter.admit(tenant)
         if limit is not None:
             raise self.refused(limit.error())
-        return RequestLifecycle(self, tenant)
+        return RequestLifecycle(self, tenant, where)
 
     def refused(self, error: RequestRefused) -> RequestRefused:
         """`error`, counted: a front door passes every refusal through here."""
@@ -166,10 +186,12 @@ class RequestFlow:
 class RequestLifecycle:
     """One admitted request, until `close`."""
 
-    def __init__(self, flow: RequestFlow, tenant: Tenant) -> None:
+    def __init__(self, flow: RequestFlow, tenant: Tenant, where: Placement) -> None:
         self.flow = flow
         self.tenant = tenant
+        self.placement = where
         self.attempts = 0  # dispatches so far
+        self.flow_pass: FlowPass | None = None  # let through flow control's gate
         self._open: Dispatch | None = None
         self._closed = False
 
@@ -188,11 +210,13 @@ class RequestLifecycle:
         span: trace.Span = trace.INVALID_SPAN,
         *,
         splits: bool = True,
+        waiting_for: WaitWrapper | None = None,
     ) -> RoutedRequest:
-        """Parse, tokenise and decide (`span`: the one `traced` opened); raises a
-        RequestRefused (counted) where the request cannot go anywhere. `splits`: the
-        front door can run a disaggregated request's two legs (else the plan's split is
-        not counted, and the request goes whole to its first-ranked worker)."""
+        """Parse, tokenise, wait for room where flow control holds the model's requests
+        (`waiting_for` wraps the wait), and decide (`span`: the one `traced` opened);
+        raises a RequestRefused (counted) where the request cannot go anywhere. `splits`:
+        the front door can run a disaggregated request's two legs (else the plan's split
+        is not counted, and the request goes whole to its first-ranked worker)."""
         flow, tenant = self.flow, self.tenant
         try:
             parsed = parse_body(raw, endpoint)
@@ -207,8 +231,22 @@ class RequestLifecycle:
         except PromptTooLong as too_long:
             raise flow.refused(BadRequest(str(too_long), outcome="prompt_too_long")) from None
         deferred = start is not None and start.rest is not None
+        if flow.gate is not None and self.flow_pass is None:
+            tokens = 0 if start is None else start.estimated_tokens
+            try:
+                self.flow_pass = await flow.gate.enter(
+                    tenant, parsed.model, self.placement, tokens, waiting_for
+                )
+            except RequestRefused as shed:
+                raise flow.refused(shed) from None
         decision, start = await route_prompt(
-            flow.planner, parsed, tenant, scope, start, length.per_worker
+            flow.planner,
+            parsed,
+            tenant,
+            scope,
+            start,
+            length.per_worker,
+            with_room=None if flow.gate is None else flow.gate.with_room,
         )
         metrics = flow.metrics
         if deferred:
@@ -247,6 +285,8 @@ class RequestLifecycle:
         predicted = decision.predicted_tokens(worker_id)
         # A decode leg computes nothing of the prompt: it pulls what it lacks.
         to_compute = 0 if leg is Leg.DECODE else max(0, decision.prompt_tokens - predicted)
+        if self.flow_pass is not None:
+            self.flow_pass.dispatched(to_compute)
         ticket = flow.pool.sent(
             worker_id,
             self.tenant.name,
@@ -280,6 +320,8 @@ class RequestLifecycle:
                 self._open.abandon()
         finally:
             self.flow.limiter.release(self.tenant)
+            if self.flow_pass is not None:
+                self.flow_pass.close()
 
 
 class Dispatch:
@@ -318,6 +360,13 @@ class Dispatch:
 
     def first_byte(self) -> None:
         self._lifecycle.flow.pool.first_byte(self.ticket)
+
+    def streamed(self, chunk: bytes) -> None:
+        """A chunk of the streamed answer passed (its events' tokens charged as they
+        stream, where flow control is on: one event, one token, as engines send)."""
+        flow_pass = self._lifecycle.flow_pass
+        if flow_pass is not None:
+            flow_pass.generated(chunk.count(b"data:"))
 
     def abandon(self, outcome: str | None = None) -> None:
         """No answer is coming from this worker: its ticket and the prefix predicted
@@ -361,6 +410,9 @@ class Dispatch:
             flow.metrics.child(flow.metrics.prefill_legs, outcome=outcome).inc()
         else:
             flow.count(outcome, self.worker_id)
+        flow_pass = self._lifecycle.flow_pass
+        if flow_pass is not None and usage is not None and usage.completion_tokens is not None:
+            flow_pass.generated(usage.completion_tokens - flow_pass.generated_tokens)
         if status >= 400:
             flow.accounting.failed(self.sent, usage)
             return
@@ -394,10 +446,12 @@ async def route_prompt(
     cache_scope: str,
     start: PromptStart | None,
     counted_as_engines: bool,
+    with_room: Callable[[Rows], Flags] | None = None,
 ) -> tuple[Decision, PromptStart | None]:
     """The decision for a prompt, on its start where that cannot choose otherwise than
     the whole would (Decision.rest_could_change_choice); else its rest is tokenised now
-    and the whole decides. Returns the prompt as decided on."""
+    and the whole decides (`with_room`: flow control's, see RoutingPlanner.decide).
+    Returns the prompt as decided on."""
     for _ in range(2):
         tokens: Sequence[int] = [] if start is None else start.ids
         decision = await planner.decide(
@@ -408,6 +462,7 @@ async def route_prompt(
             counted_as_engines=counted_as_engines,
             more_tokens=0 if start is None else start.estimated_tokens - len(tokens),
             more_tokens_at_most=0 if start is None else start.most_tokens - len(tokens),
+            with_room=with_room,
         )
         if start is None or not decision.rest_could_change_choice():
             break

@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from router.errors import RequestRefused, unavailable
+from router.flow_control import DEADLINE_HEADER, PRIORITY_HEADER
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
 from router.lifecycle.bodies import BadRequest, Endpoint, StreamUsage, response_usage
 from router.picker.protocol import (
@@ -159,7 +160,12 @@ class EndpointPicker:
             raise _Refused(self.flow.refused(BadRequest("the request's headers came twice")))
         exchange.headers = request_headers(message.request_headers)
         try:
-            exchange.lifecycle = self.flow.admit(exchange.headers.get("authorization"))
+            headers = exchange.headers
+            exchange.lifecycle = self.flow.admit(
+                headers.get("authorization"),
+                headers.get(PRIORITY_HEADER),
+                headers.get(DEADLINE_HEADER),
+            )
         except RequestRefused as refused:  # counted
             raise _Refused(refused) from None
         if message.request_headers.end_of_stream:
@@ -277,6 +283,8 @@ class EndpointPicker:
         chunk = message.response_body
         if exchange.streamed:
             exchange.streamed_answer.feed(chunk.body)
+            if exchange.dispatch is not None and self.flow.gate is not None:
+                exchange.dispatch.streamed(chunk.body)
         elif len(exchange.whole_answer) + len(chunk.body) <= _WHOLE_ANSWER_BYTES:
             exchange.whole_answer += chunk.body
         if chunk.end_of_stream:

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from kvplane.core.types import WorkerRole
 from router.auth import UNAUTHORIZED, TenantKey
 from router.errors import RequestRefused, documented, required_header, unavailable
+from router.flow_control import DEADLINE_HEADER, PRIORITY_HEADER, SHED_REASON_HEADER
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
 from router.lifecycle.bodies import (
     BODY_ERRORS,
@@ -109,8 +110,16 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: documented("the engine does not serve the model"),
     413: BODY_ERRORS[413],
     429: documented(
-        "the tenant is over its request rate or its requests in progress",
-        {"retry-after": required_header({"type": "integer", "minimum": 1}, "seconds")},
+        "the tenant is over its request rate or its requests in progress, or flow control "
+        'shed the request (its engines are saturated: docs/router.md "Flow control")',
+        {
+            "retry-after": required_header({"type": "integer", "minimum": 1}, "seconds"),
+            SHED_REASON_HEADER: {
+                "description": "why flow control shed it: queue_full, displaced, "
+                "queue_timeout or deadline",
+                "schema": {"type": "string"},
+            },
+        },
     ),
     503: documented(
         "no live worker, none answered before its first byte, or the router's connections "
@@ -294,7 +303,12 @@ class ProxyService:
 
     async def proxy(self, request: Request, endpoint: Endpoint) -> Response:
         try:
-            lifecycle = self.flow.admit(request.headers.get("authorization"))
+            headers = request.headers
+            lifecycle = self.flow.admit(
+                headers.get("authorization"),
+                headers.get(PRIORITY_HEADER),
+                headers.get(DEADLINE_HEADER),
+            )
         except RequestRefused as refused:
             return refused.response()
         try:
@@ -320,10 +334,18 @@ class ProxyService:
             return Response(status_code=499)
         try:
             with lifecycle.traced(endpoint) as span:
-                routed = await lifecycle.route(raw, endpoint, span)
+                routed = await lifecycle.route(
+                    raw,
+                    endpoint,
+                    span,
+                    waiting_for=functools.partial(_unless_disconnected, request),
+                )
                 return await self._forward(request, lifecycle, routed)
         except RequestRefused as refused:  # counted where raised
             return refused.response()
+        except ClientGone:  # while it waited for room (flow control)
+            self.flow.count("client_disconnected")
+            return Response(status_code=499)
 
     async def _forward(
         self, request: Request, lifecycle: RequestLifecycle, routed: RoutedRequest
@@ -524,8 +546,11 @@ class ProxyService:
         answer = relay.answer
         try:
             chunk = answer.first_chunk
+            streamed = relay.dispatch.streamed if self.flow.gate is not None else None
             while chunk:
                 relay.usage.feed(chunk)
+                if streamed is not None:
+                    streamed(chunk)
                 yield chunk
                 chunk = await answer.next_chunk()
             relay.outcome = outcome

@@ -37,6 +37,7 @@ import numpy as np
 from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerRecord, WorkerView
+from router.flow_control.saturation import EngineQueues, SharedReport, learnt_batch_limit
 from router.index.base import (
     LocationIndex,
     LocationIndexError,
@@ -146,6 +147,10 @@ class WorkerPool:
         self._traffic: dict[str, WorkerTraffic] = {}
         self._unreachable_until: dict[str, float] = {}
         self._drained: set[str] = set()  # by an operator, through this router
+        self._batch_limits: dict[str, float] = {}  # learnt from load reports
+        # What other router replicas shared for flow control (shared_engines).
+        self._others_in_flight: dict[str, int] = {}
+        self._shared_reports: dict[str, SharedReport] = {}
         self._roster = Roster([])
         self._live: dict[str, WorkerInfo] = {}  # the roster's workers, as registered
         self.refreshed_at: float | None = None
@@ -162,6 +167,12 @@ class WorkerPool:
             raise
         self._last_read_failed = False
         self._statuses = {status.info.worker_id: status for status in statuses}
+        if self._batch_limits.keys() - self._statuses.keys():
+            self._batch_limits = {
+                worker_id: limit
+                for worker_id, limit in self._batch_limits.items()
+                if worker_id in self._statuses
+            }
         self.refreshed_at = self._clock()
         live = {
             status.info.worker_id: status.info
@@ -173,6 +184,8 @@ class WorkerPool:
             self._roster = Roster(list(live.values()))
             for worker_id in live:
                 self._rewrite(worker_id)
+            if self._others_in_flight or self._shared_reports:
+                self._write_shared(self._roster)
 
     async def refresh_forever(self, period_s: float, timeout_s: float) -> None:
         while True:
@@ -290,6 +303,77 @@ class WorkerPool:
             max_model_len=roster.max_model_len[rows],
         )
 
+    def engine_queues(self, rows: Rows) -> EngineQueues:
+        """What flow control reads of the roster's `rows`' engines (read the roster and
+        its rows together, with no await between): this router's reports, else another
+        replica's."""
+        roster = self._roster
+        own = roster.reported[rows]
+        in_flight = roster.in_flight[rows]
+        if not self._shared_reports and not self._others_in_flight:
+            return EngineQueues(
+                reported=own,
+                running=roster.report_running[rows],
+                waiting=roster.report_waiting[rows],
+                traffic_since_report=in_flight - roster.in_flight_at_report[rows],
+                batch_limit=roster.batch_limit[rows],
+                kv_usage=roster.kv_usage[rows],
+                in_flight=in_flight,
+            )
+        shared = roster.shared_reported[rows] & ~own
+        return EngineQueues(
+            reported=own | shared,
+            running=np.where(shared, roster.shared_running[rows], roster.report_running[rows]),
+            waiting=np.where(shared, roster.shared_waiting[rows], roster.report_waiting[rows]),
+            traffic_since_report=np.where(
+                shared, 0.0, in_flight - roster.in_flight_at_report[rows]
+            ),
+            batch_limit=np.where(shared, roster.shared_batch_limit[rows], roster.batch_limit[rows]),
+            kv_usage=np.where(shared, roster.shared_kv_usage[rows], roster.kv_usage[rows]),
+            in_flight=in_flight + roster.others_in_flight[rows],
+        )
+
+    def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]:
+        """What this router shares with its replicas: its requests in flight at each
+        worker, and the load reports its agents send (with each batch limit learnt)."""
+        roster = self.roster
+        in_flight = {
+            worker_id: traffic.in_flight
+            for worker_id, traffic in self._traffic.items()
+            if traffic.in_flight > 0
+        }
+        reports = {
+            roster.infos[row].worker_id: SharedReport(
+                running=float(roster.report_running[row]),
+                waiting=float(roster.report_waiting[row]),
+                kv_usage=float(roster.kv_usage[row]),
+                batch_limit=float(roster.batch_limit[row]),
+            )
+            for row in np.flatnonzero(roster.reported)
+        }
+        return in_flight, reports
+
+    def shared_engines(
+        self, others_in_flight: dict[str, int], reports: dict[str, SharedReport]
+    ) -> None:
+        """What the other replicas shared, as of their last exchange (empty: nothing)."""
+        self._others_in_flight, self._shared_reports = others_in_flight, reports
+        self._write_shared(self._roster)
+
+    def _write_shared(self, roster: Roster) -> None:
+        others, reports = self._others_in_flight, self._shared_reports
+        ids = roster.worker_ids
+        roster.others_in_flight[:] = [others.get(worker_id, 0) for worker_id in ids]
+        shared = [reports.get(worker_id) for worker_id in ids]
+        roster.shared_reported[:] = [report is not None for report in shared]
+        for column, field_name in (
+            (roster.shared_running, "running"),
+            (roster.shared_waiting, "waiting"),
+            (roster.shared_kv_usage, "kv_usage"),
+        ):
+            column[:] = [0.0 if r is None else getattr(r, field_name) for r in shared]
+        roster.shared_batch_limit[:] = [np.inf if r is None else r.batch_limit for r in shared]
+
     def drain(self, worker_id: str, *, drained: bool) -> None:
         """An operator's drain (or its end): no new requests go there meanwhile."""
         if drained:
@@ -397,6 +481,12 @@ class WorkerPool:
         roster.gone_in_view[row] = record is not None and record.state is not WorkerState.LIVE
         roster.unreachable_until[row] = self._unreachable_until.get(worker_id, 0.0)
         roster.reported[row] = load is not None and received_at is not None
+        if load is not None and received_at != roster.report_received_at[row]:  # a new one
+            roster.in_flight_at_report[row] = traffic.in_flight
+            limit = learnt_batch_limit(
+                self._batch_limits.get(worker_id, np.inf), load.running, load.waiting
+            )
+            self._batch_limits[worker_id] = roster.batch_limit[row] = limit
         roster.report_waiting[row] = load.waiting if load is not None else 0
         roster.report_running[row] = load.running if load is not None else 0
         roster.kv_usage[row] = load.kv_usage if load is not None else 0.0

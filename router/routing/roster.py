@@ -80,6 +80,17 @@ class Roster:
         self.report_waiting = zeros()
         self.report_running = zeros()
         self.kv_usage = zeros()
+        # Flow control's reading of the engine's queue (router/flow_control/saturation.py).
+        self.in_flight_at_report = zeros()  # this router's in flight when the report came
+        self.batch_limit = np.full(count, np.inf)  # inf: not learnt
+        # What other router replicas shared (router/flow_control/shared.py): their
+        # requests in flight there, and the load report of one whose agent reports there.
+        self.others_in_flight = zeros()
+        self.shared_reported = flags()
+        self.shared_running = zeros()
+        self.shared_waiting = zeros()
+        self.shared_kv_usage = zeros()
+        self.shared_batch_limit = np.full(count, np.inf)
         # This router's traffic to it.
         self.in_flight = zeros()
         self.prefilling = zeros()

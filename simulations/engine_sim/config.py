@@ -197,6 +197,12 @@ class EngineSimConfig(BaseSettings):
     # Scheduling (vLLM's flags).
     max_num_seqs: int = Field(256, ge=1, description="most requests running at once")
     max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one step")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: requests are served in order of arrival, and a request's "
+        "priority is ignored; priority: by the request's priority (lower first), then "
+        "arrival, and the running request with the largest is preempted first",
+    )
 
     # Timing model (simulator only): see simulations/engine_sim/timing.py.
     time_scale: float = Field(

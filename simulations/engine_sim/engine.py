@@ -53,7 +53,7 @@ from simulations.engine_sim.metrics import (
 from simulations.engine_sim.offload import CPUTier, OffloadingConnector
 from simulations.engine_sim.offload_copies import OffloadCopies, TierCopy, counted_loads
 from simulations.engine_sim.publisher import EventPublisher
-from simulations.engine_sim.request import RequestStatus, SimRequest
+from simulations.engine_sim.request import RequestStatus, SimRequest, priority_order
 from simulations.engine_sim.scheduler import (
     RequestProgress,
     ScheduledStep,
@@ -93,7 +93,11 @@ class SimEngine:
                 prefix_caching=config.enable_prefix_caching,
             )
         self.scheduler: Scheduler[SimRequest] = Scheduler(
-            self.kv_cache, config.limits, sampler_over(output_token_ids), self.offload
+            self.kv_cache,
+            config.limits,
+            sampler_over(output_token_ids),
+            self.offload,
+            priority_order if config.scheduling_policy == "priority" else None,
         )
         self.copies: OffloadCopies[SimRequest] | None = None
         if self.offload is not None:
@@ -128,6 +132,7 @@ class SimEngine:
         lora_name: str | None,
         cache_salt: str | None,
         sampling_seed: int,
+        priority: int = 0,
         remote_decode: bool = False,
     ) -> SimRequest:
         return SimRequest(
@@ -139,6 +144,7 @@ class SimEngine:
             lora_name=lora_name,
             cache_salt=cache_salt,
             arrival_time=time.monotonic(),
+            priority=priority,
             sampling_seed=sampling_seed,
             remote_decode=remote_decode,
         )

@@ -54,7 +54,8 @@ class _GenerationRequest(_OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     user: str | None = None
-    # Echoed by the render endpoints; generation has no priority scheduling to apply it.
+    # Lower is served first with --scheduling-policy priority; ignored otherwise, as
+    # vLLM 0.32 ignores it (its description promises an error that no code raises).
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     request_id: str | None = None  # the render endpoints' ids build on it, as vLLM's do
     # P/D legs (kv_transfer.py); read only when the engine has a KV connector, as in vLLM.

@@ -29,6 +29,8 @@ class SimRequest:
     lora_name: str | None = None
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    # Lower is served first, with --scheduling-policy priority (vLLM's field).
+    priority: int = 0
     sampling_seed: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -97,3 +99,9 @@ class SimRequest:
         self.output_token_ids.append(token_id)
         if self.num_tokens % self.hasher.block_size == 0:
             self.hasher.update(self.prompt_token_ids + self.output_token_ids)
+
+
+def priority_order(request: SimRequest) -> tuple[int, float]:
+    """Where a request waits with --scheduling-policy priority: by its priority (lower
+    first), then by its arrival, as vLLM orders them."""
+    return request.priority, request.arrival_time

@@ -1,4 +1,5 @@
-"""Continuous batching, as vLLM v1's scheduler does it (first come, first served).
+"""Continuous batching, as vLLM v1's scheduler does it (vLLM 0.32's
+`v1/core/sched/scheduler.py`), first come, first served or by priority.
 
 Each step has a budget of `max_num_batched_tokens`. Running requests are served first:
 one token each while decoding, the next chunk while still reading a long prompt. When a
@@ -21,10 +22,19 @@ A connector that holds KV of its own (a `KVLoader`: the CPU tier of offload.py) 
 as vLLM asks its connector, how many blocks past a new request's local hit it can load;
 those load the same way. While it cannot tell yet, the request is passed over this step
 (vLLM's `skip_request`) and keeps its place.
+
+With a priority order (vLLM's `--scheduling-policy priority`), both waiting queues are
+kept in (priority, arrival) order, lowest first, preempted requests included (vLLM's
+`PriorityRequestQueue`); and when a running request cannot get a block, the running
+request with the largest (priority, arrival) is preempted instead of the latest admitted,
+even one the step had scheduled already, which gives its tokens back. As in vLLM, a
+waiting request never preempts a running one: with `max_num_seqs` running or its blocks
+short, it waits, whatever its priority.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +116,12 @@ class RequestTooLarge(ValueError):
     """The request could never run: even alone it needs more blocks than the cache has."""
 
 
+# A request's place in priority scheduling: its (priority, arrival time), as vLLM's
+# `Request.__lt__` orders them (it then breaks ties by request id; the simulator by
+# arrival in the queue).
+PriorityOrder = Callable[[R], tuple[int, float]]
+
+
 class Scheduler(Generic[R]):
     def __init__(
         self,
@@ -113,11 +129,15 @@ class Scheduler(Generic[R]):
         limits: SchedulerLimits,
         sample_token: Callable[[R], int],
         loader: KVLoader[R] | None = None,
+        priority_order: PriorityOrder[R] | None = None,
     ) -> None:
+        """`priority_order`: schedule by priority (vLLM's `--scheduling-policy
+        priority`) in this order; None: first come, first served (vLLM's default)."""
         self.kv_cache = kv_cache
         self.limits = limits
         self._sample_token = sample_token
         self._loader = loader
+        self._priority_order = priority_order
         self.waiting: deque[R] = deque()
         self.running: list[R] = []
         self.num_preemptions = 0
@@ -157,7 +177,7 @@ class Scheduler(Generic[R]):
         KV load can bring (those it does not hold when its turn comes)."""
         self.check_fits(request.num_prompt_tokens + request.max_tokens)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
         if remote_blocks is not None:
             self._remote_blocks[request] = remote_blocks
 
@@ -191,7 +211,7 @@ class Scheduler(Generic[R]):
         if failed:
             request.num_computed_tokens = 0
         self.kv_fetch_stages[request] = KV_FETCH_COMPLETED_WAITING
-        self.loaded.append(request)
+        self._enqueue(self.loaded, request)
 
     def fail_load(self, request: R) -> None:
         """A decode leg's KV load failed and so does the request (vLLM's fail policy):
@@ -216,11 +236,14 @@ class Scheduler(Generic[R]):
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, count, step):
+            given_back = self._allocate_or_preempt(request, count, step)
+            if given_back is None:
                 break  # the request itself was preempted
             step.tokens[request] = count
-            budget -= count
-            index += 1
+            # Requests scheduled earlier in the step and then preempted (priority mode)
+            # give back their tokens, and their places before this one.
+            budget += sum(given_back) - count
+            index += 1 - len(given_back)
 
         passed_over: list[R] = []
         # vLLM admits nobody in a step that had to preempt: memory is short.
@@ -349,19 +372,52 @@ class Scheduler(Generic[R]):
         self.kv_cache.free(request)
         return True
 
-    def _allocate_or_preempt(self, request: R, count: int, step: ScheduledStep[R]) -> bool:
+    def _enqueue(self, queue: deque[R], request: R, *, front: bool = False) -> None:
+        """Put a request in a waiting queue: at the back, or at the front (a preempted
+        request, first served again); in priority mode at its place in the order (vLLM's
+        heap), preempted or not."""
+        if self._priority_order is not None:
+            bisect.insort(queue, request, key=self._priority_order)
+        elif front:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
+
+    def _allocate_or_preempt(
+        self, request: R, count: int, step: ScheduledStep[R]
+    ) -> list[int] | None:
+        """Blocks for `count` more tokens of a running request, preempting others until
+        they fit. Returns the tokens the step had scheduled for the requests preempted
+        (priority mode can preempt one it scheduled already), or None if the request
+        itself was preempted."""
+        given_back = []
         while not self.kv_cache.allocate_slots(request, count):
-            victim = self.running.pop()
-            self.kv_cache.free(victim)
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            self.waiting.appendleft(victim)
-            step.num_preempted += 1
-            self.num_preemptions += 1
+            victim = self._preempt(step)
             if victim is request:
-                return False
-        return True
+                return None
+            scheduled = step.tokens.pop(victim, None)
+            if scheduled is not None:
+                given_back.append(scheduled)
+        return given_back
+
+    def _preempt(self, step: ScheduledStep[R]) -> R:
+        """Preempt vLLM's victim: the latest admitted running request, or in priority
+        mode the one with the largest (priority, arrival) (the first of equals). Its
+        blocks are freed; it waits, to be computed again."""
+        order = self._priority_order
+        if order is None:
+            victim = self.running.pop()
+        else:
+            victim = max(self.running, key=order)
+            self.running.remove(victim)
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._enqueue(self.waiting, victim, front=True)
+        step.num_preempted += 1
+        self.num_preemptions += 1
+        return victim
 
     @staticmethod
     def _work(step: ScheduledStep[R]) -> StepWork:

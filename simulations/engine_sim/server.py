@@ -88,6 +88,10 @@ _UNTRUSTED_TEMPLATE = (
     "Refused request with untrusted chat template."
 )
 
+# vLLM 0.32 takes a request's priority from this header over the body's field
+# (vllm/entrypoints/generate/base/serving.py).
+_PRIORITY_HEADER = "x-vllm-priority"
+
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 
@@ -152,6 +156,7 @@ class _Admitted:
     prompt_token_ids: list[int]
     max_tokens: int
     cache_salt: str | None
+    priority: int
     seed: int | None
     stream: bool
     include_usage: bool
@@ -189,7 +194,7 @@ def create_engine_app(
             for prompt in _completion_prompts(parsed)
         ]
 
-    def admit(body: Any, chat: bool) -> _Admitted:
+    def admit(body: Any, chat: bool, priority_header: str | None) -> _Admitted:
         parsed = _parse(body, chat)
         model, lora_name = _resolve_model(parsed.model, config)
         batch = prompts(parsed)
@@ -211,6 +216,7 @@ def create_engine_app(
             prompt_token_ids=tokens,
             max_tokens=max_tokens,
             cache_salt=parsed.cache_salt,
+            priority=_priority(parsed, priority_header),
             seed=parsed.seed,
             stream=parsed.stream,
             include_usage=parsed.include_usage,
@@ -225,7 +231,7 @@ def create_engine_app(
         if not engine.alive:
             return _error("the engine has failed", 503, "ServiceUnavailableError")
         try:
-            admitted = admit(await _json_body(request), chat)
+            admitted = admit(await _json_body(request), chat, request.headers.get(_PRIORITY_HEADER))
         except RequestError as error:
             return _request_error(error)
         requests_seen += 1
@@ -239,6 +245,7 @@ def create_engine_app(
             lora_name=admitted.lora_name,
             cache_salt=admitted.cache_salt,
             sampling_seed=_sampling_seed(admitted, config.seed),
+            priority=admitted.priority,
             remote_decode=admitted.remote_decode,
         )
         sim_request.remote_prefill_cached_tokens = admitted.remote_prefill_cached_tokens
@@ -545,6 +552,16 @@ def _check_vocabulary(tokens: list[int], vocab_size: int) -> None:
         raise RequestError("The prompt cannot be empty.")
     if any(token >= vocab_size for token in tokens):
         raise RequestError(f"Token id out of vocabulary (vocabulary size {vocab_size}).")
+
+
+def _priority(parsed: GenerationRequest, header: str | None) -> int:
+    """vLLM 0.32's `_get_priority`: the header's value if it reads as an integer, else
+    the body's. Neither is refused without --scheduling-policy priority: vLLM 0.32
+    checks neither against the policy, and its FCFS queue never reads them."""
+    if header is not None:
+        with contextlib.suppress(ValueError):
+            return int(header)
+    return parsed.priority
 
 
 def _header_request_id(request: Request) -> str | None:

@@ -1,4 +1,5 @@
-"""Continuous batching: budgets, chunked prefill, waiting, preemption, timing input."""
+"""Continuous batching: budgets, chunked prefill, waiting, preemption, priority
+scheduling, timing input."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from simulations.engine_sim.block_hash import none_hash
 from simulations.engine_sim.block_pool import BlockPool
 from simulations.engine_sim.kv_cache_manager import KVCacheManager
-from simulations.engine_sim.request import RequestStatus, SimRequest
+from simulations.engine_sim.request import RequestStatus, SimRequest, priority_order
 from simulations.engine_sim.scheduler import (
     RequestTooLarge,
     Scheduler,
@@ -19,18 +20,37 @@ from simulations.engine_sim.timing import StepWork, TimingModel, step_seconds
 BLOCK = 4
 
 
-def make_scheduler(num_blocks: int, max_seqs: int = 8, max_tokens: int = 64) -> Scheduler:
+def make_scheduler(
+    num_blocks: int, max_seqs: int = 8, max_tokens: int = 64, policy: str = "fcfs"
+) -> Scheduler[SimRequest]:
     manager = KVCacheManager(BlockPool(num_blocks), BLOCK)
-    return Scheduler(manager, SchedulerLimits(max_seqs, max_tokens), sampler_over([7]))
-
-
-def request(request_id: str, prompt_len: int, max_tokens: int, first: int = 0) -> SimRequest:
-    return SimRequest(
-        request_id, list(range(first, first + prompt_len)), max_tokens, BLOCK, none_hash()
+    order = priority_order if policy == "priority" else None
+    return Scheduler(
+        manager, SchedulerLimits(max_seqs, max_tokens), sampler_over([7]), priority_order=order
     )
 
 
-def run_to_end(scheduler: Scheduler) -> int:
+def request(
+    request_id: str,
+    prompt_len: int,
+    max_tokens: int,
+    first: int = 0,
+    *,
+    priority: int = 0,
+    arrival: float = 0.0,
+) -> SimRequest:
+    return SimRequest(
+        request_id,
+        list(range(first, first + prompt_len)),
+        max_tokens,
+        BLOCK,
+        none_hash(),
+        arrival_time=arrival,
+        priority=priority,
+    )
+
+
+def run_to_end(scheduler: Scheduler[SimRequest]) -> int:
     steps = 0
     while scheduler.has_work:
         step = scheduler.schedule()
@@ -100,6 +120,55 @@ def test_running_out_of_blocks_preempts_the_last_admitted_request() -> None:
     assert first.status is second.status is RequestStatus.FINISHED
     assert len(second.output_token_ids) == 6
     assert scheduler.num_preemptions >= 1
+
+
+def test_priority_scheduling_orders_the_waiting_queue_by_priority_then_arrival() -> None:
+    scheduler = make_scheduler(64, max_seqs=1, policy="priority")
+    for arrival, (name, priority) in enumerate([("a", 3), ("b", 1), ("c", 1), ("d", -2)]):
+        scheduler.add(request(name, 4, 1, first=10 * arrival, priority=priority, arrival=arrival))
+    assert [queued.request_id for queued in scheduler.waiting] == ["d", "b", "c", "a"]
+    served = []
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        served += [request.request_id for request in step.tokens]
+        scheduler.finish_step(step)
+    assert served == ["d", "b", "c", "a"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "victim", "then_waiting"),
+    [
+        # The latest admitted goes, and waits first in line.
+        ("fcfs", "urgent", ["urgent", "newer"]),
+        # The largest (priority, arrival) goes, though scheduled first in the step, and
+        # waits in its place.
+        ("priority", "relaxed", ["newer", "relaxed"]),
+    ],
+)
+def test_running_out_of_blocks_preempts_the_policys_victim(
+    policy: str, victim: str, then_waiting: list[str]
+) -> None:
+    scheduler = make_scheduler(7, policy=policy)
+    relaxed = request("relaxed", 8, 10, priority=5)
+    urgent = request("urgent", 9, 10, first=100, priority=0, arrival=1.0)
+    scheduler.add(relaxed)
+    scheduler.finish_step(scheduler.schedule())
+    scheduler.add(urgent)  # admitted after `relaxed`, so behind it in the running batch
+    for _ in range(4):
+        step = scheduler.schedule()
+        assert not step.num_preempted
+        scheduler.finish_step(step)
+    step = scheduler.schedule()  # both need a fourth block, and one is free
+    preempted, kept = (relaxed, urgent) if victim == "relaxed" else (urgent, relaxed)
+    assert step.num_preempted == 1
+    assert preempted.status is RequestStatus.PREEMPTED
+    assert step.tokens == {kept: 1}
+    assert step.work == StepWork(decode_requests=1, decode_context_tokens=kept.num_tokens)
+    scheduler.add(request("newer", 4, 1, first=200, priority=0, arrival=2.0))
+    assert [queued.request_id for queued in scheduler.waiting] == then_waiting
+    scheduler.finish_step(step)
+    run_to_end(scheduler)
+    assert relaxed.status is urgent.status is RequestStatus.FINISHED
 
 
 def test_cached_tokens_are_counted_once_and_skip_prefill() -> None:

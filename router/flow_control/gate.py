@@ -1,0 +1,433 @@
+"""Flow control's gate: while a model's engines are saturated (router/flow_control/
+saturation.py), its requests wait here rather than in the engines' queues, and go on
+in band, fairness and deadline order (router/flow_control/queue.py) as the engines
+make room. A request is let through before it is routed: its worker is chosen after
+its wait, on the index and load of that moment (late binding).
+
+A request that cannot wait is shed with a 429 saying why (`x-kvplane-shed-reason`):
+`queue_full` (the model's queue is full and the request is its own flood's newest, or
+in the lowest band), `displaced` (a request of a higher band or a less served tenant
+took its place), `queue_timeout` (it waited `max_wait_s`), `deadline` (its first byte
+could not come by its deadline).
+
+What a tenant is served is charged to its virtual counter (router/flow_control/
+counters.py): its prompt tokens at the grant, corrected at dispatch to those not
+predicted cached where it went, and its generated tokens as they stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from kvplane.core.clock import Clock
+from kvplane.core.config import FlowControlSettings
+from router.errors import RequestRefused
+from router.flow_control.bands import Placement
+from router.flow_control.counters import ServiceCounters
+from router.flow_control.queue import ModelQueue, Waiting
+from router.flow_control.saturation import Engines, Flags, Rows, free_slots, room
+from router.flow_control.shared import (
+    STATE_TTL_INTERVALS,
+    Elsewhere,
+    FlowExchange,
+    SharedCounters,
+)
+from router.index.base import LocationIndexError, SharedFlowState, index_deadline
+from router.metrics import RouterMetrics
+from router.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+SHED_REASON_HEADER = "x-kvplane-shed-reason"
+ShedReason = Literal["queue_full", "displaced", "queue_timeout", "deadline"]
+TICK_S = 0.02  # while requests wait: how often room is looked for without a request ending
+_RATE_SAMPLES = 64  # grants the dispatch rate (for Retry-After and deadlines) is read over
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """Why a request was shed, and when trying again may succeed."""
+
+    reason: ShedReason
+    retry_after_s: int
+    message: str
+
+    def error(self) -> RequestRefused:
+        return RequestRefused(
+            429,
+            f"{self.reason}: {self.message}",
+            kind="RateLimitError",
+            outcome=f"shed_{self.reason}",
+            headers={"retry-after": str(self.retry_after_s), SHED_REASON_HEADER: self.reason},
+        )
+
+
+class FlowPass:
+    """A request let through the gate, until it ends: what it is charged."""
+
+    __slots__ = (
+        "_gate",
+        "_input_charge",
+        "_tenant",
+        "closed",
+        "dispatched_once",
+        "generated_tokens",
+        "model",
+    )
+
+    def __init__(self, gate: FlowGate, model: str, tenant: Tenant, prompt_tokens: int) -> None:
+        self._gate = gate
+        self.model = model
+        self._tenant = tenant
+        self.dispatched_once = False
+        self.closed = False
+        self.generated_tokens = 0
+        self._input_charge = prompt_tokens * gate.settings.input_token_cost
+        gate.charge(model, tenant, self._input_charge)
+        gate.releasing[model] = gate.releasing.get(model, 0) + 1
+
+    def dispatched(self, computed_tokens: int) -> None:
+        """Sent to a worker that computes `computed_tokens` of its prompt (the first
+        dispatch only: a failover's is not charged again). Its traffic counts at the
+        worker from now on, so it no longer takes room as a request let through."""
+        if self.dispatched_once:
+            return
+        self.dispatched_once = True
+        gate = self._gate
+        gate.releasing[self.model] -= 1
+        charge = computed_tokens * gate.settings.input_token_cost
+        gate.charge(self.model, self._tenant, charge - self._input_charge)
+        gate.served(self._tenant, "input", charge)
+        self._input_charge = charge
+
+    def generated(self, tokens: int) -> None:
+        """`tokens` more generated for it as it streams, or fewer (negative) where its
+        usage at the end corrects the count."""
+        if tokens:
+            self.generated_tokens += tokens
+            gate = self._gate
+            gate.charge(self.model, self._tenant, tokens * gate.settings.output_token_cost)
+
+    def close(self) -> None:
+        """The request has ended (idempotent): room may have been made."""
+        gate = self._gate
+        if self.closed:
+            return
+        self.closed = True
+        if not self.dispatched_once:  # never sent: nothing was served
+            self.dispatched_once = True
+            gate.releasing[self.model] -= 1
+            gate.charge(self.model, self._tenant, -self._input_charge)
+        if self.generated_tokens > 0:
+            gate.served(
+                self._tenant, "output", self.generated_tokens * gate.settings.output_token_cost
+            )
+        gate.dispatch(self.model)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    tenant: Tenant
+    prompt_tokens: int
+    future: asyncio.Future[FlowPass | Shed]
+
+
+class FlowGate:
+    def __init__(
+        self,
+        settings: FlowControlSettings,
+        engines: Engines,
+        metrics: RouterMetrics,
+        *,
+        shared: SharedFlowState | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        """`shared`: the store router replicas exchange their state through (None: this
+        router alone)."""
+        self.settings = settings
+        self._engines = engines
+        self._exchange = None if shared is None else FlowExchange(shared, settings.shared_refresh_s)
+        self.counters = ServiceCounters() if shared is None else SharedCounters()
+        self._elsewhere = Elsewhere()
+        self._exchanged_at = -math.inf
+        self._metrics = metrics
+        self._clock = clock
+        self._queues: dict[str, ModelQueue] = {}
+        self._waiters: dict[Waiting, _Waiter] = {}
+        self.releasing: dict[str, int] = {}  # per model: let through, not yet dispatched
+        self._grants: dict[str, deque[float]] = {}  # per model: when the latest were let through
+        self._published: set[tuple[str, int]] = set()  # (model, band) gauges set
+        self._busy = asyncio.Event()
+
+    # -- a request's way through ------------------------------------------------------
+
+    async def enter(
+        self,
+        tenant: Tenant,
+        model: str,
+        placement: Placement,
+        prompt_tokens: int,
+        waiting_for: Callable[[Awaitable[FlowPass | Shed]], Awaitable[FlowPass | Shed]]
+        | None = None,
+    ) -> FlowPass:
+        """Let through now, or once the engines make room (`waiting_for` wraps the
+        wait: the proxy's ends it when the client leaves); raises the Shed's
+        RequestRefused when the request cannot wait."""
+        queue = self._queue(model)
+        self._lift(model, tenant, placement.band, queue)
+        elsewhere = self._elsewhere
+        if (
+            not queue
+            and not elsewhere.waiting(model, placement.band)
+            and not elsewhere.higher_band_waits(model, placement.band)
+            and self.room(model) > 0
+        ):
+            return FlowPass(self, model, tenant, prompt_tokens)
+        now = self._clock()
+        deadline_at = None if placement.deadline_s is None else now + placement.deadline_s
+        cost = prompt_tokens * self.settings.input_token_cost / tenant.share
+        waiting = queue.new(tenant.name, placement.band, now, deadline_at, cost)
+        self._admit_to_queue(model, queue, waiting, tenant, placement.deadline_s)
+        future: asyncio.Future[FlowPass | Shed] = asyncio.get_running_loop().create_future()
+        self._waiters[waiting] = _Waiter(tenant, prompt_tokens, future)
+        queue.push(waiting)
+        self._busy.set()
+        self.dispatch(model)  # its turn may be now (another replica's requests waited)
+        self._publish(model)
+        limit_s = self.settings.max_wait_s
+        if placement.deadline_s is not None:
+            limit_s = min(limit_s, placement.deadline_s)
+        outcome: FlowPass | Shed | None = None
+        try:
+            async with asyncio.timeout(limit_s):
+                outcome = await (future if waiting_for is None else waiting_for(future))
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                outcome = future.result()  # let through as the time ran out
+            else:
+                reason: ShedReason = (
+                    "queue_timeout" if limit_s == self.settings.max_wait_s else "deadline"
+                )
+                outcome = self._shed(model, tenant, reason, f"waited {limit_s:g} s for room")
+        finally:
+            if queue.remove(waiting):
+                self._publish(model)
+            self._waiters.pop(waiting, None)
+            if outcome is None and future.done() and not future.cancelled():
+                late = future.result()  # let through as the wait was given up
+                if isinstance(late, FlowPass):
+                    late.close()
+        self._metrics.flow_wait_seconds.labels(
+            band=str(placement.band), tenant=tenant.name
+        ).observe(self._clock() - now)
+        if isinstance(outcome, Shed):
+            raise outcome.error()
+        return outcome
+
+    def _admit_to_queue(
+        self,
+        model: str,
+        queue: ModelQueue,
+        waiting: Waiting,
+        tenant: Tenant,
+        deadline_s: float | None,
+    ) -> None:
+        """Raises the Shed of `waiting` where its deadline cannot be met, or the queue
+        is full and it is the one to shed; sheds whom it displaces otherwise."""
+        rate = self._dispatch_rate(model)
+        if deadline_s is not None and rate > 0 and len(queue) / rate > deadline_s:
+            ahead_s = len(queue) / rate
+            raise self._shed(
+                model, tenant, "deadline", f"about {ahead_s:.1f} s of requests wait ahead"
+            ).error()
+        if len(queue) < self.settings.max_queued_requests:
+            return
+        victim = queue.victim(waiting, self._counter(model))
+        message = f"model {model!r} has {len(queue)} requests waiting, its limit"
+        if victim is waiting:
+            raise self._shed(model, tenant, "queue_full", message).error()
+        queue.remove(victim)
+        waiter = self._waiters.pop(victim)
+        if not waiter.future.done():
+            waiter.future.set_result(self._shed(model, waiter.tenant, "displaced", message))
+
+    def _lift(self, model: str, tenant: Tenant, band: int, queue: ModelQueue) -> None:
+        """A tenant that starts waiting in `band` is brought within the counters of the
+        tenants waiting there: no credit for idling, no debt beyond theirs."""
+        if queue.waits(tenant.name, band):
+            return
+        waiting = set(queue.backlogged(band)) | self._elsewhere.waiting(model, band).keys()
+        waiting.discard(tenant.name)
+        others = [self.counters.value(model, name) for name in waiting]
+        if others:
+            self.counters.clamp(model, tenant.name, min(others), max(others))
+
+    # -- letting requests through -----------------------------------------------------
+
+    def room(self, model: str) -> int:
+        """Requests `model`'s engines can take now, less those let through and not yet
+        sent."""
+        engines, settings = self._engines, self.settings
+        queues = engines.engine_queues(engines.serving_rows(model))
+        free = room(queues, settings.max_engine_waiting, settings.max_kv_usage)
+        return free - self.releasing.get(model, 0)
+
+    def with_room(self, rows: Rows) -> Flags:
+        """Which of the roster's `rows` can take a request now: a request let through
+        goes to one of them, where any has room (routing reads it: router/routing/
+        decide.py), not to an engine whose queue is full already."""
+        queues = self._engines.engine_queues(rows)
+        settings = self.settings
+        return free_slots(queues, settings.max_engine_waiting, settings.max_kv_usage) > 0
+
+    def dispatch(self, model: str) -> None:
+        """Let through as many waiting requests as there is room for, in order."""
+        queue = self._queues.get(model)
+        if not queue:
+            return
+        free = self.room(model)
+        counter = self._counter(model)
+        granted = 0
+        while free > 0 and queue:
+            waiting = queue.next(counter)
+            assert waiting is not None
+            if not self._its_turn(model, waiting, counter):
+                break  # the room is another replica's waiting tenant's
+            queue.remove(waiting)
+            waiter = self._waiters.pop(waiting)
+            if waiter.future.done():  # its wait was given up
+                continue
+            waiter.future.set_result(FlowPass(self, model, waiter.tenant, waiter.prompt_tokens))
+            self._granted(model)
+            free -= 1
+            granted += 1
+        if granted:
+            self._publish(model)
+
+    def _its_turn(self, model: str, waiting: Waiting, counter: Callable[[str], float]) -> bool:
+        """Whether no tenant waiting at another replica goes before `waiting`: none in
+        a higher band, none in its band served less (beyond the slack)."""
+        elsewhere = self._elsewhere
+        if elsewhere.higher_band_waits(model, waiting.band):
+            return False
+        others = [
+            counter(tenant)
+            for tenant in elsewhere.waiting(model, waiting.band)
+            if tenant != waiting.tenant
+        ]
+        slack = self.settings.fairness_slack_tokens
+        return not others or counter(waiting.tenant) <= min(others) + slack
+
+    async def run_forever(self) -> None:
+        """While requests wait: look for room every TICK_S (load reports make it as
+        well as requests ending). With replicas: exchange with them every
+        `shared_refresh_s`, waiting or not."""
+        refresh_s = self.settings.shared_refresh_s
+        while True:
+            if self._exchange is None:
+                await self._busy.wait()
+            elif self._clock() - self._exchanged_at >= refresh_s:
+                await self._share(self._exchange)
+            waiting = [model for model, queue in self._queues.items() if queue]
+            for model in waiting:
+                self.dispatch(model)
+            if waiting:
+                await asyncio.sleep(TICK_S)
+            elif self._exchange is None:
+                self._busy.clear()
+            else:
+                await asyncio.sleep(refresh_s)
+
+    async def _share(self, exchange: FlowExchange) -> None:
+        """One exchange with the other replicas; on failure this router goes on with
+        what it had, alone once that is older than a replica's state lives."""
+        assert isinstance(self.counters, SharedCounters)
+        in_flight, reports = self._engines.local_engines()
+        backlog = {model: queue.tenants() for model, queue in self._queues.items() if queue}
+        changes = self.counters.take_changes(backlog)
+        try:
+            async with index_deadline(self.settings.shared_refresh_s * STATE_TTL_INTERVALS / 2):
+                exchanged, elsewhere, others, shared_reports = await exchange.exchange(
+                    in_flight, reports, backlog, changes
+                )
+        except LocationIndexError as error:
+            self.counters.restore(changes)
+            log.debug("flow control's exchange failed (%s)", type(error).__name__)
+            if self._clock() - self._exchanged_at > exchange.ttl_s:
+                self._elsewhere = Elsewhere()
+                self._engines.shared_engines({}, {})
+            return
+        except Exception:  # a task's edge: a bug raised further is never seen, so log it
+            self.counters.restore(changes)
+            log.exception("flow control's exchange failed")
+            return
+        self._exchanged_at = self._clock()
+        self.counters.absorb(exchanged.counters)
+        self._elsewhere = elsewhere
+        self._engines.shared_engines(others, shared_reports)
+
+    # -- charges, shedding, metrics ---------------------------------------------------
+
+    def charge(self, model: str, tenant: Tenant, cost: float) -> None:
+        self.counters.charge(model, tenant.name, cost / tenant.share)
+
+    def served(self, tenant: Tenant, kind: str, cost: float) -> None:
+        self._metrics.flow_service_tokens.labels(tenant=tenant.name, kind=kind).inc(cost)
+
+    def _counter(self, model: str) -> Callable[[str], float]:
+        counters = self.counters.values(model)
+        return lambda tenant: counters.get(tenant, 0.0)
+
+    def _shed(self, model: str, tenant: Tenant, reason: ShedReason, message: str) -> Shed:
+        self._metrics.flow_shed.labels(tenant=tenant.name, reason=reason).inc()
+        if reason in ("queue_full", "displaced"):
+            rate = self._dispatch_rate(model)
+            backlog_s = len(self._queue(model)) / rate if rate > 0 else 1.0
+            retry_after_s = max(1, min(math.ceil(backlog_s), math.ceil(self.settings.max_wait_s)))
+        else:
+            retry_after_s = 1
+        return Shed(reason, retry_after_s, message)
+
+    def _granted(self, model: str) -> None:
+        grants = self._grants.get(model)
+        if grants is None:
+            grants = self._grants[model] = deque(maxlen=_RATE_SAMPLES)
+        grants.append(self._clock())
+
+    def _dispatch_rate(self, model: str) -> float:
+        """Requests let through from the queue a second, lately (0: not known)."""
+        grants = self._grants.get(model)
+        if grants is None or len(grants) < 2:
+            return 0.0
+        span = max(grants[-1] - grants[0], self._clock() - grants[-1])
+        return (len(grants) - 1) / span if span > 0 else 0.0
+
+    def _queue(self, model: str) -> ModelQueue:
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = ModelQueue(self.settings.order)
+        return queue
+
+    def _publish(self, model: str) -> None:
+        """The model's queue gauges, per band."""
+        sizes = self._queues[model].sizes()
+        gauge = self._metrics.flow_queued
+        for band, size in sizes.items():
+            gauge.labels(model=model, band=str(band)).set(size)
+            self._published.add((model, band))
+        for published in [key for key in self._published if key[0] == model]:
+            if published[1] not in sizes:
+                gauge.labels(model=model, band=str(published[1])).set(0)
+                self._published.discard(published)
+
+    def waiting(self) -> dict[str, dict[int, int]]:
+        """Requests waiting per model and band (the fleet API's)."""
+        return {model: queue.sizes() for model, queue in self._queues.items() if queue}

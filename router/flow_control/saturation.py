@@ -1,0 +1,91 @@
+"""Pure: how many more requests a model's workers can take now without queueing in
+their engines beyond `max_engine_waiting` each (0: the model is saturated, and its
+requests wait in the router).
+
+A worker's engine holds what its last load report counted (running and waiting) plus
+what this router's traffic to it has changed since (requests sent less requests ended),
+or what the router replicas have in flight there, whichever is more (reports lag; the
+replicas' traffic is all of it but what reaches the engine around them).
+Of those, the engine runs up to its batch limit, learnt from its reports: the running
+count of a report that also had requests waiting (the batch was full then, by
+max_num_seqs or by KV memory), raised when a later report runs more. A worker whose
+engine has never queued a request has no known limit and never saturates; nor does one
+whose load this router has not had reported (another replica's agent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Column = npt.NDArray[np.float64]
+Flags = npt.NDArray[np.bool_]
+Rows = npt.NDArray[np.intp]
+
+UNBOUNDED = 1 << 30
+"""The room of a model none of whose workers has a known limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineQueues:
+    """What the router knows of each of a model's candidate workers (one row each)."""
+
+    reported: Flags  # a load report reached this router, or another replica shared one
+    running: Column  # as last reported
+    waiting: Column
+    traffic_since_report: Column  # this router's in flight now less at the report
+    batch_limit: Column  # inf: not learnt
+    kv_usage: Column
+    in_flight: Column  # the requests router replicas have there now: this one's, and the
+    # others' as last shared (router/flow_control/shared.py)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedReport:
+    """A worker's load as the replica its agent reports to shares it."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+    batch_limit: float  # inf: not learnt
+
+
+class Engines(Protocol):
+    """Where flow control reads the engines (router/routing/pool.py's WorkerPool)."""
+
+    def serving_rows(self, model: str) -> Rows: ...
+
+    def engine_queues(self, rows: Rows) -> EngineQueues: ...
+
+    def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]: ...
+
+    def shared_engines(
+        self, others_in_flight: dict[str, int], reports: dict[str, SharedReport]
+    ) -> None: ...
+
+
+def free_slots(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> Column:
+    """Requests each worker can take before `max_engine_waiting` wait in its engine
+    (inf where its limit is not known; 0 where its KV cache is full)."""
+    reported = queues.running + queues.waiting + queues.traffic_since_report
+    held = np.maximum(reported, queues.in_flight)
+    free = np.maximum(np.floor(queues.batch_limit + max_engine_waiting - held), 0.0)
+    known = queues.reported & np.isfinite(queues.batch_limit)
+    full = queues.reported & (queues.kv_usage >= max_kv_usage)
+    return np.where(full, 0.0, np.where(known, free, np.inf))
+
+
+def room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> int:
+    """Requests the workers can take in all (UNBOUNDED where one has no known limit)."""
+    total = float(free_slots(queues, max_engine_waiting, max_kv_usage).sum())
+    return UNBOUNDED if np.isinf(total) else int(total)
+
+
+def learnt_batch_limit(previous: float, running: int, waiting: int) -> float:
+    """A worker's batch limit after a report of `running` and `waiting` requests."""
+    if waiting > 0 and running > 0:
+        return float(running)
+    return max(previous, float(running)) if np.isfinite(previous) else previous

@@ -1,0 +1,182 @@
+"""Flow control shared by router replicas on one Redis index: the tenants' virtual
+counters, which tenants wait where, and what each replica has in flight at each worker
+(with the load reports of the agents streaming to it), exchanged every
+`shared_refresh_s` in one round trip (router/index/redis.py `exchange_flow`).
+
+With it, two routers behind one load balancer keep the configured shares whatever
+traffic each receives: a replica lets a tenant's request through only while no tenant
+waiting at another replica, in the same band, has been served less (by more than
+`fairness_slack_tokens`), or waits in a higher band; the room it leaves is seen, and
+taken, by the replica where that tenant waits. A replica whose state is older than its
+time to live is forgotten (it stopped, or cannot reach Redis).
+
+Another replica's state is checked as it is decoded: a state that does not decode is
+skipped (and counted), never trusted in part.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from router.flow_control.counters import ServiceCounters
+from router.flow_control.saturation import SharedReport
+from router.index.base import CounterChanges, FlowExchanged, SharedFlowState
+
+log = logging.getLogger(__name__)
+
+STATE_TTL_INTERVALS = 20  # a replica's state outlives this many of its exchanges
+
+
+class _Report(msgspec.Struct, array_like=True, frozen=True):
+    running: float
+    waiting: float
+    kv_usage: float
+    batch_limit: float  # -1: not learnt (msgpack has no infinity to spare)
+
+
+class _ReplicaState(msgspec.Struct, array_like=True, frozen=True):
+    in_flight: dict[str, int]  # worker -> requests
+    reports: dict[str, _Report]  # worker -> its agent's last report here
+    backlog: dict[str, dict[int, dict[str, int]]]  # model -> band -> tenant -> waiting
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_ReplicaState).decode
+
+
+@dataclass(frozen=True, slots=True)
+class Elsewhere:
+    """What the other replicas shared, as of the last exchange."""
+
+    backlog: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
+    # (model, band) -> tenant -> requests waiting at other replicas
+
+    def waiting(self, model: str, band: int) -> dict[str, int]:
+        return self.backlog.get((model, band), {})
+
+    def higher_band_waits(self, model: str, band: int) -> bool:
+        return any(m == model and b > band for m, b in self.backlog)
+
+
+class SharedCounters(ServiceCounters):
+    """The counters as Redis last had them, plus this router's changes since."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._charges: dict[str, dict[str, float]] = {}
+        self._clamps: dict[str, list[tuple[str, float, float]]] = {}
+
+    def charge(self, model: str, tenant: str, amount: float) -> None:
+        super().charge(model, tenant, amount)
+        if amount:
+            charges = self._charges.setdefault(model, {})
+            charges[tenant] = charges.get(tenant, 0.0) + amount
+
+    def clamp(self, model: str, tenant: str, low: float, high: float) -> None:
+        super().clamp(model, tenant, low, high)
+        self._clamps.setdefault(model, []).append((tenant, low, high))
+
+    def take_changes(self, models: Iterable[str]) -> dict[str, CounterChanges]:
+        """The changes to send, for `models` and every model changed (then forgotten)."""
+        wanted = set(models) | self._charges.keys() | self._clamps.keys()
+        changes = {
+            model: CounterChanges(self._charges.get(model, {}), self._clamps.get(model, []))
+            for model in wanted
+        }
+        self._charges, self._clamps = {}, {}
+        return changes
+
+    def restore(self, changes: Mapping[str, CounterChanges]) -> None:
+        """Changes an exchange that failed did not deliver: sent with the next."""
+        for model, change in changes.items():
+            charges = self._charges.setdefault(model, {})
+            for tenant, amount in change.charges.items():
+                charges[tenant] = charges.get(tenant, 0.0) + amount
+            self._clamps.setdefault(model, [])[:0] = change.clamps
+
+    def absorb(self, counters: Mapping[str, dict[str, float]]) -> None:
+        """Redis's counters after the exchange, with the changes made while it ran."""
+        for model, values in counters.items():
+            for tenant, amount in self._charges.get(model, {}).items():
+                values[tenant] = values.get(tenant, 0.0) + amount
+            for tenant, low, high in self._clamps.get(model, []):
+                values[tenant] = min(max(values.get(tenant, 0.0), low), high)
+            self._values[model] = values
+
+
+class FlowExchange:
+    """This router's side of the exchange."""
+
+    def __init__(self, store: SharedFlowState, refresh_s: float) -> None:
+        self._store = store
+        self.router_id = uuid.uuid4().hex
+        self.ttl_s = refresh_s * STATE_TTL_INTERVALS
+        self.undecodable = 0  # other replicas' states skipped
+
+    async def exchange(
+        self,
+        in_flight: dict[str, int],
+        reports: dict[str, SharedReport],
+        backlog: dict[str, dict[int, dict[str, int]]],
+        changes: Mapping[str, CounterChanges],
+    ) -> tuple[FlowExchanged, Elsewhere, dict[str, int], dict[str, SharedReport]]:
+        """Put this router's state, apply its counter changes; returns the exchange and
+        the other replicas' backlog, requests in flight (per worker, summed) and reports
+        (of workers whose agents report to them and not here)."""
+        state = _ReplicaState(
+            in_flight,
+            {
+                worker: _Report(
+                    r.running,
+                    r.waiting,
+                    r.kv_usage,
+                    -1.0 if math.isinf(r.batch_limit) else r.batch_limit,
+                )
+                for worker, r in reports.items()
+            },
+            backlog,
+        )
+        exchanged = await self._store.exchange_flow(
+            self.router_id, _encode(state), self.ttl_s, changes
+        )
+        others_in_flight: dict[str, int] = {}
+        others_reports: dict[str, SharedReport] = {}
+        others_backlog: dict[tuple[str, int], dict[str, int]] = {}
+        for router_id, raw in exchanged.states.items():
+            if router_id == self.router_id:
+                continue
+            try:
+                other = _decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.undecodable += 1
+                log.warning("router replica %s shared a flow state that does not decode", router_id)
+                continue
+            for worker, count in other.in_flight.items():
+                others_in_flight[worker] = others_in_flight.get(worker, 0) + max(0, count)
+            for worker, r in other.reports.items():
+                if worker not in reports and _sane(r):
+                    limit = math.inf if r.batch_limit < 0 else r.batch_limit
+                    others_reports[worker] = SharedReport(r.running, r.waiting, r.kv_usage, limit)
+            for model, bands in other.backlog.items():
+                for band, tenants in bands.items():
+                    waiting = others_backlog.setdefault((model, band), {})
+                    for tenant, count in tenants.items():
+                        if count > 0:
+                            waiting[tenant] = waiting.get(tenant, 0) + count
+        return exchanged, Elsewhere(others_backlog), others_in_flight, others_reports
+
+
+def _sane(report: _Report) -> bool:
+    """A report another replica shared, as a load report would be checked."""
+    return (
+        report.running >= 0
+        and report.waiting >= 0
+        and 0 <= report.kv_usage <= 1
+        and (report.batch_limit == -1 or report.batch_limit > 0)
+    )

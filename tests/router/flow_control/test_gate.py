@@ -1,0 +1,336 @@
+"""Flow control against real engine simulators that take their time (one request running
+at a time, each some tens of milliseconds a token), over loopback HTTP and gRPC: the
+order requests are let through in, what a full queue sheds and says, how tenants share
+by what they cost, and that a waiting request's worker is chosen when it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvplane.core.config import (
+    FlowControlSettings,
+    IndexSettings,
+    Settings,
+    TenantSettings,
+    TenantSpec,
+)
+from router.app import RunningRouter
+from router.flow_control.saturation import EngineQueues
+from router.tenants import api_key_digest
+from tests.abuse.conftest import wait_indexed
+from tests.router.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet, router_settings
+from tests.waiting import wait_until
+
+# Tokens of 25 ms each, one request running at a time: an engine that saturates at once.
+SLOW = {
+    "time_scale": 1.0,
+    "max_num_seqs": 1,
+    "decode_step_ms": 25.0,
+    "decode_ms_per_request": 0.0,
+    "decode_ms_per_context_token": 0.0,
+    "prefill_ms_per_token": 0.02,
+    "prefill_overhead_ms": 1.0,
+    "num_gpu_blocks_override": 256,
+}
+TENANTS = {
+    "acme": {},
+    "globex": {"max_priority": 5},
+    "initech": {"share": 2.0},
+    "noisy": {},
+    "warm": {},
+}
+
+
+def key(tenant: str) -> str:
+    return f"sk-{tenant}"
+
+
+def flow_settings(index: IndexSettings | None = None, **flow: Any) -> Settings:
+    specs = [
+        TenantSpec(name=name, api_key_sha256=[api_key_digest(key(name))], **spec)
+        for name, spec in TENANTS.items()
+    ]
+    tenants = TenantSettings(tenants=specs, cache_salt_secret="test-secret")
+    settings = router_settings(index, tenants=tenants)
+    return settings.model_copy(update={"flow_control": FlowControlSettings(enabled=True, **flow)})
+
+
+@contextlib.asynccontextmanager
+async def slow_fleet(
+    count: int = 1, *, sim: Mapping[str, Any] | None = None, **flow: Any
+) -> AsyncIterator[RoutedFleet]:
+    async with routed_fleet(
+        count, flow_settings(**flow), sim_options={**SLOW, **(sim or {})}
+    ) as fleet:
+        await learn_batch_limits(fleet)
+        yield fleet
+
+
+async def complete(
+    fleet: RoutedFleet | str,
+    tenant: str,
+    prompt: str,
+    max_tokens: int = 4,
+    headers: Mapping[str, str] | None = None,
+) -> httpx.Response:
+    """`prompt` completed through the fleet's router (or the router at this URL)."""
+    url = fleet if isinstance(fleet, str) else fleet.url
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        return await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+            headers={"authorization": f"Bearer {key(tenant)}", **(headers or {})},
+        )
+
+
+async def direct(
+    worker_url: str, prompt: str, max_tokens: int, cache_salt: str | None = None
+) -> None:
+    """A request straight to an engine, around the router (as another client's would)."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(worker_url + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+
+
+async def learn_batch_limits(
+    fleet: RoutedFleet, routers: Sequence[RunningRouter] | None = None
+) -> None:
+    """Queue requests in every engine until the routers (the fleet's, by default) have
+    seen each one's batch full (flow control knows no engine's limit before that)."""
+    count = len(fleet.workers)
+    routers = routers or [fleet.router]
+    warmers = [
+        asyncio.ensure_future(direct(worker.base_url, f"warm {worker.worker_id} {n}", 8))
+        for worker in fleet.workers
+        for n in range(3)
+    ]
+
+    def learnt() -> bool:
+        for router in routers:
+            limits = engine_queues(router).batch_limit
+            if len(limits) != count or not np.isfinite(limits).all():
+                return False
+        return True
+
+    await wait_until("the routers learnt every engine's batch", learnt)
+    await asyncio.gather(*warmers)
+    for router in routers:
+        await wait_until("the engines are idle again", lambda r=router: engines_idle(r))
+
+
+def engine_queues(router: RoutedFleet | RunningRouter) -> EngineQueues:
+    pool = router.router.pool if isinstance(router, RoutedFleet) else router.pool
+    return pool.engine_queues(pool.serving_rows(MODEL))
+
+
+def engines_idle(router: RoutedFleet | RunningRouter) -> bool:
+    queues = engine_queues(router)
+    return bool((queues.running + queues.waiting == 0).all())
+
+
+async def metric(fleet: RoutedFleet, name: str, **labels: str) -> float:
+    async with fleet.http() as http:
+        text = (await http.get("/metrics", headers=ADMIN)).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def queued(fleet: RoutedFleet, count: int) -> None:
+    async def enough() -> bool:
+        return await metric(fleet, "kvplane_flow_queued_requests", model=MODEL) >= count
+
+    await wait_until(f"{count} requests wait in the router", enough)
+
+
+async def test_a_higher_band_goes_before_requests_that_waited_longer() -> None:
+    async with slow_fleet(max_engine_waiting=0) as fleet:
+        finished: list[str] = []
+
+        async def send(name: str, tenant: str, **kw: Any) -> None:
+            response = await complete(fleet, tenant, f"request {name}", **kw)
+            assert response.status_code == 200, response.text
+            finished.append(name)
+
+        occupying = asyncio.ensure_future(send("occupying", "acme", max_tokens=12))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        low = [asyncio.ensure_future(send(f"low {n}", "acme")) for n in range(3)]
+        await queued(fleet, 3)
+        # globex may ask for band 5; acme's header is ignored (it may not set one).
+        high = asyncio.ensure_future(send("high", "globex", headers={"x-kvplane-priority": "9"}))
+        ignored = asyncio.ensure_future(
+            send("ignored", "acme", headers={"x-kvplane-priority": "9"})
+        )
+        await asyncio.gather(occupying, *low, high, ignored)
+
+    assert finished == ["occupying", "high", "low 0", "low 1", "low 2", "ignored"]
+
+
+async def test_a_malformed_priority_header_is_refused_before_anything_is_done() -> None:
+    async with routed_fleet(1, flow_settings(), sim_options={"time_scale": 0.0}) as fleet:
+        response = await complete(fleet, "globex", "hello", headers={"x-kvplane-priority": "high"})
+        deadline = await complete(
+            fleet, "acme", "hello", headers={"x-kvplane-ttft-deadline-ms": "0"}
+        )
+        ok = await complete(fleet, "acme", "hello", headers={"x-kvplane-priority": "high"})
+    assert response.status_code == 400
+    assert "x-kvplane-priority" in response.json()["error"]["message"]
+    assert deadline.status_code == 400
+    assert ok.status_code == 200  # acme may not set a priority: its header is not read
+
+
+async def test_tenants_share_a_band_by_the_tokens_they_cost() -> None:
+    async with slow_fleet(max_engine_waiting=0) as fleet:
+        order: list[str] = []
+
+        async def send(tenant: str, words: int, n: int, max_tokens: int = 1) -> None:
+            prompt = f"{tenant} {n} " + " ".join(f"w{n}x{i}" for i in range(words))
+            response = await complete(fleet, tenant, prompt, max_tokens=max_tokens)
+            assert response.status_code == 200, response.text
+            order.append(tenant)
+
+        occupying = asyncio.ensure_future(send("warm", 4, 0, max_tokens=12))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        tasks = []
+        for n in range(6):  # alternating: acme's prompts cost ten times globex's
+            tasks.append(asyncio.ensure_future(send("acme", 200, n)))
+            tasks.append(asyncio.ensure_future(send("globex", 20, n)))
+            await asyncio.sleep(0.01)
+        await queued(fleet, 12)
+        await asyncio.gather(occupying, *tasks)
+
+    served = order[1:]  # the occupying request's first
+    # acme's first request goes first (the counters tie, it came first); then globex's
+    # six cost less than acme's one, and all go before acme's second.
+    assert served[:7] == ["acme"] + ["globex"] * 6, served
+
+
+async def test_configured_shares_split_a_backlogged_band() -> None:
+    async with slow_fleet(max_engine_waiting=0) as fleet:
+        order: list[str] = []
+
+        async def send(tenant: str, n: int, max_tokens: int = 1) -> None:
+            prompt = f"{tenant} asks question {n}"
+            response = await complete(fleet, tenant, prompt, max_tokens=max_tokens)
+            assert response.status_code == 200, response.text
+            order.append(tenant)
+
+        occupying = asyncio.ensure_future(send("warm", 0, max_tokens=12))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        tasks = [
+            asyncio.ensure_future(send(tenant, n))
+            for n in range(9)
+            for tenant in ("initech", "acme")
+        ]
+        await queued(fleet, 18)
+        await asyncio.gather(occupying, *tasks)
+
+    first = order[1:10]
+    assert 5 <= first.count("initech") <= 7, order  # its share is twice acme's
+
+
+async def test_a_full_queue_sheds_the_flood_and_says_why() -> None:
+    async with slow_fleet(max_engine_waiting=0, max_queued_requests=2) as fleet:
+        occupying = asyncio.ensure_future(complete(fleet, "acme", "occupying", max_tokens=16))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        flood = [asyncio.ensure_future(complete(fleet, "noisy", f"flood {n}")) for n in range(2)]
+        await queued(fleet, 2)
+        own = await complete(fleet, "noisy", "flood 2")  # the flood's newest: itself
+        displacing = asyncio.ensure_future(complete(fleet, "acme", "a fair request"))
+        results = await asyncio.gather(occupying, displacing, *flood)
+        shed_full = await metric(
+            fleet, "kvplane_flow_shed_total", tenant="noisy", reason="queue_full"
+        )
+        shed_displaced = await metric(
+            fleet, "kvplane_flow_shed_total", tenant="noisy", reason="displaced"
+        )
+        acme_shed = await metric(fleet, "kvplane_flow_shed_total", tenant="acme")
+
+    assert own.status_code == 429
+    assert own.headers["x-kvplane-shed-reason"] == "queue_full"
+    assert int(own.headers["retry-after"]) >= 1
+    error = own.json()["error"]
+    assert (error["type"], error["code"]) == ("RateLimitError", 429)
+    assert error["message"].startswith("queue_full:")
+    occupied, fair, first, second = results
+    assert (occupied.status_code, fair.status_code, first.status_code) == (200, 200, 200)
+    # The fair request took the place of the flood's newest waiting one.
+    assert second.status_code == 429
+    assert second.headers["x-kvplane-shed-reason"] == "displaced"
+    assert (shed_full, shed_displaced, acme_shed) == (1, 1, 0)
+
+
+async def test_a_request_that_cannot_wait_long_enough_is_shed_with_its_reason() -> None:
+    async with slow_fleet(max_engine_waiting=0, max_wait_s=0.3) as fleet:
+        occupying = asyncio.ensure_future(complete(fleet, "acme", "occupying", max_tokens=40))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        timed_out = await complete(fleet, "acme", "a patient request")
+        late = await complete(
+            fleet, "globex", "an impatient request", headers={"x-kvplane-ttft-deadline-ms": "100"}
+        )
+        assert (await occupying).status_code == 200
+    assert timed_out.status_code == 429
+    assert timed_out.headers["x-kvplane-shed-reason"] == "queue_timeout"
+    assert late.status_code == 429
+    assert late.headers["x-kvplane-shed-reason"] == "deadline"
+
+
+async def test_a_waiting_request_is_routed_on_the_index_of_when_it_goes() -> None:
+    """Its prefix leaves the worker that held it when the request arrived, and reaches
+    another, while the request waits: it goes where the prefix is then."""
+    small = {"num_gpu_blocks_override": 24}  # 384 tokens: one long prompt evicts the rest
+    async with slow_fleet(2, sim=small, max_engine_waiting=0) as fleet:
+        tenant = fleet.router.tenants.get("acme")
+        assert tenant is not None
+        prefix = "The handbook of the storage desk, chapter one. " * 6
+        first = await complete(fleet, "acme", prefix + "first question", max_tokens=1)
+        holder = first.headers["x-kvplane-worker"]
+        await wait_indexed(fleet, prefix, "acme", holder)
+        (other,) = [w for w in fleet.workers if w.worker_id != holder]
+        held = fleet.worker(holder)
+        # Both engines busy with requests the router never saw.
+        busy = [
+            asyncio.ensure_future(direct(held.base_url, "occupying the holder", 30)),
+            asyncio.ensure_future(direct(other.base_url, "occupying the other", 20)),
+        ]
+
+        def both_busy() -> bool:
+            queues = engine_queues(fleet)
+            return bool((queues.running >= 1).all())
+
+        await wait_until("the router sees both engines busy", both_busy)
+        waiting = asyncio.ensure_future(complete(fleet, "acme", prefix + "second question"))
+        await queued(fleet, 1)
+        # Behind each occupant: a long prompt that evicts the prefix from its holder, and
+        # the prefix itself (in acme's scope) on the other, decoding long enough for its
+        # blocks' events to be indexed before that engine has room.
+        busy.append(asyncio.ensure_future(direct(held.base_url, "evict " * 100, 30)))
+        busy.append(
+            asyncio.ensure_future(
+                direct(other.base_url, prefix + "elsewhere", 10, tenant.cache_salt)
+            )
+        )
+        response = await waiting
+        await asyncio.gather(*busy)
+
+    assert response.status_code == 200
+    assert response.headers["x-kvplane-worker"] == other.worker_id
+    assert int(response.headers["x-kvplane-cached-tokens"]) > 0  # the prefix, found there

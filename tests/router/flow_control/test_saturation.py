@@ -1,0 +1,67 @@
+"""Room in a model's engines, from their reports and the router's own traffic."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from router.flow_control.saturation import (
+    UNBOUNDED,
+    EngineQueues,
+    learnt_batch_limit,
+    room,
+)
+
+
+def queues(
+    *,
+    running: list[float],
+    waiting: list[float],
+    since: list[float],
+    limit: list[float],
+    kv: list[float] | None = None,
+    reported: list[bool] | None = None,
+    in_flight: list[float] | None = None,
+) -> EngineQueues:
+    count = len(running)
+    return EngineQueues(
+        reported=np.array(reported or [True] * count, dtype=np.bool_),
+        running=np.array(running, dtype=float),
+        waiting=np.array(waiting, dtype=float),
+        traffic_since_report=np.array(since, dtype=float),
+        batch_limit=np.array(limit, dtype=float),
+        kv_usage=np.array(kv or [0.0] * count),
+        in_flight=np.array(in_flight or [0.0] * count),
+    )
+
+
+def test_an_engine_holds_its_report_plus_the_routers_traffic_since_beyond_its_batch() -> None:
+    full = queues(running=[4, 4], waiting=[1, 0], since=[2, -1], limit=[4, 4])
+    # Two waiting allowed: the first has none left; the second runs one more (the
+    # router's request that ended freed it) and queues two.
+    assert room(full, 2, 1.0) == 3
+    assert room(full, 0, 1.0) == 1
+
+
+def test_the_replicas_requests_in_flight_count_where_the_report_lags_behind_them() -> None:
+    lagging = queues(running=[1], waiting=[0], since=[0], limit=[4], in_flight=[5])
+    assert room(lagging, 2, 1.0) == 1  # 5 held (the report says 1): 4 run, 2 may wait
+    assert room(queues(running=[3], waiting=[0], since=[0], limit=[4], in_flight=[1]), 0, 1.0) == 1
+
+
+def test_a_full_kv_cache_takes_nothing_and_an_unlearnt_limit_is_unbounded() -> None:
+    assert room(queues(running=[1], waiting=[0], since=[0], limit=[4], kv=[0.99]), 2, 0.98) == 0
+    unknown = queues(running=[1, 4], waiting=[0, 3], since=[0, 0], limit=[math.inf, 4])
+    assert room(unknown, 2, 1.0) == UNBOUNDED
+    unreported = queues(running=[0], waiting=[0], since=[0], limit=[4], reported=[False])
+    assert room(unreported, 2, 1.0) == UNBOUNDED
+    assert room(queues(running=[], waiting=[], since=[], limit=[]), 2, 1.0) == 0
+
+
+def test_the_batch_limit_is_learnt_where_requests_waited_and_raised_by_a_bigger_batch() -> None:
+    assert learnt_batch_limit(math.inf, 3, 0) == math.inf
+    assert learnt_batch_limit(math.inf, 3, 2) == 3.0
+    assert learnt_batch_limit(3.0, 5, 0) == 5.0
+    assert learnt_batch_limit(5.0, 2, 1) == 2.0  # KV memory filled at a smaller batch
+    assert learnt_batch_limit(5.0, 0, 4) == 5.0  # nothing ran: nothing learnt

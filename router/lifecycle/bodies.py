@@ -219,6 +219,24 @@ def body_for_engine(raw: bytes, request: ParsedRequest, cache_salt: str | None) 
     return msgspec.json.encode({**request.body, "cache_salt": cache_salt})
 
 
+ENGINE_PRIORITY_HEADER = "x-vllm-priority"  # vLLM takes it over the body's `priority`
+
+
+def with_engine_priority(body: bytes, priority: int) -> bytes:
+    """`body` (one the router built or checked) with vLLM's `priority` set."""
+    return msgspec.json.encode({**_decoder.decode(body), "priority": priority})
+
+
+def without_client_priority(raw: bytes, request: ParsedRequest) -> bytes:
+    """The client's body without a `priority` of its own (`request.body` loses it too):
+    with flow control on, the router places requests, and an engine in priority mode
+    must not be told otherwise by the client."""
+    if "priority" not in request.body:
+        return raw
+    del request.body["priority"]
+    return msgspec.json.encode(request.body)
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What a response's `usage` says about the prompt: its cache hits and its length."""

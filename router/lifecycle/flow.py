@@ -37,6 +37,8 @@ from router.lifecycle.bodies import (
     body_for_engine,
     key_scope,
     parse_body,
+    with_engine_priority,
+    without_client_priority,
 )
 from router.lifecycle.legs import Leg
 from router.lifecycle.tokens import PromptLength, PromptStart, PromptTokens, PromptTooLong
@@ -56,6 +58,9 @@ WaitWrapper = Callable[[Awaitable[Any]], Awaitable[Any]]
 """What a front door wraps a wait in (the proxy's ends it when the client leaves)."""
 
 _NO_PREFILL_WARNING_S = 60.0  # a model without prefill workers is said again after this
+SCHEDULING_LABEL = "kvplane.io/scheduling-policy"
+"""A worker label: `priority` where its engine runs vLLM's `--scheduling-policy priority`
+(the engine tells no one: its operator labels the agent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +73,26 @@ class RoutedRequest:
     # The prompt's whole ids, where it was routed on its start: tokenised once the
     # answer is settled, for the count and the predicted entries (None: whole already).
     prompt_rest: Callable[[], Sequence[int]] | None
+    # vLLM's `priority` for engines in priority mode (lower first): its band's, negated;
+    # 0 for none.
+    engine_priority: int = 0
 
     def worker_ids(self, at_most: int) -> list[str]:
         """The ranked workers to try, best first."""
         ranked = self.decision.ranked
         return [ranked.worker_id(i) for i in range(min(len(ranked), at_most))]
+
+    def engine_body(self, body: bytes, worker_ids: Sequence[str]) -> bytes:
+        """`body` as the engines of `worker_ids` (every one may get it) take it: with
+        the request's priority where each is labelled as running vLLM's priority
+        scheduling; as it is otherwise (vLLM in its default mode would not order by it,
+        and an engine that is not vLLM may refuse it)."""
+        if not self.engine_priority or not worker_ids:
+            return body
+        info = self.decision.info
+        if all(info(worker).labels.get(SCHEDULING_LABEL) == "priority" for worker in worker_ids):
+            return with_engine_priority(body, self.engine_priority)
+        return body
 
 
 class RequestFlow:
@@ -222,6 +242,8 @@ class RequestLifecycle:
             parsed = parse_body(raw, endpoint)
         except BadRequest as error:
             raise flow.refused(error) from None
+        if flow.gate is not None:
+            raw = without_client_priority(raw, parsed)
         span.set_attribute("kvplane.model", parsed.model)
         span.set_attribute("kvplane.stream", parsed.stream)
         scope = key_scope(tenant, parsed)
@@ -263,6 +285,7 @@ class RequestLifecycle:
             decision,
             body_for_engine(raw, parsed, tenant.cache_salt),
             None if start is None else start.rest,
+            engine_priority=-self.placement.band if flow.gate is not None else 0,
         )
 
     async def _tokenize(self, parsed: ParsedRequest, scope: str, limit: int) -> PromptStart | None:

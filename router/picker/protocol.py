@@ -77,7 +77,7 @@ def endpoint_of(base_url: str) -> str:
 
 
 def _destination_mutation(
-    endpoints: Sequence[str], content_length: int | None = None
+    endpoints: Sequence[str], content_length: int | None = None, remove: Sequence[str] = ()
 ) -> tuple[HeaderMutation, Struct]:
     value = ",".join(endpoints)
     set_headers = [
@@ -95,13 +95,16 @@ def _destination_mutation(
         )
     metadata = Struct()
     metadata.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: value}})
-    return HeaderMutation(set_headers=set_headers), metadata
+    return HeaderMutation(set_headers=set_headers, remove_headers=list(remove)), metadata
 
 
-def destination_on_headers(endpoints: Sequence[str]) -> ProcessingResponse:
-    """The answer to the request's headers: where it goes (FULL_DUPLEX_STREAMED: sent
-    once the whole body is in, before the body; header-only requests)."""
-    mutation, metadata = _destination_mutation(endpoints)
+def destination_on_headers(
+    endpoints: Sequence[str], remove: Sequence[str] = ()
+) -> ProcessingResponse:
+    """The answer to the request's headers: where it goes, less the headers `remove`
+    names (FULL_DUPLEX_STREAMED: sent once the whole body is in, before the body;
+    header-only requests)."""
+    mutation, metadata = _destination_mutation(endpoints, remove=remove)
     return ProcessingResponse(
         request_headers=HeadersResponse(
             response=CommonResponse(header_mutation=mutation, clear_route_cache=True)
@@ -110,9 +113,12 @@ def destination_on_headers(endpoints: Sequence[str]) -> ProcessingResponse:
     )
 
 
-def destination_on_body(endpoints: Sequence[str], body: bytes) -> ProcessingResponse:
-    """The answer to a BUFFERED body: where it goes, and the body to send there."""
-    mutation, metadata = _destination_mutation(endpoints, len(body))
+def destination_on_body(
+    endpoints: Sequence[str], body: bytes, remove: Sequence[str] = ()
+) -> ProcessingResponse:
+    """The answer to a BUFFERED body: where it goes, and the body to send there, less
+    the headers `remove` names."""
+    mutation, metadata = _destination_mutation(endpoints, len(body), remove)
     return ProcessingResponse(
         request_body=BodyResponse(
             response=CommonResponse(

@@ -38,7 +38,13 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from router.errors import RequestRefused, unavailable
 from router.flow_control import DEADLINE_HEADER, PRIORITY_HEADER
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
-from router.lifecycle.bodies import BadRequest, Endpoint, StreamUsage, response_usage
+from router.lifecycle.bodies import (
+    ENGINE_PRIORITY_HEADER,
+    BadRequest,
+    Endpoint,
+    StreamUsage,
+    response_usage,
+)
 from router.picker.protocol import (
     DESTINATION_HEADER,
     DESTINATION_NAMESPACE,
@@ -200,13 +206,16 @@ class EndpointPicker:
             addresses = self._any_endpoints(exchange)
         else:
             addresses, body = await self._decided(exchange, lifecycle, endpoint, body)
+        # With flow control on, the router places requests: an engine in priority mode
+        # must not be told otherwise by the client (vLLM reads this header first).
+        remove = (ENGINE_PRIORITY_HEADER,) if self.flow.gate is not None else ()
         if exchange.full_duplex:
             # No Content-Length: Envoy drops it in this mode and sends the body chunked.
-            yield destination_on_headers(addresses)
+            yield destination_on_headers(addresses, remove)
             for answer in streamed_body(body):
                 yield answer
         else:
-            yield destination_on_body(addresses, body)
+            yield destination_on_body(addresses, body, remove)
         exchange.answered = True
 
     async def _decided(
@@ -229,7 +238,8 @@ class EndpointPicker:
             raise _Refused(self.flow.refused(self._none_in_subset()))
         addresses = list(exchange.endpoints)
         exchange.dispatch = lifecycle.dispatch(routed, exchange.endpoints[addresses[0]])
-        return addresses, routed.body
+        # Envoy may send it to any of them: a priority only where all take one.
+        return addresses, routed.engine_body(routed.body, list(exchange.endpoints.values()))
 
     def _any_endpoints(self, exchange: _Exchange) -> list[str]:
         """For a request with no prompt (a GET, a path that is no generation): the live

@@ -383,8 +383,9 @@ class ProxyService:
                         "kvplane.leg": leg.value,
                     },
                 ) as span:
+                    sent = routed.engine_body(body, [worker_id])
                     answer, full_body = await _unless_disconnected(
-                        request, self._attempt(url, body, headers, parsed.stream, dispatch)
+                        request, self._attempt(url, sent, headers, parsed.stream, dispatch)
                     )
                     first_byte_s = time.perf_counter() - dispatch.sent_at
                     span.set_attribute("kvplane.first_byte_ms", first_byte_s * 1000)
@@ -457,9 +458,10 @@ class ProxyService:
         served whole instead (every prefill worker failed, or one refused the request or
         handed nothing on), counted with the reason."""
         parsed, salt = routed.parsed, lifecycle.tenant.cache_salt
-        body = prefill_leg_body(parsed, salt)
+        leg_body = prefill_leg_body(parsed, salt)
         url_path = parsed.endpoint.value
         for worker_id in routed.decision.prefill_worker_ids(self.settings.max_attempts):
+            body = routed.engine_body(leg_body, [worker_id])
             dispatch = lifecycle.dispatch(routed, worker_id, Leg.PREFILL)
             try:
                 with self.tracer.start_as_current_span(

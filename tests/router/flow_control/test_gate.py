@@ -23,6 +23,7 @@ from kvplane.core.config import (
 )
 from router.app import RunningRouter
 from router.flow_control.saturation import EngineQueues
+from router.lifecycle.flow import SCHEDULING_LABEL
 from router.tenants import api_key_digest
 from tests.abuse.conftest import wait_indexed
 from tests.router.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet, router_settings
@@ -334,3 +335,59 @@ async def test_a_waiting_request_is_routed_on_the_index_of_when_it_goes() -> Non
     assert response.status_code == 200
     assert response.headers["x-kvplane-worker"] == other.worker_id
     assert int(response.headers["x-kvplane-cached-tokens"]) > 0  # the prefix, found there
+
+
+async def send_in_order(fleet: RoutedFleet) -> list[str]:
+    """While the engine is busy: three of acme's requests (the second asking the engine
+    itself for the first place), then one of globex in band 5; the order they finish."""
+    finished: list[str] = []
+
+    async def send(name: str, tenant: str, **kw: Any) -> None:
+        response = await complete(fleet, tenant, f"request {name}", **kw)
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    occupying = asyncio.ensure_future(send("occupying", "acme", max_tokens=12))
+    await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+    tasks = [asyncio.ensure_future(send("low 0", "acme"))]
+    await asyncio.sleep(0.02)
+    async with fleet.http() as http:  # the engine's own priority field, in the body
+        jumping = asyncio.ensure_future(
+            http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "request low 1", "max_tokens": 4, "priority": -100},
+                headers={"authorization": f"Bearer {key('acme')}"},
+            )
+        )
+        await asyncio.sleep(0.02)
+        tasks.append(asyncio.ensure_future(send("low 2", "acme")))
+        await asyncio.sleep(0.02)
+        tasks.append(
+            asyncio.ensure_future(send("high", "globex", headers={"x-kvplane-priority": "5"}))
+        )
+        response = await jumping
+        assert response.status_code == 200, response.text
+        finished.append("low 1")
+    await asyncio.gather(occupying, *tasks)
+    return finished
+
+
+async def test_engines_in_priority_mode_get_the_band_and_never_the_clients_own() -> None:
+    # Room for every request in the engine's own queue: its order is the engine's.
+    settings = flow_settings(max_engine_waiting=10)
+    sim = {**SLOW, "scheduling_policy": "priority"}
+    labelled = {"worker-1": {SCHEDULING_LABEL: "priority"}}
+    async with routed_fleet(1, settings, sim_options=sim, labels=labelled) as fleet:
+        await learn_batch_limits(fleet)
+        order = await send_in_order(fleet)
+    assert order.index("high") == 1, order  # band 5 went to the engine as priority -5
+    assert order.index("low 1") > order.index("low 0"), order  # -100 never reached it
+
+
+async def test_an_engine_not_labelled_for_priorities_is_sent_none() -> None:
+    settings = flow_settings(max_engine_waiting=10)
+    sim = {**SLOW, "scheduling_policy": "priority"}  # would order by one, were it sent
+    async with routed_fleet(1, settings, sim_options=sim) as fleet:
+        await learn_batch_limits(fleet)
+        order = await send_in_order(fleet)
+    assert order == ["occupying", "low 0", "low 1", "low 2", "high"], order

@@ -196,6 +196,7 @@ def assemble_router(
         prompt_length=flow.prompt_length,
         limiter=flow.limiter,
         funnel=funnel,
+        gate=gate,
         hot_prefixes=hot_prefixes,
         clock=clock,
     )

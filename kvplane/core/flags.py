@@ -125,6 +125,12 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", choices=["kvplane", "round-robin"], help="routing policy (default kvplane)"
     )
+    parser.add_argument(
+        "--flow-control",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hold requests in the router while their engines are saturated (default off)",
+    )
 
 
 _AGENT_DEST = "agent_"
@@ -150,6 +156,7 @@ _FLAG_TO_SETTING = {
     "tenants_file": ("tenants", "tenants_file"),
     "otlp_endpoint": ("tracing", "otlp_endpoint"),
     "policy": ("scoring", "policy"),
+    "flow_control": ("flow_control", "enabled"),
     "log_level": ("logging", "level"),
     "log_format": ("logging", "format"),
 }

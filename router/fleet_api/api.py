@@ -9,6 +9,8 @@ query a tenant may make with its own key (`/fleet/tenant/locality`, its own scop
 - `POST /fleet/locality`: where a prompt's prefix is cached and what each worker
   would score, and the pick; nothing is sent to an engine.
 - `GET /fleet/index`: index statistics.
+- `GET /fleet/flow`: flow control: each model's room and waiting requests by band and
+  tenant (here and at the other replicas), tenants' counters, service and shedding.
 - `POST /fleet/workers/{id}/drain` and `/undrain`: stop or resume routing there.
 - `POST /fleet/tenants/{name}/purge`: the tenant's scope starts a new generation, so
   its index entries (and the engines' blocks) are never matched again.
@@ -40,6 +42,9 @@ from router.fleet_api.models import (
     Drained,
     Engine,
     FleetCheck,
+    Flow,
+    FlowModel,
+    FlowTenant,
     Funnel,
     FunnelRow,
     HotPrefixRow,
@@ -57,6 +62,7 @@ from router.fleet_api.models import (
     WorkerRow,
     Workers,
 )
+from router.flow_control import FlowGate
 from router.index.base import (
     LocationIndex,
     LocationIndexError,
@@ -138,6 +144,7 @@ class FleetApi:
         prompt_length: Callable[[str], PromptLength],
         limiter: TenantLimiter,
         funnel: CacheFunnel,
+        gate: FlowGate | None = None,
         hot_prefixes: HotPrefixes,
         clock: Clock = time.monotonic,
     ) -> None:
@@ -160,6 +167,7 @@ class FleetApi:
         self.prompt_length = prompt_length
         self.limiter = limiter
         self.funnel = funnel
+        self.gate = gate  # None: flow control is off
         self.hot_prefixes = hot_prefixes
 
     def admin_routes(self) -> list[APIRoute]:
@@ -201,6 +209,14 @@ class FleetApi:
                 methods=["GET"],
                 summary="per model and tenant: prompt, attainable, predicted and achieved "
                 "cached tokens since start, and why each stage lost what it lost",
+                responses=ADMIN_ERRORS,
+                dependencies=admin,
+            ),
+            APIRoute(
+                "/fleet/flow",
+                self.flow,
+                methods=["GET"],
+                summary="flow control: waiting requests, tenants' counters, service, shedding",
                 responses=ADMIN_ERRORS,
                 dependencies=admin,
             ),
@@ -445,6 +461,38 @@ class FleetApi:
                 )
             )
         return Funnel(rows=rows)
+
+    async def flow(self) -> Flow:
+        gate = self.gate
+        if gate is None:
+            return Flow(enabled=False, replicas=1, models=[], tenants=[])
+        snapshot = gate.snapshot()
+        total = sum(tenant.service_tokens for tenant in snapshot.tenants)
+        return Flow(
+            enabled=True,
+            replicas=snapshot.replicas,
+            models=[
+                FlowModel(
+                    model=model.model,
+                    room=model.room,
+                    waiting={str(band): tenants for band, tenants in model.waiting.items()},
+                    waiting_elsewhere={
+                        str(band): tenants for band, tenants in model.waiting_elsewhere.items()
+                    },
+                    counters=model.counters,
+                )
+                for model in snapshot.models
+            ],
+            tenants=[
+                FlowTenant(
+                    tenant=tenant.tenant,
+                    service_tokens=tenant.service_tokens,
+                    service_share=tenant.service_tokens / total if total > 0 else None,
+                    shed=tenant.shed,
+                )
+                for tenant in snapshot.tenants
+            ],
+        )
 
     async def prefixes(self, limit: Annotated[int, Query(ge=1, le=256)] = 20) -> list[HotPrefixRow]:
         return [

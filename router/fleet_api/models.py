@@ -317,6 +317,50 @@ class Funnel(BaseModel):
     rows: list[FunnelRow]
 
 
+# -- flow control ------------------------------------------------------------------
+
+
+class FlowModel(BaseModel):
+    """One model's requests waiting for room in its engines (router/flow_control)."""
+
+    model: str
+    room: int | None = Field(
+        description="requests its engines can take now before each has "
+        "flow_control.max_engine_waiting waiting; null: some engine's limit is not known "
+        "yet (it never queued a request), so nothing is held"
+    )
+    waiting: dict[str, dict[str, int]] = Field(
+        description="band -> tenant -> requests waiting in this router"
+    )
+    waiting_elsewhere: dict[str, dict[str, int]] = Field(
+        description="band -> tenant -> requests waiting in the other router replicas"
+    )
+    counters: dict[str, float] = Field(
+        description="tenant -> virtual counter: its service, weighted by cost and divided "
+        "by its share (the least served backlogged tenant goes next)"
+    )
+
+
+class FlowTenant(BaseModel):
+    tenant: str
+    service_tokens: float = Field(
+        description="service through this router since it started, in cost units "
+        "(computed prompt tokens x input_token_cost + generated x output_token_cost)"
+    )
+    service_share: float | None = Field(description="its share of all tenants' service")
+    shed: dict[str, int] = Field(
+        description="requests shed with a 429, per reason: queue_full, displaced, "
+        "queue_timeout, deadline"
+    )
+
+
+class Flow(BaseModel):
+    enabled: bool
+    replicas: int = Field(description="router replicas sharing flow control, this one included")
+    models: list[FlowModel]
+    tenants: list[FlowTenant]
+
+
 class HotPrefixRow(BaseModel):
     """A cached prefix requests reused (router/routing/hot_prefixes.py)."""
 

@@ -23,6 +23,9 @@ class ServiceCounters:
     def value(self, model: str, tenant: str) -> float:
         return self._values.get(model, {}).get(tenant, 0.0)
 
+    def models(self) -> list[str]:
+        return list(self._values)
+
     def values(self, model: str) -> dict[str, float]:
         """The model's counters (a copy)."""
         return dict(self._values.get(model, {}))

@@ -32,7 +32,14 @@ from router.errors import RequestRefused
 from router.flow_control.bands import Placement
 from router.flow_control.counters import ServiceCounters
 from router.flow_control.queue import ModelQueue, Waiting
-from router.flow_control.saturation import Engines, Flags, Rows, free_slots, room
+from router.flow_control.saturation import (
+    UNBOUNDED,
+    Engines,
+    Flags,
+    Rows,
+    free_slots,
+    room,
+)
 from router.flow_control.shared import (
     STATE_TTL_INTERVALS,
     Elsewhere,
@@ -133,6 +140,33 @@ class FlowPass:
         gate.dispatch(self.model)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFlow:
+    """One model's flow, as the fleet API shows it."""
+
+    model: str
+    room: int | None  # requests its engines can take now; None: no limit known
+    waiting: dict[int, dict[str, int]]  # band -> tenant -> requests waiting here
+    waiting_elsewhere: dict[int, dict[str, int]]  # at the other replicas
+    counters: dict[str, float]  # tenant -> virtual counter
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFlow:
+    """One tenant's service and shedding since the router started."""
+
+    tenant: str
+    service_tokens: float  # in cost units (input_token_cost, output_token_cost)
+    shed: dict[str, int]  # reason -> requests
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSnapshot:
+    replicas: int  # router replicas sharing flow control (this one included)
+    models: list[ModelFlow]
+    tenants: list[TenantFlow]
+
+
 @dataclass(slots=True)
 class _Waiter:
     tenant: Tenant
@@ -165,6 +199,9 @@ class FlowGate:
         self.releasing: dict[str, int] = {}  # per model: let through, not yet dispatched
         self._grants: dict[str, deque[float]] = {}  # per model: when the latest were let through
         self._published: set[tuple[str, int]] = set()  # (model, band) gauges set
+        self._service: dict[str, float] = {}  # tenant -> cost units served
+        self._shed_counts: dict[str, dict[str, int]] = {}  # tenant -> reason -> requests
+        self._replicas = 1
         self._busy = asyncio.Event()
 
     # -- a request's way through ------------------------------------------------------
@@ -363,6 +400,7 @@ class FlowGate:
             log.debug("flow control's exchange failed (%s)", type(error).__name__)
             if self._clock() - self._exchanged_at > exchange.ttl_s:
                 self._elsewhere = Elsewhere()
+                self._replicas = 1
                 self._engines.shared_engines({}, {})
             return
         except Exception:  # a task's edge: a bug raised further is never seen, so log it
@@ -370,6 +408,7 @@ class FlowGate:
             log.exception("flow control's exchange failed")
             return
         self._exchanged_at = self._clock()
+        self._replicas = max(1, len(exchanged.states))
         self.counters.absorb(exchanged.counters)
         self._elsewhere = elsewhere
         self._engines.shared_engines(others, shared_reports)
@@ -381,6 +420,7 @@ class FlowGate:
 
     def served(self, tenant: Tenant, kind: str, cost: float) -> None:
         self._metrics.flow_service_tokens.labels(tenant=tenant.name, kind=kind).inc(cost)
+        self._service[tenant.name] = self._service.get(tenant.name, 0.0) + cost
 
     def _counter(self, model: str) -> Callable[[str], float]:
         counters = self.counters.values(model)
@@ -388,6 +428,8 @@ class FlowGate:
 
     def _shed(self, model: str, tenant: Tenant, reason: ShedReason, message: str) -> Shed:
         self._metrics.flow_shed.labels(tenant=tenant.name, reason=reason).inc()
+        shed = self._shed_counts.setdefault(tenant.name, {})
+        shed[reason] = shed.get(reason, 0) + 1
         if reason in ("queue_full", "displaced"):
             rate = self._dispatch_rate(model)
             backlog_s = len(self._queue(model)) / rate if rate > 0 else 1.0
@@ -428,6 +470,33 @@ class FlowGate:
                 gauge.labels(model=model, band=str(published[1])).set(0)
                 self._published.discard(published)
 
-    def waiting(self) -> dict[str, dict[int, int]]:
-        """Requests waiting per model and band (the fleet API's)."""
-        return {model: queue.sizes() for model, queue in self._queues.items() if queue}
+    def snapshot(self) -> FlowSnapshot:
+        """What the fleet API shows: each model served or waited for, each tenant."""
+        elsewhere = self._elsewhere
+        models = sorted(
+            set(self._queues)
+            | {model for model, _ in elsewhere.backlog}
+            | set(self.counters.models())
+        )
+        flows = []
+        for model in models:
+            free = self.room(model)
+            waiting_elsewhere: dict[int, dict[str, int]] = {}
+            for (name, band), backlogged in elsewhere.backlog.items():
+                if name == model and backlogged:
+                    waiting_elsewhere[band] = dict(backlogged)
+            flows.append(
+                ModelFlow(
+                    model=model,
+                    room=None if free >= UNBOUNDED // 2 else max(0, free),
+                    waiting=self._queues[model].tenants() if model in self._queues else {},
+                    waiting_elsewhere=waiting_elsewhere,
+                    counters=self.counters.values(model),
+                )
+            )
+        names = sorted(self._service.keys() | self._shed_counts.keys())
+        tenants = [
+            TenantFlow(name, self._service.get(name, 0.0), dict(self._shed_counts.get(name, {})))
+            for name in names
+        ]
+        return FlowSnapshot(self._replicas, flows, tenants)

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import (
@@ -264,6 +265,8 @@ async def test_a_full_queue_sheds_the_flood_and_says_why() -> None:
             fleet, "kvplane_flow_shed_total", tenant="noisy", reason="displaced"
         )
         acme_shed = await metric(fleet, "kvplane_flow_shed_total", tenant="acme")
+        async with fleet.http() as http:
+            flow = (await http.get("/fleet/flow", headers=ADMIN)).json()
 
     assert own.status_code == 429
     assert own.headers["x-kvplane-shed-reason"] == "queue_full"
@@ -277,6 +280,15 @@ async def test_a_full_queue_sheds_the_flood_and_says_why() -> None:
     assert second.status_code == 429
     assert second.headers["x-kvplane-shed-reason"] == "displaced"
     assert (shed_full, shed_displaced, acme_shed) == (1, 1, 0)
+    assert flow["enabled"]
+    assert flow["replicas"] == 1
+    tenants = {row["tenant"]: row for row in flow["tenants"]}
+    assert tenants["noisy"]["shed"] == {"queue_full": 1, "displaced": 1}
+    assert tenants["acme"]["shed"] == {}
+    assert sum(row["service_share"] for row in tenants.values()) == pytest.approx(1.0)
+    (model,) = flow["models"]
+    assert model["model"] == MODEL
+    assert model["waiting"] == {}  # all served or shed by now
 
 
 async def test_a_request_that_cannot_wait_long_enough_is_shed_with_its_reason() -> None:

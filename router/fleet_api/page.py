@@ -1,6 +1,7 @@
 """The fleet page (`GET /fleet/page`): the fleet API's answers in an operator's browser:
-workers with their load, KV usage and hit rates, the cache funnel, the hottest shared
-prefixes, and the locality query with each worker's score terms.
+workers with their load, KV usage and hit rates, flow control (each model's room and
+waiting requests by band, each tenant's counter, service and shedding), the cache funnel,
+the hottest shared prefixes, and the locality query with each worker's score terms.
 
 The page, its script and its style hold no data, so they are served without the admin
 token. The script asks the fleet API for everything, with the token it takes from the

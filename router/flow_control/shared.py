@@ -26,7 +26,7 @@ import msgspec
 
 from router.flow_control.counters import ServiceCounters
 from router.flow_control.saturation import SharedReport
-from router.index.base import CounterChanges, FlowExchanged, SharedFlowState
+from router.index.base import CounterChanges, CounterStep, FlowExchanged, SharedFlowState
 
 log = logging.getLogger(__name__)
 
@@ -65,49 +65,60 @@ class Elsewhere:
 
 
 class SharedCounters(ServiceCounters):
-    """The counters as Redis last had them, plus this router's changes since."""
+    """The counters as Redis last had them, plus this router's changes since (each
+    tenant's in order: a clamp applies to what was charged before it, not after)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._charges: dict[str, dict[str, float]] = {}
-        self._clamps: dict[str, list[tuple[str, float, float]]] = {}
+        self._steps: dict[str, list[CounterStep]] = {}  # model -> clamps, with adds before
+        self._adds: dict[str, dict[str, float]] = {}  # model -> tenant -> added since
 
     def charge(self, model: str, tenant: str, amount: float) -> None:
         super().charge(model, tenant, amount)
         if amount:
-            charges = self._charges.setdefault(model, {})
-            charges[tenant] = charges.get(tenant, 0.0) + amount
+            adds = self._adds.setdefault(model, {})
+            adds[tenant] = adds.get(tenant, 0.0) + amount
 
     def clamp(self, model: str, tenant: str, low: float, high: float) -> None:
         super().clamp(model, tenant, low, high)
-        self._clamps.setdefault(model, []).append((tenant, low, high))
+        added = self._adds.get(model, {}).pop(tenant, 0.0)
+        self._steps.setdefault(model, []).append(CounterStep(tenant, added, low, high))
 
     def take_changes(self, models: Iterable[str]) -> dict[str, CounterChanges]:
         """The changes to send, for `models` and every model changed (then forgotten)."""
-        wanted = set(models) | self._charges.keys() | self._clamps.keys()
-        changes = {
-            model: CounterChanges(self._charges.get(model, {}), self._clamps.get(model, []))
-            for model in wanted
+        changes: dict[str, CounterChanges] = {
+            model: self._pending(model) for model in set(models) | self._changed()
         }
-        self._charges, self._clamps = {}, {}
+        self._steps, self._adds = {}, {}
         return changes
 
     def restore(self, changes: Mapping[str, CounterChanges]) -> None:
-        """Changes an exchange that failed did not deliver: sent with the next."""
-        for model, change in changes.items():
-            charges = self._charges.setdefault(model, {})
-            for tenant, amount in change.charges.items():
-                charges[tenant] = charges.get(tenant, 0.0) + amount
-            self._clamps.setdefault(model, [])[:0] = change.clamps
+        """Changes an exchange that failed did not deliver: sent with the next, first."""
+        for model, steps in changes.items():
+            pending = self._pending(model)
+            self._steps[model] = [*steps, *pending]
+            self._adds.pop(model, None)
 
     def absorb(self, counters: Mapping[str, dict[str, float]]) -> None:
         """Redis's counters after the exchange, with the changes made while it ran."""
         for model, values in counters.items():
-            for tenant, amount in self._charges.get(model, {}).items():
-                values[tenant] = values.get(tenant, 0.0) + amount
-            for tenant, low, high in self._clamps.get(model, []):
-                values[tenant] = min(max(values.get(tenant, 0.0), low), high)
+            for step in self._pending(model):
+                values[step.tenant] = values.get(step.tenant, 0.0) + step.add
+                if step.low is not None and step.high is not None:
+                    values[step.tenant] = min(max(values[step.tenant], step.low), step.high)
             self._values[model] = values
+
+    def _changed(self) -> set[str]:
+        return {model for model, steps in self._steps.items() if steps} | {
+            model for model, adds in self._adds.items() if adds
+        }
+
+    def _pending(self, model: str) -> list[CounterStep]:
+        adds = self._adds.get(model, {})
+        return [
+            *self._steps.get(model, []),
+            *(CounterStep(tenant, amount) for tenant, amount in adds.items()),
+        ]
 
 
 class FlowExchange:

@@ -133,11 +133,18 @@ async def index_deadline(timeout_s: float) -> AsyncIterator[None]:
 
 
 @dataclass(frozen=True, slots=True)
-class CounterChanges:
-    """One model's changes to flow control's virtual counters since the last exchange."""
+class CounterStep:
+    """One change to a tenant's virtual counter: `add`, then bring it within
+    [low, high] where those are given."""
 
-    charges: Mapping[str, float]  # tenant -> amount added
-    clamps: Sequence[tuple[str, float, float]]  # (tenant, low, high), applied after
+    tenant: str
+    add: float
+    low: float | None = None
+    high: float | None = None
+
+
+CounterChanges = Sequence[CounterStep]
+"""One model's changes to flow control's counters since the last exchange, in order."""
 
 
 @dataclass(frozen=True, slots=True)

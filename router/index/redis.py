@@ -596,13 +596,12 @@ class RedisLocationIndex:
             _FLOW_COUNTERS_KEPT_MS,
         ]
         for model in models:
-            change = changes[model]
-            args.append(len(change.charges))
-            for tenant, amount in change.charges.items():
-                args += [tenant, repr(float(amount))]
-            args.append(len(change.clamps))
-            for tenant, low, high in change.clamps:
-                args += [tenant, repr(float(low)), repr(float(high))]
+            steps = changes[model]
+            args.append(len(steps))
+            for step in steps:
+                low, high = step.low, step.high
+                bounds = ("", "") if low is None or high is None else (repr(low), repr(high))
+                args += [step.tenant, repr(float(step.add)), *bounds]
         (reply,) = await self._run([_FLOW.call(keys, *args)])
         states = reply[0]
         return FlowExchanged(

@@ -51,6 +51,8 @@ const count = (n) => (n === null || n === undefined ? DASH : n.toLocaleString("e
 const share = (x) => (x === null || x === undefined ? DASH : (x * 100).toFixed(1) + "%");
 const seconds = (x) => (x === null || x === undefined ? DASH : x.toFixed(1) + " s");
 const decimal = (x) => (x === null || x === undefined ? DASH : x.toFixed(2));
+const units = (x) =>
+  x === null || x === undefined ? DASH : x.toLocaleString("en-US", { maximumFractionDigits: 0 });
 
 function cell(field, text, className) {
   const td = document.createElement("td");
@@ -184,6 +186,89 @@ function renderFunnel(answer) {
   fill("funnel", rows, "No request has been answered yet.");
 }
 
+// Flow control's shedding reasons, in the tenants' table's order.
+const SHED_REASONS = ["queue_full", "displaced", "queue_timeout", "deadline"];
+
+// Requests waiting: in one band (tenant -> requests), or in all (band -> tenant -> requests),
+// all tenants' or one's.
+const inBand = (tenants) => Object.values(tenants ?? {}).reduce((n, requests) => n + requests, 0);
+const waitingIn = (bands, tenant) =>
+  Object.values(bands).reduce(
+    (n, tenants) => n + (tenant === undefined ? inBand(tenants) : (tenants[tenant] ?? 0)),
+    0,
+  );
+
+// Each band's waiting requests, the higher band first: "band 5: 2 here, 1 elsewhere".
+function byBand(model) {
+  const bands = new Set([...Object.keys(model.waiting), ...Object.keys(model.waiting_elsewhere)]);
+  return [...bands]
+    .sort((a, b) => Number(b) - Number(a))
+    .map((band) => {
+      const there = inBand(model.waiting_elsewhere[band]);
+      return (
+        `band ${band}: ${count(inBand(model.waiting[band]))} here` +
+        (there ? `, ${count(there)} elsewhere` : "")
+      );
+    })
+    .join("; ");
+}
+
+function renderFlow(answer) {
+  const summary = document.getElementById("flow-summary");
+  document.getElementById("flow").hidden = !answer.enabled;
+  if (!answer.enabled) {
+    summary.textContent =
+      "Flow control is off: requests go to their engines however saturated " +
+      "(flow_control.enabled turns it on).";
+    return;
+  }
+  const models = answer.models.map((m) =>
+    row(m.model, [
+      cell("model", m.model),
+      cell("room", count(m.room), "number"),
+      cell("waiting", count(waitingIn(m.waiting)), "number"),
+      cell("waiting_elsewhere", count(waitingIn(m.waiting_elsewhere)), "number"),
+      cell("bands", byBand(m) || "none"),
+    ]),
+  );
+  fill("flow-models", models, "No request has been served under flow control yet.");
+  // Tenants served or shed, and those waiting or counted before either.
+  const served = new Map(answer.tenants.map((t) => [t.tenant, t]));
+  const names = new Set(served.keys());
+  for (const m of answer.models) {
+    const bands = [...Object.values(m.waiting), ...Object.values(m.waiting_elsewhere)];
+    for (const tenants of [...bands, m.counters]) {
+      for (const name of Object.keys(tenants)) names.add(name);
+    }
+  }
+  const tenants = [...names].sort().map((name) => {
+    const t = served.get(name);
+    const counters = answer.models
+      .filter((m) => name in m.counters)
+      .map((m) => (answer.models.length === 1 ? "" : `${m.model} `) + units(m.counters[name]));
+    const waiting = (key) => answer.models.reduce((n, m) => n + waitingIn(m[key], name), 0);
+    return row(name, [
+      cell("tenant", name),
+      cell("waiting", count(waiting("waiting")), "number"),
+      cell("waiting_elsewhere", count(waiting("waiting_elsewhere")), "number"),
+      cell("counter", counters.join("; ") || DASH, "number"),
+      cell("service_tokens", units(t ? t.service_tokens : null), "number"),
+      cell("service_share", share(t ? t.service_share : null), "number"),
+      ...SHED_REASONS.map((reason) =>
+        cell(`shed_${reason}`, count(t ? (t.shed[reason] ?? 0) : 0), "number"),
+      ),
+    ]);
+  });
+  fill("flow-tenants", tenants, "No tenant has been served under flow control yet.");
+  const here = answer.models.reduce((n, m) => n + waitingIn(m.waiting), 0);
+  const there = answer.models.reduce((n, m) => n + waitingIn(m.waiting_elsewhere), 0);
+  const replicas =
+    answer.replicas === 1 ? "this router alone" : `${answer.replicas} router replicas`;
+  summary.textContent =
+    `Flow control is on (${replicas}); waiting: ${count(here)} here` +
+    (answer.replicas === 1 ? "" : `, ${count(there)} at the other replicas`);
+}
+
 function renderPrefixes(prefixes) {
   const rows = prefixes.map((p) =>
     row(`${p.tenant}/${p.key}`, [
@@ -221,12 +306,14 @@ async function refresh() {
   nextRefresh = null;
   pausedWhileHidden = false;
   try {
-    const [workers, funnel, prefixes] = await Promise.all([
+    const [workers, flow, funnel, prefixes] = await Promise.all([
       api("workers"),
+      api("flow"),
       api("funnel"),
       api("prefixes?limit=20"),
     ]);
     renderWorkers(workers);
+    renderFlow(flow);
     renderFunnel(funnel);
     renderPrefixes(prefixes);
     showProblem("");

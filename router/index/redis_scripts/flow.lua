@@ -3,8 +3,8 @@
 -- KEYS[1]: router id -> its state (opaque bytes); KEYS[2]: router id -> when its state
 -- expires (server milliseconds); KEYS[3..]: one model's tenant -> virtual counter each.
 -- ARGV: router id, state, its time to live in milliseconds, how long the counters are kept
--- idle (milliseconds); then per counter key: the number of charges, (tenant, amount) each,
--- the number of clamps, (tenant, low, high) each.
+-- idle (milliseconds); then per counter key: the number of steps, then each step in
+-- order: tenant, amount to add, low and high bounds to bring it within ('' for none).
 -- Returns {the routers' states, flat id/state pairs (this one's included), then per
 -- counter key its flat tenant/counter pairs}.
 local states, expiries = KEYS[1], KEYS[2]
@@ -22,23 +22,23 @@ local reply = {redis.call('HGETALL', states)}
 local at = 5
 for k = 3, #KEYS do
   local counters = KEYS[k]
-  local charges = tonumber(ARGV[at])
+  local steps = tonumber(ARGV[at])
   at = at + 1
-  for _ = 1, charges do
-    redis.call('HINCRBYFLOAT', counters, ARGV[at], ARGV[at + 1])
-    at = at + 2
-  end
-  local clamps = tonumber(ARGV[at])
-  at = at + 1
-  for _ = 1, clamps do
-    local value = tonumber(redis.call('HGET', counters, ARGV[at]) or '0')
-    local wanted = math.min(math.max(value, tonumber(ARGV[at + 1])), tonumber(ARGV[at + 2]))
-    if wanted ~= value then
-      redis.call('HSET', counters, ARGV[at], tostring(wanted))
+  for _ = 1, steps do
+    local tenant = ARGV[at]
+    if tonumber(ARGV[at + 1]) ~= 0 then
+      redis.call('HINCRBYFLOAT', counters, tenant, ARGV[at + 1])
     end
-    at = at + 3
+    if ARGV[at + 2] ~= '' then
+      local value = tonumber(redis.call('HGET', counters, tenant) or '0')
+      local wanted = math.min(math.max(value, tonumber(ARGV[at + 2])), tonumber(ARGV[at + 3]))
+      if wanted ~= value then
+        redis.call('HSET', counters, tenant, tostring(wanted))
+      end
+    end
+    at = at + 4
   end
-  if charges + clamps > 0 then
+  if steps > 0 then
     redis.call('PEXPIRE', counters, keep)
   end
   reply[#reply + 1] = redis.call('HGETALL', counters)

@@ -6,15 +6,16 @@ A worker's engine holds what its last load report counted (running and waiting) 
 what this router's traffic to it has changed since (requests sent less requests ended),
 or what the router replicas have in flight there, whichever is more (reports lag; the
 replicas' traffic is all of it but what reaches the engine around them).
-Of those, the engine runs up to its batch limit, learnt from its reports: the running
-count of a report that also had requests waiting (the batch was full then, by
-max_num_seqs or by KV memory), raised when a later report runs more. A worker whose
+Of those, the engine runs up to its batch limit, learnt from its reports: the most it
+ran in a report that also had requests waiting (the batch was full then), raised when a
+later report runs more. A worker whose
 engine has never queued a request has no known limit and never saturates; nor does one
 whose load this router has not had reported (another replica's agent).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,7 +86,10 @@ def room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> 
 
 
 def learnt_batch_limit(previous: float, running: int, waiting: int) -> float:
-    """A worker's batch limit after a report of `running` and `waiting` requests."""
+    """A worker's batch limit after a report of `running` and `waiting` requests: the
+    most it ran with requests waiting, or more. It never falls: a batch held back by KV
+    memory or a prefill's token budget leaves requests waiting, and those count as held
+    (a limit lowered by a moment's budget would keep the engine below its batch)."""
     if waiting > 0 and running > 0:
-        return float(running)
-    return max(previous, float(running)) if np.isfinite(previous) else previous
+        return float(running) if math.isinf(previous) else max(previous, float(running))
+    return previous if math.isinf(previous) else max(previous, float(running))

@@ -59,9 +59,10 @@ def test_a_full_kv_cache_takes_nothing_and_an_unlearnt_limit_is_unbounded() -> N
     assert room(queues(running=[], waiting=[], since=[], limit=[]), 2, 1.0) == 0
 
 
-def test_the_batch_limit_is_learnt_where_requests_waited_and_raised_by_a_bigger_batch() -> None:
+def test_the_batch_limit_is_the_most_run_while_requests_waited_and_never_falls() -> None:
     assert learnt_batch_limit(math.inf, 3, 0) == math.inf
     assert learnt_batch_limit(math.inf, 3, 2) == 3.0
     assert learnt_batch_limit(3.0, 5, 0) == 5.0
-    assert learnt_batch_limit(5.0, 2, 1) == 2.0  # KV memory filled at a smaller batch
+    assert learnt_batch_limit(5.0, 2, 1) == 5.0  # held back by KV memory: those wait
+    assert learnt_batch_limit(5.0, 7, 1) == 7.0
     assert learnt_batch_limit(5.0, 0, 4) == 5.0  # nothing ran: nothing learnt

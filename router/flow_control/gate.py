@@ -8,7 +8,9 @@ A request that cannot wait is shed with a 429 saying why (`x-kvplane-shed-reason
 `queue_full` (the model's queue is full and the request is its own flood's newest, or
 in the lowest band), `displaced` (a request of a higher band or a less served tenant
 took its place), `queue_timeout` (it waited `max_wait_s`), `deadline` (its first byte
-could not come by its deadline).
+could not come by its deadline), `preempted` (it was sent, and a request of a higher
+band took its place before its engine answered: the embedded proxy's requests only, a
+gateway's are Envoy's to move).
 
 What a tenant is served is charged to its virtual counter (router/flow_control/
 counters.py): its prompt tokens at the grant, corrected at dispatch to those not
@@ -26,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+import numpy as np
+
 from kvplane.core.clock import Clock
 from kvplane.core.config import FlowControlSettings
 from router.errors import RequestRefused
@@ -39,6 +43,7 @@ from router.flow_control.saturation import (
     Rows,
     free_slots,
     room,
+    would_wait,
 )
 from router.flow_control.shared import (
     STATE_TTL_INTERVALS,
@@ -53,7 +58,7 @@ from router.tenants import Tenant
 log = logging.getLogger(__name__)
 
 SHED_REASON_HEADER = "x-kvplane-shed-reason"
-ShedReason = Literal["queue_full", "displaced", "queue_timeout", "deadline"]
+ShedReason = Literal["queue_full", "displaced", "queue_timeout", "deadline", "preempted"]
 TICK_S = 0.02  # while requests wait: how often room is looked for without a request ending
 _RATE_SAMPLES = 64  # grants the dispatch rate (for Retry-After and deadlines) is read over
 _T = TypeVar("_T")
@@ -81,21 +86,36 @@ class FlowPass:
     """A request let through the gate, until it ends: what it is charged."""
 
     __slots__ = (
+        "_cancel",
         "_gate",
         "_input_charge",
         "_tenant",
+        "band",
         "closed",
         "dispatched_once",
         "generated_tokens",
         "model",
+        "preempted",
+        "seq",
+        "waits_in_engine",
     )
 
-    def __init__(self, gate: FlowGate, model: str, tenant: Tenant, prompt_tokens: int) -> None:
+    def __init__(
+        self, gate: FlowGate, model: str, tenant: Tenant, prompt_tokens: int, band: int
+    ) -> None:
         self._gate = gate
         self.model = model
         self._tenant = tenant
+        self.band = band
+        self.seq = gate.next_seq()
         self.dispatched_once = False
         self.closed = False
+        self.preempted = False
+        # Streamed and sent where its engine's batch was full: it waits in the engine's
+        # queue, where preempting it costs nothing (a request running there, or one
+        # whose answer says nothing until it ends, is never preempted).
+        self.waits_in_engine = False
+        self._cancel: Callable[[], object] | None = None
         self.generated_tokens = 0
         self._input_charge = prompt_tokens * gate.settings.input_token_cost
         gate.charge(model, tenant, self._input_charge)
@@ -123,12 +143,40 @@ class FlowPass:
             gate = self._gate
             gate.charge(self.model, self._tenant, tokens * gate.settings.output_token_cost)
 
+    def arm(self, cancel: Callable[[], object]) -> None:
+        """Its engine has it and has not answered yet: until `disarm`, a waiting request
+        of a higher band may take its place (`cancel` stops the attempt)."""
+        if not self.closed:
+            self._cancel = cancel
+            self._gate.armed(self)
+
+    def disarm(self) -> None:
+        """Its first byte came (or its attempt ended): it is no longer preempted."""
+        if self._cancel is not None:
+            self._cancel = None
+            self._gate.disarmed(self)
+
+    def preempt(self) -> None:
+        """Stop its attempt before its first byte: it is shed (`preempted`)."""
+        cancel = self._cancel
+        self.preempted = True
+        self.disarm()
+        if cancel is not None:
+            cancel()
+
+    def shed(self) -> Shed:
+        """Its shedding, once preempted."""
+        return self._gate.preempted_shed(self.model, self._tenant)
+
     def close(self) -> None:
         """The request has ended (idempotent): room may have been made."""
         gate = self._gate
         if self.closed:
             return
         self.closed = True
+        self.disarm()
+        if self.preempted:
+            gate.preempting[self.model] -= 1
         if not self.dispatched_once:  # never sent: nothing was served
             self.dispatched_once = True
             gate.releasing[self.model] -= 1
@@ -202,6 +250,11 @@ class FlowGate:
         self._service: dict[str, float] = {}  # tenant -> cost units served
         self._shed_counts: dict[str, dict[str, int]] = {}  # tenant -> reason -> requests
         self._replicas = 1
+        # Requests sent and not yet answered, which a higher band may preempt, per model;
+        # and those preempted that have not ended yet.
+        self._armed: dict[str, dict[FlowPass, None]] = {}
+        self.preempting: dict[str, int] = {}
+        self._seq = 0
         self._busy = asyncio.Event()
 
     # -- a request's way through ------------------------------------------------------
@@ -227,7 +280,7 @@ class FlowGate:
             and not elsewhere.higher_band_waits(model, placement.band)
             and self.room(model) > 0
         ):
-            return FlowPass(self, model, tenant, prompt_tokens)
+            return FlowPass(self, model, tenant, prompt_tokens, placement.band)
         now = self._clock()
         deadline_at = None if placement.deadline_s is None else now + placement.deadline_s
         cost = prompt_tokens * self.settings.input_token_cost / tenant.share
@@ -317,6 +370,14 @@ class FlowGate:
         free = room(queues, settings.max_engine_waiting, settings.max_kv_usage)
         return free - self.releasing.get(model, 0)
 
+    def would_wait(self, worker_id: str) -> bool:
+        """Whether a request sent to `worker_id` now would wait in its engine's queue."""
+        row = self._engines.row_of(worker_id)
+        if row is None:
+            return False
+        queues = self._engines.engine_queues(np.array([row], dtype=np.intp))
+        return bool(would_wait(queues)[0])
+
     def with_room(self, rows: Rows) -> Flags:
         """Which of the roster's `rows` can take a request now: a request let through
         goes to one of them, where any has room (routing reads it: router/routing/
@@ -342,12 +403,49 @@ class FlowGate:
             waiter = self._waiters.pop(waiting)
             if waiter.future.done():  # its wait was given up
                 continue
-            waiter.future.set_result(FlowPass(self, model, waiter.tenant, waiter.prompt_tokens))
+            waiter.future.set_result(
+                FlowPass(self, model, waiter.tenant, waiter.prompt_tokens, waiting.band)
+            )
             self._granted(model)
             free -= 1
             granted += 1
         if granted:
             self._publish(model)
+        if queue and free <= 0:
+            self._preempt_for(model, queue, counter)
+
+    def _preempt_for(self, model: str, queue: ModelQueue, counter: Callable[[str], float]) -> None:
+        """Where the next waiting request's band is above a request sent and not yet
+        answered, that request (the newest of the lowest band) gives up its place: one
+        at a time per model, the next once it has ended."""
+        armed = self._armed.get(model)
+        if not armed or self.preempting.get(model, 0):
+            return
+        head = queue.next(counter)
+        if head is None or not self._its_turn(model, head, counter):
+            return
+        victim = min(armed, key=lambda flow_pass: (flow_pass.band, -flow_pass.seq))
+        if victim.band < head.band:
+            self.preempting[model] = self.preempting.get(model, 0) + 1
+            victim.preempt()
+
+    def armed(self, flow_pass: FlowPass) -> None:
+        self._armed.setdefault(flow_pass.model, {})[flow_pass] = None
+
+    def disarmed(self, flow_pass: FlowPass) -> None:
+        self._armed.get(flow_pass.model, {}).pop(flow_pass, None)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def preempted_shed(self, model: str, tenant: Tenant) -> Shed:
+        return self._shed(
+            model,
+            tenant,
+            "preempted",
+            "a request of a higher band took its place before its engine answered",
+        )
 
     def _its_turn(self, model: str, waiting: Waiting, counter: Callable[[str], float]) -> bool:
         """Whether no tenant waiting at another replica goes before `waiting`: none in

@@ -61,6 +61,8 @@ class Engines(Protocol):
 
     def engine_queues(self, rows: Rows) -> EngineQueues: ...
 
+    def row_of(self, worker_id: str) -> int | None: ...
+
     def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]: ...
 
     def shared_engines(
@@ -77,6 +79,14 @@ def free_slots(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: floa
     known = queues.reported & np.isfinite(queues.batch_limit)
     full = queues.reported & (queues.kv_usage >= max_kv_usage)
     return np.where(full, 0.0, np.where(known, free, np.inf))
+
+
+def would_wait(queues: EngineQueues) -> Flags:
+    """Whether a request sent to each worker now would wait in its engine's queue (its
+    batch full; False where its limit is not known)."""
+    reported = queues.running + queues.waiting + queues.traffic_since_report
+    held = np.maximum(reported, queues.in_flight)
+    return queues.reported & np.isfinite(queues.batch_limit) & (held >= queues.batch_limit)
 
 
 def room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> int:

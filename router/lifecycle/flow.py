@@ -308,8 +308,12 @@ class RequestLifecycle:
         predicted = decision.predicted_tokens(worker_id)
         # A decode leg computes nothing of the prompt: it pulls what it lacks.
         to_compute = 0 if leg is Leg.DECODE else max(0, decision.prompt_tokens - predicted)
-        if self.flow_pass is not None:
-            self.flow_pass.dispatched(to_compute)
+        flow_pass = self.flow_pass
+        if flow_pass is not None and flow.gate is not None:
+            flow_pass.dispatched(to_compute)
+            flow_pass.waits_in_engine = (
+                routed.parsed.stream and leg is not Leg.PREFILL and flow.gate.would_wait(worker_id)
+            )
         ticket = flow.pool.sent(
             worker_id,
             self.tenant.name,
@@ -383,6 +387,9 @@ class Dispatch:
 
     def first_byte(self) -> None:
         self._lifecycle.flow.pool.first_byte(self.ticket)
+        flow_pass = self._lifecycle.flow_pass
+        if flow_pass is not None:
+            flow_pass.disarm()  # answered: never preempted from now on
 
     def streamed(self, chunk: bytes) -> None:
         """A chunk of the streamed answer passed (its events' tokens charged as they

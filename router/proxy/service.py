@@ -30,7 +30,12 @@ from starlette.types import Receive, Scope, Send
 from kvplane.core.types import WorkerRole
 from router.auth import UNAUTHORIZED, TenantKey
 from router.errors import RequestRefused, documented, required_header, unavailable
-from router.flow_control import DEADLINE_HEADER, PRIORITY_HEADER, SHED_REASON_HEADER
+from router.flow_control import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    SHED_REASON_HEADER,
+    FlowPass,
+)
 from router.lifecycle import Dispatch, RequestFlow, RequestLifecycle, RoutedRequest
 from router.lifecycle.bodies import (
     BODY_ERRORS,
@@ -116,7 +121,7 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
             "retry-after": required_header({"type": "integer", "minimum": 1}, "seconds"),
             SHED_REASON_HEADER: {
                 "description": "why flow control shed it: queue_full, displaced, "
-                "queue_timeout or deadline",
+                "queue_timeout, deadline or preempted",
                 "schema": {"type": "string"},
             },
         },
@@ -145,6 +150,10 @@ def _takes_decode_legs(routed: RoutedRequest, worker_id: str) -> bool:
 
 class ClientGone(Exception):
     """The client disconnected while the router waited on an engine."""
+
+
+class Preempted(Exception):
+    """A request of a higher band took the attempt's place before its first byte."""
 
 
 @dataclass(slots=True)
@@ -384,8 +393,11 @@ class ProxyService:
                     },
                 ) as span:
                     sent = routed.engine_body(body, [worker_id])
+                    flow_pass = lifecycle.flow_pass
                     answer, full_body = await _unless_disconnected(
-                        request, self._attempt(url, sent, headers, parsed.stream, dispatch)
+                        request,
+                        self._attempt(url, sent, headers, parsed.stream, dispatch),
+                        flow_pass if flow_pass is not None and flow_pass.waits_in_engine else None,
                     )
                     first_byte_s = time.perf_counter() - dispatch.sent_at
                     span.set_attribute("kvplane.first_byte_ms", first_byte_s * 1000)
@@ -409,6 +421,10 @@ class ProxyService:
             except ClientGone:
                 dispatch.abandon("client_disconnected")
                 return Response(status_code=499)
+            except Preempted:
+                dispatch.abandon()
+                assert lifecycle.flow_pass is not None
+                raise self.flow.refused(lifecycle.flow_pass.shed().error()) from None
             if parsed.stream:  # a non-streamed answer's first byte is its last
                 self.metrics.first_byte_seconds.observe(first_byte_s)
             outcome = "ok" if dispatch.attempt == 1 else "ok_after_failover"
@@ -586,26 +602,36 @@ class ProxyService:
             relay.dispatch.settle(relay.outcome, relay.usage.usage(), relay.answer.status)
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+async def _unless_disconnected(
+    request: Request, work: Awaitable[_T], preemptible: FlowPass | None = None
+) -> _T:
     """`work`'s result; if the client disconnects first, `work` is cancelled (which
     closes the engine's connection, so the engine drops the request) and ClientGone
-    is raised. (The watcher cancels `work` from a done-callback: asyncio.wait would
-    cost each request a waiter and a callback a task, about 30 µs on the 2-core
+    is raised. With `preemptible`, flow control may cancel it as well, until its first
+    byte (Preempted). (The watcher cancels `work` from a done-callback: asyncio.wait
+    would cost each request a waiter and a callback a task, about 30 µs on the 2-core
     machine.)"""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     watcher.add_done_callback(lambda _: task.cancel())  # a no-op once `task` is done
+    if preemptible is not None:
+        preemptible.arm(task.cancel)
     try:
         return await task
     except asyncio.CancelledError:
-        # The client left, unless this request itself is being cancelled (the server
-        # stopping), which cancels `task` with it.
+        # The client left, or flow control preempted it, unless this request itself is
+        # being cancelled (the server stopping), which cancels `task` with it.
         current = asyncio.current_task()
-        if watcher.done() and not watcher.cancelled() and not (current and current.cancelling()):
-            raise ClientGone from None
+        if not (current and current.cancelling()):
+            if watcher.done() and not watcher.cancelled():
+                raise ClientGone from None
+            if preemptible is not None and preemptible.preempted:
+                raise Preempted from None
         raise
     finally:
         watcher.cancel()
+        if preemptible is not None:
+            preemptible.disarm()
 
 
 async def _disconnected(request: Request) -> None:

@@ -333,6 +333,10 @@ class WorkerPool:
             in_flight=in_flight + roster.others_in_flight[rows],
         )
 
+    def row_of(self, worker_id: str) -> int | None:
+        """The worker's row in the current roster (None: not in it)."""
+        return self.roster.position.get(worker_id)
+
     def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]:
         """What this router shares with its replicas: its requests in flight at each
         worker, and the load reports its agents send (with each batch limit learnt)."""

@@ -186,9 +186,6 @@ function renderFunnel(answer) {
   fill("funnel", rows, "No request has been answered yet.");
 }
 
-// Flow control's shedding reasons, in the tenants' table's order.
-const SHED_REASONS = ["queue_full", "displaced", "queue_timeout", "deadline"];
-
 // Requests waiting: in one band (tenant -> requests), or in all (band -> tenant -> requests),
 // all tenants' or one's.
 const inBand = (tenants) => Object.values(tenants ?? {}).reduce((n, requests) => n + requests, 0);
@@ -247,6 +244,8 @@ function renderFlow(answer) {
       .filter((m) => name in m.counters)
       .map((m) => (answer.models.length === 1 ? "" : `${m.model} `) + units(m.counters[name]));
     const waiting = (key) => answer.models.reduce((n, m) => n + waitingIn(m[key], name), 0);
+    const shed = Object.entries(t ? t.shed : {}).filter(([, requests]) => requests > 0);
+    const reasons = shed.map(([reason, n]) => `${reason.replaceAll("_", " ")} ${count(n)}`);
     return row(name, [
       cell("tenant", name),
       cell("waiting", count(waiting("waiting")), "number"),
@@ -254,9 +253,8 @@ function renderFlow(answer) {
       cell("counter", counters.join("; ") || DASH, "number"),
       cell("service_tokens", units(t ? t.service_tokens : null), "number"),
       cell("service_share", share(t ? t.service_share : null), "number"),
-      ...SHED_REASONS.map((reason) =>
-        cell(`shed_${reason}`, count(t ? (t.shed[reason] ?? 0) : 0), "number"),
-      ),
+      cell("shed", count(shed.reduce((n, [, requests]) => n + requests, 0)), "number"),
+      cell("shed_reasons", reasons.join("; ") || "none"),
     ]);
   });
   fill("flow-tenants", tenants, "No tenant has been served under flow control yet.");

@@ -81,13 +81,22 @@ async def complete(
     prompt: str,
     max_tokens: int = 4,
     headers: Mapping[str, str] | None = None,
+    *,
+    stream: bool = False,
 ) -> httpx.Response:
     """`prompt` completed through the fleet's router (or the router at this URL)."""
     url = fleet if isinstance(fleet, str) else fleet.url
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         return await http.post(
             "/v1/completions",
-            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+            json=body,
             headers={"authorization": f"Bearer {key(tenant)}", **(headers or {})},
         )
 
@@ -403,3 +412,37 @@ async def test_an_engine_not_labelled_for_priorities_is_sent_none() -> None:
         await learn_batch_limits(fleet)
         order = await send_in_order(fleet)
     assert order == ["occupying", "low 0", "low 1", "low 2", "high"], order
+
+
+async def test_a_higher_band_preempts_a_lower_one_waiting_in_its_engine() -> None:
+    # Two may wait in the engine: acme's first two streams do, the third in the router.
+    # The running one is never preempted, nor one whose answer is not streamed.
+    async with slow_fleet(max_engine_waiting=2) as fleet:
+        finished: list[str] = []
+
+        async def send(name: str, tenant: str, **kw: Any) -> httpx.Response:
+            response = await complete(fleet, tenant, f"request {name}", stream=True, **kw)
+            finished.append(name)
+            return response
+
+        occupying = asyncio.ensure_future(send("occupying", "acme", max_tokens=16))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        low = []
+        for n in range(3):
+            low.append(asyncio.ensure_future(send(f"low {n}", "acme")))
+            await asyncio.sleep(0.02)
+        await queued(fleet, 1)
+        high = await send("high", "globex", headers={"x-kvplane-priority": "5"})
+        responses = await asyncio.gather(occupying, *low)
+        preempted = await metric(
+            fleet, "kvplane_flow_shed_total", tenant="acme", reason="preempted"
+        )
+
+    assert high.status_code == 200
+    # The newest of the two acme requests in the engine's queue gave the high band its place.
+    shed = responses[2]
+    assert shed.status_code == 429, shed.text
+    assert shed.headers["x-kvplane-shed-reason"] == "preempted"
+    assert [r.status_code for r in (responses[0], responses[1], responses[3])] == [200] * 3
+    assert finished.index("high") < finished.index("low 2")
+    assert preempted == 1

@@ -65,6 +65,8 @@ _DECISION_BUCKETS = (
     0.25,
 )
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A wait in flow control's queue: up to flow_control.max_wait_s, which may be minutes.
+_WAIT_BUCKETS = (*_TTFB_BUCKETS, 120, 300, 600)
 
 
 def _event_kind(event: KvEvent) -> str:
@@ -203,7 +205,7 @@ class RouterMetrics:
             "kvplane_flow_wait_seconds",
             "Time requests of a saturated model waited in the router (shed ones included)",
             ["band", "tenant"],
-            buckets=_TTFB_BUCKETS,
+            buckets=_WAIT_BUCKETS,
             registry=r,
         )
         self.flow_shed = Counter(

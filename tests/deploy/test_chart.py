@@ -197,6 +197,10 @@ def test_secrets_come_from_references_never_values(tmp_path: Path) -> None:
         ({"image": {"tag": "latest"}}, "image.tag"),
         ({"engines": {"kind": "tgi"}}, "engines.kind must be one of"),
         ({"redis": {"url": "localhost:6379"}}, "redis.url"),
+        (
+            {"router": {"prometheusRule": {"flowMaxWaitSeconds": 0}}},
+            "router.prometheusRule.flowMaxWaitSeconds: Must be greater than 0",
+        ),
     ],
 )
 def test_wrong_values_fail_with_a_clear_message(
@@ -417,6 +421,9 @@ def test_the_alerts_read_metrics_the_router_exports(tmp_path: Path) -> None:
         "KvplaneIndexNearCapacity",
         "KvplaneRedisMemoryNearLimit",
         "KvplaneWorkerCreditWithdrawn",
+        "KvplaneTenantShed",
+        "KvplaneFlowQueueTimeouts",
+        "KvplaneFlowQueueNotDraining",
     }
     exported = exported_metric_names()
     runbooks = (CHART.parents[2] / "docs" / "alerts.md").read_text()
@@ -428,6 +435,29 @@ def test_the_alerts_read_metrics_the_router_exports(tmp_path: Path) -> None:
         assert f"## {alert['alert']}" in runbooks
         assert anchor == alert["alert"].lower()
     assert by_kind(rendered(tmp_path, "defaults"), "PrometheusRule") == []  # no CRD, no rule
+
+
+def test_the_flow_alerts_tell_the_right_sheds_apart_and_read_the_routers_max_wait(
+    tmp_path: Path,
+) -> None:
+    def flow_alerts(values: dict[str, Any]) -> dict[str, str]:
+        objects = render(tmp_path, values, api_versions=[PROMETHEUS_RULE_API])
+        rule = one(objects, "PrometheusRule", "rel-kvplane-router")
+        return {
+            r["alert"]: r["expr"]
+            for group in rule["spec"]["groups"]
+            for r in group["rules"]
+            if "kvplane_flow_" in r["expr"]
+        }
+
+    alerts = flow_alerts({})
+    # A tenant shed for what flow control is for, apart from a queue that outlasts its wait.
+    assert 'reason!="queue_timeout"' in alerts["KvplaneTenantShed"]
+    assert 'reason="queue_timeout"' in alerts["KvplaneFlowQueueTimeouts"]
+    # The waits' p90 against 80% of flow_control.max_wait_s, as the chart is told it.
+    assert "> 0.8 * 60\n" in alerts["KvplaneFlowQueueNotDraining"]
+    tighter = flow_alerts({"router": {"prometheusRule": {"flowMaxWaitSeconds": 20}}})
+    assert "> 0.8 * 20\n" in tighter["KvplaneFlowQueueNotDraining"]
 
 
 def test_the_dashboard_reads_metrics_the_router_exports(tmp_path: Path) -> None:
@@ -446,6 +476,13 @@ def test_the_dashboard_reads_metrics_the_router_exports(tmp_path: Path) -> None:
     # The funnel, the hit rate's parts and the loss reasons are all on it.
     assert {"kvplane_funnel_tokens", "kvplane_funnel_lost_tokens"} <= used
     assert {"kvplane_funnel_reported_prompt_tokens", "kvplane_funnel_copied_tokens"} <= used
+    # And flow control: queues by band, waits, shedding and each tenant's service.
+    assert {
+        "kvplane_flow_queued_requests",
+        "kvplane_flow_wait_seconds",
+        "kvplane_flow_shed",
+        "kvplane_flow_service_tokens",
+    } <= used
     off = render(tmp_path, {"grafana": {"dashboard": {"enabled": False}}})
     assert [
         o for o in by_kind(off, "ConfigMap") if o["metadata"]["name"].endswith("dashboard")

@@ -1,8 +1,9 @@
 """The fleet page in headless Chromium (Debian's chromium and chromedriver, `make
 chromium`) against a running fleet: the figures of its tables (all but the ages of the
 last events and the funnel's bars) are checked against the fleet API's own answers, the
-locality box against the locality query, an agent's label cannot inject markup, and the
-screenshot the docs show is saved.
+locality box against the locality query, flow control's section with requests waiting and
+shed (and its word when flow control is off), an agent's label cannot inject markup, and
+the screenshot the docs show is saved.
 
 KVPLANE_SCREENSHOTS=DIR saves the screenshot there (`make screenshots` sets it to
 docs/images); otherwise it goes to the test's temporary folder."""
@@ -25,15 +26,26 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from kvplane.core.config import HttpSettings
+from kvplane.core.config import HttpSettings, Settings
+from router.flow_control.bands import DEADLINE_HEADER, PRIORITY_HEADER
+from router.flow_control.gate import SHED_REASON_HEADER
 from tests import heavy
 from tests.abuse.conftest import cache_and_wait
+from tests.router.flow_control.test_gate import (
+    SLOW,
+    complete,
+    direct,
+    engines_idle,
+    flow_settings,
+    learn_batch_limits,
+)
 from tests.router.proxy.conftest import (
     MODEL,
     RoutedFleet,
     routed_fleet,
     router_settings,
 )
+from tests.waiting import wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -46,6 +58,10 @@ PAGE_WAIT_S = 20.0
 ADMIN_TOKEN = "kv+page/admin=="
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 TOKEN_FORM_SHOWN = "document.getElementById('token-form').checkVisibility()"
+FLOW_OFF = (
+    "Flow control is off: requests go to their engines however saturated "
+    "(flow_control.enabled turns it on)."
+)
 
 # What the page's script reads back of a table: each row's key and its cells' texts.
 READ_TABLE = """
@@ -73,6 +89,12 @@ def share(x: float | None) -> str:
 
 def decimal(x: float | None) -> str:
     return DASH if x is None else fixed(x, 2)
+
+
+def units(x: float | None) -> str:
+    """A figure in cost units, rounded to a whole one (a tie away from zero, as
+    toLocaleString's maximumFractionDigits: 0 does) with thousands' commas."""
+    return DASH if x is None else f"{Decimal(x).quantize(Decimal(1), rounding=ROUND_HALF_UP):,}"
 
 
 def worker_cells(worker: dict[str, Any]) -> dict[str, str]:
@@ -126,6 +148,72 @@ def prefix_cells(prefix: dict[str, Any]) -> dict[str, str]:
         "requests": count(prefix["requests"]),
         "reused_tokens": count(prefix["reused_tokens"]),
     }
+
+
+def waiting_in(bands: dict[str, dict[str, int]], tenant: str | None = None) -> int:
+    """Requests waiting (band -> tenant -> requests): all tenants', or one's."""
+    return sum(
+        requests
+        for tenants in bands.values()
+        for name, requests in tenants.items()
+        if tenant is None or name == tenant
+    )
+
+
+def flow_model_cells(model: dict[str, Any]) -> dict[str, str]:
+    here, there = model["waiting"], model["waiting_elsewhere"]
+    bands = []
+    for band in sorted(here.keys() | there.keys(), key=int, reverse=True):
+        elsewhere = sum(there.get(band, {}).values())
+        bands.append(
+            f"band {band}: {count(sum(here.get(band, {}).values()))} here"
+            + (f", {count(elsewhere)} elsewhere" if elsewhere else "")
+        )
+    return {
+        "model": model["model"],
+        "room": count(model["room"]),
+        "waiting": count(waiting_in(here)),
+        "waiting_elsewhere": count(waiting_in(there)),
+        "bands": "; ".join(bands) or "none",
+    }
+
+
+def flow_tenant_cells(flow: dict[str, Any]) -> list[dict[str, str]]:
+    """The tenants' rows: those served or shed, and those waiting or counted before."""
+    models = flow["models"]
+    served = {tenant["tenant"]: tenant for tenant in flow["tenants"]}
+    names = set(served)
+    for model in models:
+        names |= model["counters"].keys()
+        for bands in (model["waiting"], model["waiting_elsewhere"]):
+            names |= {name for tenants in bands.values() for name in tenants}
+    rows = []
+    for name in sorted(names):
+        tenant = served.get(name)
+        counters = [
+            ("" if len(models) == 1 else f"{model['model']} ") + units(model["counters"][name])
+            for model in models
+            if name in model["counters"]
+        ]
+        shed = {reason: n for reason, n in (tenant["shed"] if tenant else {}).items() if n > 0}
+        here = sum(waiting_in(model["waiting"], name) for model in models)
+        elsewhere = sum(waiting_in(model["waiting_elsewhere"], name) for model in models)
+        rows.append(
+            {
+                "tenant": name,
+                "waiting": count(here),
+                "waiting_elsewhere": count(elsewhere),
+                "counter": "; ".join(counters) or DASH,
+                "service_tokens": units(tenant["service_tokens"] if tenant else None),
+                "service_share": share(tenant["service_share"] if tenant else None),
+                "shed": count(sum(shed.values())),
+                "shed_reasons": "; ".join(
+                    f"{reason.replace('_', ' ')} {count(n)}" for reason, n in shed.items()
+                )
+                or "none",
+            }
+        )
+    return rows
 
 
 def locality_cells(worker: dict[str, Any]) -> dict[str, str]:
@@ -185,15 +273,21 @@ def browser() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-def page_fleet(admin_token: str | None = ADMIN_TOKEN) -> Any:
-    settings = router_settings()
-    settings = settings.model_copy(
+def page_fleet(
+    admin_token: str | None = ADMIN_TOKEN,
+    *,
+    settings: Settings | None = None,
+    workers: int = 2,
+    sim_options: dict[str, Any] | None = None,
+) -> Any:
+    settings = (settings or router_settings()).model_copy(
         update={"http": HttpSettings(port=0, admin_port=0, admin_token=admin_token)}
     )
     return routed_fleet(
-        2,
+        workers,
         settings,
-        sim_options={"enable_prompt_tokens_details": True, "num_gpu_blocks_override": 1024},
+        sim_options=sim_options
+        or {"enable_prompt_tokens_details": True, "num_gpu_blocks_override": 1024},
         labels={"worker-1": {"rack": MARKUP}},
     )
 
@@ -298,6 +392,10 @@ async def test_the_page_shows_what_the_fleet_api_says(
             assert {p["tenant"] for p in prefixes} == {"acme", "globex"}
             summary = browser.find_element(By.ID, "summary").text
             assert summary == f"2 of 2 workers live; index reachable; {MODEL}: cache-aware"
+            # Flow control is off: the page says so, and shows none of its tables.
+            assert (await api.get("/fleet/flow")).json()["enabled"] is False
+            assert browser.find_element(By.ID, "flow-summary").text == FLOW_OFF
+            assert not browser.find_element(By.ID, "flow").is_displayed()
 
             # The agent's label is text on the page; no element came of it, nothing ran.
             (labelled,) = [r for r in read_table(browser, "workers") if r["key"] == "worker-1"]
@@ -335,6 +433,95 @@ async def test_the_page_shows_what_the_fleet_api_says(
             width, height = png_size(screenshot)
             assert width == 1400
             assert height > 1000
+
+
+@pytest.mark.heavy("chromium")
+async def test_the_page_shows_who_waits_and_who_was_shed(browser: webdriver.Chrome) -> None:
+    """Flow control on, one engine busy: requests wait in two bands, one is shed for its
+    deadline; the page's flow tables show what GET /fleet/flow says, then the queue
+    drained."""
+    settings = flow_settings(max_engine_waiting=0)
+    async with page_fleet(settings=settings, workers=1, sim_options=SLOW) as fleet:
+        await learn_batch_limits(fleet)
+        admin = f"http://127.0.0.1:{fleet.router.admin_port}"
+        async with httpx.AsyncClient(base_url=admin, headers=ADMIN, timeout=10) as api:
+            served = await complete(fleet, "acme", "served at once")
+            assert served.status_code == 200
+            await wait_until("the engine is idle again", lambda: engines_idle(fleet))
+            # 25 ms a token, one request at a time: the engine is busy for ten seconds
+            # with a request the router never saw (none of its own could preempt it).
+            (worker,) = fleet.workers
+            occupying = asyncio.ensure_future(direct(worker.base_url, "occupying", 400))
+            await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+            waiting = [
+                asyncio.ensure_future(complete(fleet, "acme", f"acme waits {n}")) for n in range(2)
+            ]
+            waiting.append(  # globex may ask for band 5
+                asyncio.ensure_future(
+                    complete(fleet, "globex", "globex waits", headers={PRIORITY_HEADER: "5"})
+                )
+            )
+
+            async def three_wait() -> bool:
+                flow = (await api.get("/fleet/flow")).json()
+                return sum(waiting_in(m["waiting"]) for m in flow["models"]) == 3
+
+            await wait_until("three requests wait in the router", three_wait)
+            shed = await complete(
+                fleet, "initech", "cannot wait long", headers={DEADLINE_HEADER: "100"}
+            )
+            assert shed.status_code == 429
+            assert shed.headers[SHED_REASON_HEADER] == "deadline"
+
+            await asyncio.to_thread(browser.get, f"{admin}/fleet/page#token={ADMIN_TOKEN}")
+            await asyncio.to_thread(wait_for, browser, "Number(document.body.dataset.loaded) > 0")
+            shown = await until_shown(
+                browser,
+                api,
+                table="flow-models",
+                path="/fleet/flow",
+                rows=lambda answer: answer["models"],
+                expected=flow_model_cells,
+            )
+            tenants = await until_shown(
+                browser,
+                api,
+                table="flow-tenants",
+                path="/fleet/flow",
+                rows=flow_tenant_cells,
+                expected=lambda cells: cells,
+            )
+            # The figures were really in play: two bands waiting, the room used up, a
+            # tenant shed for its deadline, acme's first request counted as its service.
+            assert shown["enabled"] is True
+            assert browser.find_element(By.ID, "flow").is_displayed()
+            rows = {r["key"]: r["cells"] for r in read_table(browser, "flow-models")}
+            assert rows[MODEL]["room"] == "0"
+            assert rows[MODEL]["bands"] == "band 5: 1 here; band 0: 2 here"
+            by_tenant = {r["key"]: r["cells"] for r in read_table(browser, "flow-tenants")}
+            assert by_tenant["acme"]["waiting"] == "2"
+            assert by_tenant["globex"]["waiting"] == "1"
+            assert by_tenant["initech"]["shed"] == "1"
+            assert by_tenant["initech"]["shed_reasons"] == "deadline 1"
+            assert by_tenant["acme"]["shed_reasons"] == "none"
+            assert by_tenant["acme"]["service_share"] == share(1.0)
+            assert {t["tenant"] for t in tenants["tenants"]} >= {"acme", "initech"}
+            summary = browser.find_element(By.ID, "flow-summary").text
+            assert summary == "Flow control is on (this router alone); waiting: 3 here"
+
+            await occupying
+            responses = await asyncio.gather(*waiting)
+            assert [r.status_code for r in responses] == [200] * 3
+            drained = await until_shown(
+                browser,
+                api,
+                table="flow-models",
+                path="/fleet/flow",
+                rows=lambda answer: answer["models"],
+                expected=flow_model_cells,
+            )
+            assert [m["waiting"] for m in drained["models"]] == [{}]
+            assert read_table(browser, "flow-models")[0]["cells"]["bands"] == "none"
 
 
 def ask_locality(driver: webdriver.Chrome, tenant: str, prompt: str) -> None:

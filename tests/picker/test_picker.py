@@ -4,6 +4,7 @@ with simulated workers. (tests/picker/test_through_envoy.py has a real Envoy.)""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import uuid
@@ -36,6 +37,13 @@ from tests.picker.ext_proc import (
     streamed_back,
 )
 from tests.picker.ext_proc import headers_message as bare_headers_message
+from tests.router.flow_control.test_gate import (
+    SLOW,
+    direct,
+    engines_idle,
+    flow_settings,
+    learn_batch_limits,
+)
 from tests.router.proxy.conftest import (
     MODEL,
     TENANT_KEYS,
@@ -397,3 +405,36 @@ async def test_a_stream_that_lies_is_refused_and_holds_nothing() -> None:
             exchange = Exchange(opened)
             await exchange.send(headers_message(), *body_messages(completion()))
             assert destination(await exchange.receive())
+
+
+async def test_flow_control_sheds_through_the_gateway_and_keeps_the_clients_priority_out() -> None:
+    settings = flow_settings(max_engine_waiting=0, max_queued_requests=0).model_copy(
+        update={"picker": PickerSettings(port=0)}
+    )
+    async with routed_fleet(1, settings, sim_options=SLOW) as fleet:
+        await learn_batch_limits(fleet)
+        async with channel(fleet) as opened:
+            # Room: it goes, without the header vLLM would read its priority from.
+            exchange = Exchange(opened)
+            await exchange.send(
+                headers_message(extra={"x-vllm-priority": "-100"}, mode=BUFFERED),
+                *body_messages(completion(priority=-100)),
+            )
+            await exchange.receive()  # the headers go on (buffered)
+            answer = await exchange.receive()
+            mutation = answer.request_body.response.header_mutation
+            assert list(mutation.remove_headers) == ["x-vllm-priority"]
+            body = json.loads(answer.request_body.response.body_mutation.body)
+            assert "priority" not in body
+        # The engine busy with a request the router never saw: no room, and no queue.
+        occupying = asyncio.ensure_future(direct(fleet.workers[0].base_url, "occupying", 30))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        status, headers, body = await refused(
+            fleet, headers_message(), *body_messages(completion())
+        )
+        await occupying
+    assert status == 429
+    assert headers["x-kvplane-shed-reason"] == "queue_full"
+    assert int(headers["retry-after"]) >= 1
+    assert body["error"]["message"].startswith("queue_full:")
+    assert requests_counted(fleet, "shed_queue_full") == 1

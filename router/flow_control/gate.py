@@ -39,9 +39,6 @@ from router.flow_control.queue import ModelQueue, Waiting
 from router.flow_control.saturation import (
     UNBOUNDED,
     Engines,
-    Flags,
-    Rows,
-    free_slots,
     room,
     would_wait,
 )
@@ -377,14 +374,6 @@ class FlowGate:
             return False
         queues = self._engines.engine_queues(np.array([row], dtype=np.intp))
         return bool(would_wait(queues)[0])
-
-    def with_room(self, rows: Rows) -> Flags:
-        """Which of the roster's `rows` can take a request now: a request let through
-        goes to one of them, where any has room (routing reads it: router/routing/
-        decide.py), not to an engine whose queue is full already."""
-        queues = self._engines.engine_queues(rows)
-        settings = self.settings
-        return free_slots(queues, settings.max_engine_waiting, settings.max_kv_usage) > 0
 
     def dispatch(self, model: str) -> None:
         """Let through as many waiting requests as there is room for, in order."""

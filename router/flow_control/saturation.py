@@ -70,17 +70,6 @@ class Engines(Protocol):
     ) -> None: ...
 
 
-def free_slots(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> Column:
-    """Requests each worker can take before `max_engine_waiting` wait in its engine
-    (inf where its limit is not known; 0 where its KV cache is full)."""
-    reported = queues.running + queues.waiting + queues.traffic_since_report
-    held = np.maximum(reported, queues.in_flight)
-    free = np.maximum(np.floor(queues.batch_limit + max_engine_waiting - held), 0.0)
-    known = queues.reported & np.isfinite(queues.batch_limit)
-    full = queues.reported & (queues.kv_usage >= max_kv_usage)
-    return np.where(full, 0.0, np.where(known, free, np.inf))
-
-
 def would_wait(queues: EngineQueues) -> Flags:
     """Whether a request sent to each worker now would wait in its engine's queue (its
     batch full; False where its limit is not known)."""
@@ -90,9 +79,23 @@ def would_wait(queues: EngineQueues) -> Flags:
 
 
 def room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> int:
-    """Requests the workers can take in all (UNBOUNDED where one has no known limit)."""
-    total = float(free_slots(queues, max_engine_waiting, max_kv_usage).sum())
-    return UNBOUNDED if np.isinf(total) else int(total)
+    """Requests the workers can take, all together, before `max_engine_waiting` wait in
+    each engine on average (UNBOUNDED where one has no known limit). Net of the workers
+    over theirs: routing sends a request where its prefix is, even to an engine that
+    queues it, and that takes room the others had (so the engines together never queue
+    more than `max_engine_waiting` each, wherever the requests went)."""
+    known = queues.reported & np.isfinite(queues.batch_limit)
+    full = (
+        queues.reported & (queues.kv_usage >= max_kv_usage)
+        if max_kv_usage < 1
+        else np.zeros(len(known), dtype=np.bool_)
+    )
+    if not (known | full).all():
+        return UNBOUNDED if len(known) else 0
+    reported = queues.running + queues.waiting + queues.traffic_since_report
+    held = np.maximum(reported, queues.in_flight)
+    free = np.where(full, 0.0, np.floor(queues.batch_limit + max_engine_waiting - held))
+    return max(0, int(free.sum()))
 
 
 def learnt_batch_limit(previous: float, running: int, waiting: int) -> float:

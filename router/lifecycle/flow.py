@@ -45,9 +45,7 @@ from router.lifecycle.tokens import PromptLength, PromptStart, PromptTokens, Pro
 from router.metrics import NO_WORKER, RouterMetrics
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.pool import Ticket, WorkerPool
-from router.routing.roster import Rows
 from router.scoring.disaggregation import LegPlan, LegReason
-from router.scoring.score import Flags
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
 from router.tracing import Tracer
@@ -268,7 +266,6 @@ class RequestLifecycle:
             scope,
             start,
             length.per_worker,
-            with_room=None if flow.gate is None else flow.gate.with_room,
         )
         metrics = flow.metrics
         if deferred:
@@ -476,12 +473,10 @@ async def route_prompt(
     cache_scope: str,
     start: PromptStart | None,
     counted_as_engines: bool,
-    with_room: Callable[[Rows], Flags] | None = None,
 ) -> tuple[Decision, PromptStart | None]:
     """The decision for a prompt, on its start where that cannot choose otherwise than
     the whole would (Decision.rest_could_change_choice); else its rest is tokenised now
-    and the whole decides (`with_room`: flow control's, see RoutingPlanner.decide).
-    Returns the prompt as decided on."""
+    and the whole decides. Returns the prompt as decided on."""
     for _ in range(2):
         tokens: Sequence[int] = [] if start is None else start.ids
         decision = await planner.decide(
@@ -492,7 +487,6 @@ async def route_prompt(
             counted_as_engines=counted_as_engines,
             more_tokens=0 if start is None else start.estimated_tokens - len(tokens),
             more_tokens_at_most=0 if start is None else start.most_tokens - len(tokens),
-            with_room=with_room,
         )
         if start is None or not decision.rest_could_change_choice():
             break

@@ -11,6 +11,7 @@ from router.flow_control.saturation import (
     EngineQueues,
     learnt_batch_limit,
     room,
+    would_wait,
 )
 
 
@@ -38,10 +39,10 @@ def queues(
 
 def test_an_engine_holds_its_report_plus_the_routers_traffic_since_beyond_its_batch() -> None:
     full = queues(running=[4, 4], waiting=[1, 0], since=[2, -1], limit=[4, 4])
-    # Two waiting allowed: the first has none left; the second runs one more (the
-    # router's request that ended freed it) and queues two.
-    assert room(full, 2, 1.0) == 3
-    assert room(full, 0, 1.0) == 1
+    # Two waiting allowed: the first holds one over that, the second runs one more (the
+    # router's request that ended freed it) and queues two: net, two.
+    assert room(full, 2, 1.0) == 2
+    assert room(full, 0, 1.0) == 0  # the first's queue takes the second's one free place
 
 
 def test_the_replicas_requests_in_flight_count_where_the_report_lags_behind_them() -> None:
@@ -52,6 +53,8 @@ def test_the_replicas_requests_in_flight_count_where_the_report_lags_behind_them
 
 def test_a_full_kv_cache_takes_nothing_and_an_unlearnt_limit_is_unbounded() -> None:
     assert room(queues(running=[1], waiting=[0], since=[0], limit=[4], kv=[0.99]), 2, 0.98) == 0
+    # At 1.0 the KV use decides nothing: the engine queues what does not fit.
+    assert room(queues(running=[1], waiting=[0], since=[0], limit=[4], kv=[1.0]), 2, 1.0) == 5
     unknown = queues(running=[1, 4], waiting=[0, 3], since=[0, 0], limit=[math.inf, 4])
     assert room(unknown, 2, 1.0) == UNBOUNDED
     unreported = queues(running=[0], waiting=[0], since=[0], limit=[4], reported=[False])
@@ -66,3 +69,8 @@ def test_the_batch_limit_is_the_most_run_while_requests_waited_and_never_falls()
     assert learnt_batch_limit(5.0, 2, 1) == 5.0  # held back by KV memory: those wait
     assert learnt_batch_limit(5.0, 7, 1) == 7.0
     assert learnt_batch_limit(5.0, 0, 4) == 5.0  # nothing ran: nothing learnt
+
+
+def test_a_request_would_wait_where_its_engines_batch_is_full() -> None:
+    engines = queues(running=[4, 3, 1], waiting=[0, 0, 0], since=[0, 0, 0], limit=[4, 4, math.inf])
+    assert would_wait(engines).tolist() == [True, False, False]

@@ -41,10 +41,11 @@ from benchmarks.live.engines import (
     hit_rate,
     start_engines,
 )
-from benchmarks.live.grid import BYPASS_SHARE, Cell, cell_key
+from benchmarks.live.fairness import TenantFigures, tenant_figures
+from benchmarks.live.grid import BYPASS_SHARE, NOISY_SITUATION, Cell, cell_key
 from benchmarks.live.processes import Children, StartFailed
 from benchmarks.live.routers import Deployment, api_key
-from benchmarks.live.workloads import Workload, build_workload
+from benchmarks.live.workloads import NOISY_TENANT, NOISY_WORKLOADS, Workload, build_workload
 from router.check import BlindFleet
 from simulations.reporting import percentile
 
@@ -71,7 +72,8 @@ class CellResult:
     workload_description: str = ""
     error: str | None = None  # why the cell has no figures
     requests: int = 0
-    failed: int = 0
+    failed: int = 0  # not answered, and not shed either
+    shed: int = 0  # refused by the router with a 429 (a flow-control shed): no failure
     seconds: float = 0.0
     engine_hit_rate: float = 0.0  # from the engines' vllm:prefix_cache_* counters
     client_cached_share: float = 0.0  # cached / prompt tokens from the responses' usage
@@ -134,6 +136,10 @@ class CellResult:
     host_held_blocks: int | None = None
     host_distinct_blocks: int | None = None
     distinct_blocks_any_tier: int | None = None
+    # The noisy-tenant situation: C, the fleet's sustainable rate its workloads' rates
+    # are fractions of (NaN elsewhere), and what each tenant got.
+    capacity_per_s: float = float("nan")
+    tenancy: TenantFigures | None = None
 
     @property
     def key(self) -> str:
@@ -174,7 +180,10 @@ class CellResult:
     def from_json(cls, document: dict[str, Any]) -> CellResult:
         """A result as `as_json` wrote it (fields added since then take their defaults)."""
         known = {spec.name for spec in fields(cls)}
-        return cls(**{name: value for name, value in document.items() if name in known})
+        result = cls(**{name: value for name, value in document.items() if name in known})
+        if isinstance(result.tenancy, dict):
+            result.tenancy = TenantFigures(**result.tenancy)
+        return result
 
 
 def _counted(counters: dict[str, float], series: str, label: str = "") -> float:
@@ -222,6 +231,7 @@ def run_cell(
         if cell.situation == "engine-restart":
             during.append((workload.span_s / 2, _restarter(fleet)))
         started = time.perf_counter()
+        started_at = time.time()  # as the outcomes' `sent_at`
         outcomes = asyncio.run(
             run_workload(
                 workload,
@@ -251,6 +261,18 @@ def run_cell(
         )
         result.distinct_blocks_any_tier = blocks.distinct_any_tier
         _write_requests(children.log_dir / REQUESTS_FILE, outcomes)
+        if cell.situation == NOISY_SITUATION:
+            result.capacity_per_s = cell.capacity_per_s
+            result.tenancy = tenant_figures(
+                outcomes,
+                started_at=started_at,
+                span_s=workload.span_s,
+                tenants=workload.tenants,
+                # The flood's groups (its solo run's well-behaved tenants pooled too);
+                # the shares measurement's tenants each their own.
+                noisy=NOISY_TENANT if workload.name in NOISY_WORKLOADS else None,
+                shares=workload.shares,
+            )
         if workload.tenants:
             result.unsalted_blocks = len(fleet.unsalted_blocks() - unsalted_before)
         result.evidence = deployment.in_play()
@@ -323,7 +345,8 @@ def _figures(
     tiered: bool,
 ) -> None:
     result.requests = len(outcomes)
-    result.failed = sum(not outcome.ok for outcome in outcomes)
+    result.shed = sum(outcome.shed for outcome in outcomes)
+    result.failed = sum(not outcome.ok and not outcome.shed for outcome in outcomes)
     latencies(result, outcomes)
     done = [outcome for outcome in outcomes if outcome.ok]
     prompt = sum(outcome.prompt_tokens for outcome in done)

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from benchmarks.live.workloads import Conversation, Step, Workload
 
 REQUEST_TIMEOUT_S = 60.0
 Message = ChatCompletionMessageParam
+SHED_REASON_HEADER = "x-kvplane-shed-reason"
+SHED_UNLABELLED = "unlabelled"  # a 429 that gives no reason (a peer's, a rate limit's)
 
 
 @dataclass(slots=True)
@@ -43,6 +46,14 @@ class Outcome:
     error: str | None = None
     turn: int = 0  # 0: a conversation's first request; then its turn, or its depth in a tree
     sent_at: float = 0.0  # the wall clock's (time.time()), as the processes' logs stamp lines
+    tenant: str | None = None
+    # Why the router shed it (a 429: kvplane's `x-kvplane-shed-reason`, or
+    # SHED_UNLABELLED); None: not shed. A shed request is not a failure.
+    shed_reason: str | None = None
+
+    @property
+    def shed(self) -> bool:
+        return self.shed_reason is not None
 
 
 class Traffic:
@@ -127,6 +138,7 @@ async def run_workload(
         outcome, text = await _send(client, model, messages, current.max_tokens, item.tenant)
         outcome.direct = direct is not None
         outcome.turn = turn
+        outcome.tenant = item.tenant
         outcomes.append(outcome)
         if not outcome.ok:
             return  # the conversation cannot go on without the response
@@ -153,8 +165,7 @@ async def run_workload(
         await asyncio.gather(*pending, return_exceptions=True)
         # A turn after a failed one is never sent; a turn still open at the deadline is
         # cancelled: both count as failed.
-        unsent = workload.requests - len(outcomes)
-        outcomes += [Outcome(ok=False, error="not sent or not finished")] * max(0, unsent)
+        outcomes += unfinished(workload, outcomes)
         if side.done() and not side.cancelled() and side.exception() is not None:
             # A situation that did not happen (an engine that did not restart) would
             # leave figures labelled with it: the cell fails instead.
@@ -162,6 +173,61 @@ async def run_workload(
     finally:
         side.cancel()
         await asyncio.gather(side, return_exceptions=True)
+        await clients.close()
+    return outcomes
+
+
+def unfinished(workload: Workload, outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """A failed outcome for each request of `workload` that has none (never sent, or
+    still open at the deadline), each with its conversation's tenant: an overloaded
+    router's unanswered requests are its tenants'."""
+    expected = Counter[str | None]()
+    for conversation in workload.conversations:
+        expected[conversation.tenant] += conversation.root.count()
+    recorded = Counter(outcome.tenant for outcome in outcomes)
+    return [
+        Outcome(ok=False, error="not sent or not finished", tenant=tenant)
+        for tenant, count in expected.items()
+        for _ in range(count - recorded[tenant])
+    ]
+
+
+async def run_closed_loop(
+    requests: Sequence[Conversation],
+    traffic: Traffic,
+    *,
+    model: str,
+    api_key: Callable[[str | None], str],
+    concurrency: int,
+    duration_s: float,
+) -> list[Outcome]:
+    """`concurrency` clients, each sending its next request as soon as its last one is
+    answered, taking single-step conversations from `requests` in turn (round and round)
+    until `duration_s` has passed; the requests still open then are cancelled and left
+    out."""
+    outcomes: list[Outcome] = []
+    clients = Clients()
+    taken = itertools.cycle(requests)
+    ends = time.perf_counter() + duration_s
+
+    async def sender() -> None:
+        while time.perf_counter() < ends:
+            item = next(taken)
+            messages: list[Message] = [{"role": "user", "content": item.root.text}]
+            if item.system is not None:
+                messages.insert(0, {"role": "system", "content": item.system})
+            client = clients.get(traffic.next_router_url(), api_key(item.tenant))
+            outcome, _ = await _send(client, model, messages, item.root.max_tokens, item.tenant)
+            outcome.tenant = item.tenant
+            outcomes.append(outcome)
+
+    senders = [asyncio.ensure_future(sender()) for _ in range(concurrency)]
+    try:
+        await asyncio.wait(senders, timeout=duration_s)
+    finally:
+        for task in senders:
+            task.cancel()
+        await asyncio.gather(*senders, return_exceptions=True)
         await clients.close()
     return outcomes
 
@@ -210,6 +276,12 @@ async def _send(
                 pieces.append(chunk.choices[0].delta.content)
             if chunk.usage is not None:
                 usage = chunk.usage
+    except openai.RateLimitError as error:
+        # Shed by the router: counted as such, never retried (the client's max_retries
+        # is 0), and the time it waited kept (a tenant waiting is a tenant backlogged).
+        reason = error.response.headers.get(SHED_REASON_HEADER, SHED_UNLABELLED)
+        waited = time.perf_counter() - sent
+        return Outcome(False, latency_s=waited, sent_at=sent_at, shed_reason=reason), ""
     except (TimeoutError, openai.APIError) as error:
         return Outcome(ok=False, error=type(error).__name__, sent_at=sent_at), ""
     ended = time.perf_counter()

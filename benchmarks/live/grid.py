@@ -11,6 +11,16 @@ one that reads engine events should not:
   a long tail (`zipf-96`), for twice the profile's traffic;
 - `bypass`: a quarter of the conversations reach the engines around the router.
 
+One about flow control under saturation:
+- `noisy-tenant`: the fleet's sustainable rate C measured first (`capacity.py`), then
+  four well-behaved tenants at 0.15 C each and a noisy one at eight times that in 20 s
+  bursts, its requests of the same shape (`noisy-same`) or four times longer and fewer
+  (`noisy-long`), and the well-behaved tenants alone (`noisy-solo`, their reference);
+  kvplane with flow control (as one router and as two replicas), without it, and the
+  cache-aware peers; and three tenants flooding with shares 2:1:1 on kvplane with flow
+  control (`shares-2-1-1`). Its engines run the timing model `NOISY_TIME_SCALE` times
+  slower, so that the fleet, not the 2-core machine, is what saturates.
+
 And one where the fleet itself changes:
 - `pd`: prefill/decode disaggregation, on long shared prompts and on chats
   (`PD_WORKLOADS`), with the same requests on three fleets of four engines:
@@ -25,11 +35,20 @@ And one where the fleet itself changes:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from benchmarks.live.engines import FLEET_BOTH, FLEET_PD, EngineShape
-from benchmarks.live.routers import PD_ROUTERS, ROUTERS, TIER_ROUTERS, RouterSpec
+from benchmarks.live.routers import (
+    ENVOY_FAMILIES,
+    FLOW_ROUTERS,
+    PD_ROUTERS,
+    ROUTERS,
+    TIER_ROUTERS,
+    RouterSpec,
+)
+from benchmarks.live.workloads import NOISY_WORKLOADS, SHARES_WORKLOAD
 
 # Offered load, in requests per second: light; medium; heavy, about where four engines
 # with the default timing model (about 12k prefill tokens/s each) saturate when they
@@ -43,6 +62,7 @@ SITUATIONS = (
     "eviction-cpu",
     "bypass",
     "pd",
+    "noisy-tenant",
 )
 EVICTION_WORKLOAD = "zipf-96"
 # The eviction situations' own load: 8 requests a second for 30 s (240 requests), where
@@ -61,17 +81,37 @@ PD_AGGREGATED_ROUTER = "kvplane kvplane"  # the pd point's reference on 4 plain 
 # engines that each take either leg.
 PD_FLEET_REFERENCES = {FLEET_PD: "vllm-router pd-cache_aware", FLEET_BOTH: "kvplane both-never"}
 BYPASS_SHARE = 0.25
-LONGER_WORKLOADS: dict[str, float] = {"mooncake": 3.0, EVICTION_WORKLOAD: 2.0}
+NOISY_SITUATION = "noisy-tenant"
+# The noisy-tenant situation's load: its workloads' rates are fractions of the fleet's
+# sustainable rate C, measured once per sitting (`Cell.capacity_per_s`).
+CALIBRATED = "calibrated"
+# Its engines' time scale: at the simulator's own pace four engines sustain about 80
+# requests a second of the situation's shape on the 2-core machine, and that is the
+# machine's CPU saturating (both cores busy), not the engines; 8 times slower (about
+# 1,500 prefill tokens a second, 64 ms decode steps: a large model's pace) they sustain
+# about 20, with CPU to spare for a flood of twice that.
+NOISY_TIME_SCALE = 8.0
+# The flood's cells (the well-behaved tenants alone, then each variant), kept together
+# as one point: each router's solo run is its flood runs' reference, measured beside
+# them in one spell of the machine.
+NOISY_POINT = "noisy"
+LONGER_WORKLOADS: dict[str, float] = {
+    "mooncake": 3.0,
+    EVICTION_WORKLOAD: 2.0,
+    **dict.fromkeys((*NOISY_WORKLOADS, SHARES_WORKLOAD), 50 / 15),
+}
 """Workloads whose cells run this many times the profile's traffic, at the same rate.
 The Mooncake sample's reuse is thin and a few of its prompts fill a whole engine's
 cache: in 15 s (about 225 requests) one router's hit rate swung 22-47% from run to run,
 in 45 s (about 680) it stays within two points. The eviction workload's cache takes
-most of 15 s to fill, and its hit rate is read once it has turned over."""
+most of 15 s to fill, and its hit rate is read once it has turned over. The noisy
+tenant's workloads run 50 s at the profile's 15: two 20 s bursts and a rest between."""
 
 
 def traffic_seconds(profile_duration_s: float, workload: str) -> float:
-    """How long a cell of `workload` sends traffic in a profile of `profile_duration_s`."""
-    return profile_duration_s * LONGER_WORKLOADS.get(workload, 1.0)
+    """How long a cell of `workload` sends traffic in a profile of `profile_duration_s`
+    (to the millisecond: 15 s x 50/15 is 50 s, not a hair over)."""
+    return round(profile_duration_s * LONGER_WORKLOADS.get(workload, 1.0), 3)
 
 
 def cell_key(router: str, workload: str, load: str, situation: str, run: int) -> str:
@@ -86,14 +126,18 @@ class Cell:
     load: str
     situation: str
     run: int
+    # C, the fleet's sustainable rate, for a `CALIBRATED` load (NaN until measured); not
+    # part of what the cell is.
+    capacity_per_s: float = field(default=math.nan, compare=False)
 
     @property
     def rate_per_s(self) -> float:
-        return LOADS[self.load]
+        """The load's rate; for a calibrated load, C, its workloads' rates' unit."""
+        return self.capacity_per_s if self.load == CALIBRATED else LOADS[self.load]
 
     @property
     def replicas(self) -> int:
-        return 2 if self.situation == "two-replicas" else 1
+        return 2 if self.situation == "two-replicas" else self.router.replicas
 
     @property
     def key(self) -> str:
@@ -101,15 +145,20 @@ class Cell:
 
     @property
     def point(self) -> tuple[str, str, str]:
-        """What the table groups by: every router and run of a point side by side."""
-        return (self.workload, self.situation, self.load)
+        """What runs as one (and is resumed whole): every router and run of a workload,
+        situation and load, or of the noisy tenant's flood and its reference."""
+        workload = NOISY_POINT if self.workload in NOISY_WORKLOADS else self.workload
+        return (workload, self.situation, self.load)
 
     def shape(self, base: EngineShape) -> EngineShape:
-        """The cell's engines: `base`, with a CPU tier in `eviction-cpu`, split into
-        prefill and decode pools for a router in front of those, every engine with a
-        connector and no pool for one in front of the `pd-both` fleet."""
+        """The cell's engines: `base`, with a CPU tier in `eviction-cpu`, slower in
+        `noisy-tenant`, split into prefill and decode pools for a router in front of
+        those, every engine with a connector and no pool for one in front of the
+        `pd-both` fleet."""
         if self.situation == "eviction-cpu":
             return replace(base, cpu_offload_blocks=EVICTION_CPU_BLOCKS)
+        if self.situation == NOISY_SITUATION:
+            return replace(base, time_scale=NOISY_TIME_SCALE)
         if self.router.fleet == FLEET_PD:
             return replace(base, prefill_engines=PD_PREFILL_ENGINES)
         if self.router.fleet == FLEET_BOTH:
@@ -149,7 +198,7 @@ PROFILES: dict[str, Profile] = {
         2,
         ("shared-8", "shared-16", "multi-turn", "multi-tenant", "agent-tree", "mooncake"),
         ("light", "medium", "heavy"),
-        ("two-replicas", "engine-restart", *EVICTION_SITUATIONS, "bypass", PD),
+        ("two-replicas", "engine-restart", *EVICTION_SITUATIONS, "bypass", PD, NOISY_SITUATION),
         "shared-8",
         "medium",
         "all",
@@ -187,11 +236,50 @@ def _situation_routers(
     return chosen + list(tier_routers) if situation == "eviction-cpu" else chosen
 
 
+def noisy_tenant_routers(
+    routers: Sequence[RouterSpec], flow_routers: Sequence[RouterSpec]
+) -> list[RouterSpec]:
+    """The noisy-tenant flood's routers: kvplane with flow control (`flow_routers`),
+    kvplane without it, and the cache-aware peers, as they are (none of them shares a
+    band between tenants: SMG's priority classes would need telling who is noisy)."""
+    return [
+        *flow_routers,
+        *(
+            router
+            for router in routers
+            if _cache_aware(router)
+            and router.family not in ENVOY_FAMILIES
+            and (router.family != "kvplane" or router.policy == "kvplane")
+        ),
+    ]
+
+
+def _noisy_tenant_cells(
+    runs: int, routers: Sequence[RouterSpec], flow_routers: Sequence[RouterSpec]
+) -> list[Cell]:
+    """The flood's point, run by run: each router's solo run, then its runs of each
+    variant, so that a router's flood and its reference share a spell of the machine;
+    then the shares point, on kvplane with flow control alone."""
+    flood = [
+        Cell(router, workload, CALIBRATED, NOISY_SITUATION, run)
+        for run in range(1, runs + 1)
+        for router in noisy_tenant_routers(routers, flow_routers)
+        for workload in NOISY_WORKLOADS
+    ]
+    shares = [
+        Cell(router, SHARES_WORKLOAD, CALIBRATED, NOISY_SITUATION, run)
+        for run in range(1, runs + 1)
+        for router in flow_routers
+    ]
+    return flood + shares
+
+
 def cells(
     profile: Profile,
     routers: Sequence[RouterSpec] = ROUTERS,
     pd_routers: Sequence[RouterSpec] = PD_ROUTERS,
     tier_routers: Sequence[RouterSpec] = TIER_ROUTERS,
+    flow_routers: Sequence[RouterSpec] = FLOW_ROUTERS,
 ) -> list[Cell]:
     """Every cell of the profile, point by point (so a run cut short leaves whole
     points); within a point every router's first run, then every router's second, so
@@ -201,9 +289,13 @@ def cells(
         for workload in profile.steady_workloads
         for load in profile.steady_loads
     ]
+    situated: list[Cell] = []
     for situation in profile.situations:
         if situation == PD:
             points += [(workload, profile.situation_load, PD) for workload in PD_WORKLOADS]
+            continue
+        if situation == NOISY_SITUATION:
+            situated = _noisy_tenant_cells(profile.runs, routers, flow_routers)
             continue
         if situation in EVICTION_SITUATIONS:
             points.append((EVICTION_WORKLOAD, EVICTION_LOAD, situation))
@@ -214,7 +306,7 @@ def cells(
         chosen = _situation_routers(profile, situation, routers, pd_routers, tier_routers)
         for run in range(1, profile.runs + 1):
             result += [Cell(router, workload, load, situation, run) for router in chosen]
-    return result
+    return result + situated
 
 
 def select(all_cells: Sequence[Cell], only: Sequence[Sequence[str]]) -> list[Cell]:

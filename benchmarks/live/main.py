@@ -10,10 +10,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from benchmarks.live.bakeoff import CellResult, default_log_root, run_cell
+from benchmarks.live.capacity import CAPACITY_ROUTER, Capacity, measure_capacity
 from benchmarks.live.engines import FLEET_AGGREGATED, EngineShape
 from benchmarks.live.grid import (
+    CALIBRATED,
     LONGER_WORKLOADS,
     PD,
     PROFILES,
@@ -22,6 +25,7 @@ from benchmarks.live.grid import (
     select,
     traffic_seconds,
 )
+from benchmarks.live.processes import StartFailed
 from benchmarks.live.report import (
     read_json,
     render_summary_markdown,
@@ -29,7 +33,9 @@ from benchmarks.live.report import (
     write_json,
     write_plot,
 )
+from benchmarks.live.routers import ROUTERS
 from benchmarks.live.standings import render_same_fleet, render_standings, same_fleet, standings
+from router.check import BlindFleet
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "simulations/traces/mooncake/conversation_trace.jsonl"
@@ -90,10 +96,53 @@ def _pd_line(result: CellResult) -> str:
     return text
 
 
-def _longer(chosen: Sequence[Cell]) -> str:
+CAPACITY_KEY = "noisy_tenant_capacity"
+"""Where the run's JSON keeps C, the noisy-tenant situation's measured capacity."""
+
+
+def _capacity(earlier: dict[str, Any], shape: EngineShape, logs: Path) -> Capacity:
+    """C for this sitting: the one an earlier, cut-short run measured (a resumed run
+    goes on with the same rates), or measured now on a fleet of `shape` behind kvplane
+    without flow control."""
+    if CAPACITY_KEY in earlier:
+        capacity = Capacity.from_json(earlier[CAPACITY_KEY])
+        print(f"noisy-tenant: C = {capacity.requests_per_s:.1f} req/s, as measured before")
+        return capacity
+    router = next(router for router in ROUTERS if router.name == CAPACITY_ROUTER)
+    print("noisy-tenant: measuring C, the fleet's sustainable rate ...", flush=True)
+    capacity = measure_capacity(router, shape, logs / "calibration")
+    print(
+        f"noisy-tenant: C = {capacity.requests_per_s:.1f} req/s ({capacity.completed} "
+        f"requests answered in {capacity.measured_s:g} s, {capacity.concurrency} clients in "
+        f"a closed loop through {capacity.router}, engines {capacity.time_scale:g}x "
+        "slower than the timing model)",
+        flush=True,
+    )
+    return capacity
+
+
+def _tenancy_line(result: CellResult) -> str:
+    """What a noisy-tenant cell's progress line adds: each group's TTFT p90, the
+    requests shed, the throughput over the schedule."""
+    tenancy = result.tenancy
+    if tenancy is None:
+        return ""
+    p90s = ", ".join(
+        f"{group} TTFT p90 {figures['p90']:.0f} ms"
+        for group, figures in tenancy.ttft_ms_by_group.items()
+    )
+    return (
+        f"; {p90s}, {tenancy.shed} shed, {tenancy.span_requests_per_s:.1f} req/s answered "
+        "over the schedule"
+    )
+
+
+def _longer(chosen: Sequence[Cell], duration_s: float) -> str:
     """What the start line says of the workloads that run longer than the others."""
     longer = sorted({cell.workload for cell in chosen if cell.workload in LONGER_WORKLOADS})
-    return "".join(f" ({workload}: {LONGER_WORKLOADS[workload]:g}x)" for workload in longer)
+    return "".join(
+        f" ({workload}: {traffic_seconds(duration_s, workload):g} s)" for workload in longer
+    )
 
 
 def render_live_json(
@@ -168,6 +217,7 @@ def run_live_benchmark(
             print(f"kvplane bench live: {reason} {hint}".rstrip(), file=sys.stderr)
         return 2
     previous: list[CellResult] = []
+    earlier: dict[str, Any] = {}
     if resume:
         if json_path is None:
             print("kvplane bench live: --resume needs --json FILE", file=sys.stderr)
@@ -190,12 +240,36 @@ def run_live_benchmark(
     print(
         f"kvplane bench live ({profile.name}): {len(to_run)} cells to run"
         + (f" ({len(done)} kept from {json_path})" if done else "")
-        + f", {profile.duration_s:g} s of traffic each{_longer(chosen)}, {shape.engines} "
-        f"engine simulators ({shape.kv_blocks} KV blocks each); logs in {logs}",
+        + f", {profile.duration_s:g} s of traffic each{_longer(chosen, profile.duration_s)}, "
+        f"{shape.engines} engine simulators ({shape.kv_blocks} KV blocks each); logs in {logs}",
         flush=True,
     )
-    meta = {"profile": profile.name, "duration_s": profile.duration_s, "runs": profile.runs}
+    meta: dict[str, Any] = {
+        "profile": profile.name,
+        "duration_s": profile.duration_s,
+        "runs": profile.runs,
+    }
+    if CAPACITY_KEY in earlier:  # kept with the cells measured at that rate
+        meta[CAPACITY_KEY] = earlier[CAPACITY_KEY]
     started = time.monotonic()
+    calibrated = [cell for cell in to_run if cell.load == CALIBRATED]
+    if calibrated:
+        try:
+            capacity = _capacity(earlier, calibrated[0].shape(shape), logs)
+        except (StartFailed, BlindFleet, OSError, RuntimeError) as error:
+            print(
+                f"kvplane bench live: C, the noisy-tenant situation's rate unit, could not "
+                f"be measured ({type(error).__name__}: {error}); logs in {logs}",
+                file=sys.stderr,
+            )
+            return 1
+        meta[CAPACITY_KEY] = capacity.as_json()
+        to_run = [
+            replace(cell, capacity_per_s=capacity.requests_per_s)
+            if cell.load == CALIBRATED
+            else cell
+            for cell in to_run
+        ]
     for number, cell in enumerate(to_run, 1):
         result = run_cell(
             cell,
@@ -211,7 +285,7 @@ def run_live_benchmark(
             else f"hit {result.engine_hit_rate:.1%}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
             f"{result.failed} failed, {result.cpu_ms_per_request:.1f} CPU ms/req, "
             f"{result.rest_cpu_ms_per_s:.1f} CPU ms/s at rest, "
-            f"{_blocks_line(result)}{_pd_line(result)}"
+            f"{_blocks_line(result)}{_pd_line(result)}{_tenancy_line(result)}"
         )
         print(f"[{number}/{len(to_run)}] {cell.key}: {figures}", flush=True)
         if json_path is not None:  # after every cell: a run cut short keeps what it measured

@@ -8,7 +8,8 @@ tokens came from (computed: the fleet's prefill work; pulled: moved between engi
 and kvplane's own P/D counters (requests split and whole, fallbacks), its rows fleet by
 fleet, and says of each run where P/D was not as claimed (not in play; in play for the
 never-split reference). The same-fleet comparison (`standings.same_fleet`) follows the
-standings."""
+standings. The `noisy-tenant` situation has tables of its own (`noisy.py`): one TTFT
+over every tenant says nothing there."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Any
 
 from benchmarks.live.bakeoff import CellResult
 from benchmarks.live.engines import FLEET_AGGREGATED, FLEET_BOTH, FLEET_PD
-from benchmarks.live.grid import EVICTION_SITUATIONS, PD
+from benchmarks.live.grid import EVICTION_SITUATIONS, NOISY_SITUATION, PD
+from benchmarks.live.noisy import render_noisy_tenant
 from benchmarks.live.standings import render_same_fleet, render_standings, same_fleet, standings
 from simulations.reporting import format_table
 
@@ -52,6 +54,8 @@ def render_tables(results: Sequence[CellResult]) -> str:
     every step it cannot admit it, so the counters fall while the answers do not."""
     sections = []
     for (workload, situation, load), point in _points(results).items():
+        if situation == NOISY_SITUATION:
+            continue  # its own tables, below
         rate = point[0].rate_per_s
         pd = any(result.situation == PD or result.fleet != FLEET_AGGREGATED for result in point)
         evicting = situation in EVICTION_SITUATIONS
@@ -120,6 +124,9 @@ def render_tables(results: Sequence[CellResult]) -> str:
                 )
         header = f"{workload}, {situation}, {load} ({rate:g} req/s offered)"
         sections.append("\n".join([header, format_table(rows), *notes]))
+    noisy = render_noisy_tenant(results)
+    if noisy:
+        sections.append(f"{NOISY_SITUATION}\n{noisy}")
     return "\n\n".join(sections)
 
 
@@ -255,6 +262,8 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
     per situation."""
     tables: dict[str, list[tuple[str, str, str]]] = {}  # table -> its points
     for workload, situation, load in _points(results):
+        if situation == NOISY_SITUATION:
+            continue  # its own tables, at the end
         tables.setdefault(workload if situation == "steady" else "situations", []).append(
             (workload, situation, load)
         )
@@ -286,6 +295,7 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
 
     against_peers = render_standings(standings(results))
     on_one_fleet = render_same_fleet(same_fleet(results))
+    noisy = render_noisy_tenant(results)
     pd_points = [point for point in cells if point[1] == "pd"]
     pd_tables = (
         [
@@ -300,17 +310,26 @@ def render_summary_markdown(results: Sequence[CellResult]) -> str:
         if pd_points
         else []
     )
+    # Headings over the tables there are (a noisy-tenant run has none of them).
+    hit_heading = (
+        ["Engine hit rate, then TTFT p90, of every run (run 1 / run 2):"] if tables else []
+    )
+    cpu_heading = (
+        ["CPU ms per request (the router's processes, kvplane's agents included), every run:"]
+        if tables
+        else []
+    )
     return (
         "\n\n".join(
             [
-                "Engine hit rate, then TTFT p90, of every run (run 1 / run 2):",
+                *hit_heading,
                 *(table(name, points, _hit_and_p90) for name, points in tables.items()),
                 *pd_tables,
-                "CPU ms per request (the router's processes, kvplane's agents included), "
-                "every run:",
+                *cpu_heading,
                 *(table(name, points, _cpu) for name, points in tables.items()),
                 *([f"```\n{against_peers}\n```"] if against_peers else []),
                 *([f"```\n{on_one_fleet}\n```"] if on_one_fleet else []),
+                *([f"Flow control (`{NOISY_SITUATION}`):\n\n```\n{noisy}\n```"] if noisy else []),
             ]
         )
         + "\n"
@@ -337,7 +356,11 @@ def write_plot(path: Path, results: Sequence[CellResult]) -> None:
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
 
-    points = _points(results)
+    points = {
+        point: point_results
+        for point, point_results in _points(results).items()
+        if point[1] != NOISY_SITUATION  # one TTFT for every tenant says nothing there
+    }
     columns = min(2, len(points)) or 1
     rows = math.ceil(len(points) / columns) or 1
     figure, axes = plt.subplots(rows, columns, figsize=(7 * columns, 3.2 * rows), squeeze=False)

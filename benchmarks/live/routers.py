@@ -28,6 +28,10 @@ starts them, each with `--picker-port`, and one Envoy per replica with
 `kvplane envoy-config`'s bootstrap naming that replica's picker), and alone
 (`envoy round_robin`: the same bootstrap less the picker), the floor for what the picker
 adds to a request.
+
+The `noisy-tenant` situation adds kvplane with flow control (`FLOW_ROUTERS`: one router,
+and two replicas sharing its state in the cell's Redis), each tenant's share of a band
+written into the tenants file where the workload configures one.
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ class RouterSpec:
     # Its fleet's aggregated reference: it never splits a request (`kvplane both-never`),
     # so P/D in play there is the anomaly.
     reference: bool = False
+    # Replicas it runs as, the client alternating between them, whatever the situation
+    # (the `two-replicas` situation runs every router as two).
+    replicas: int = 1
 
     @property
     def disaggregated(self) -> bool:
@@ -202,7 +209,10 @@ class KvplaneFleet:
 def _start_kvplane(
     spec: RouterSpec, fleet: RunningEngines, children: Children, replicas: int, workload: Workload
 ) -> Deployment:
-    kvplane = launch_kvplane(spec.policy, fleet, children, replicas, workload.tenants, picker=False)
+    tenants, shares = workload.tenants, workload.shares
+    kvplane = launch_kvplane(
+        spec.policy, fleet, children, replicas, tenants, picker=False, shares=shares
+    )
     return Deployment(
         [url + "/v1" for url in kvplane.urls],
         [*kvplane.routers, *kvplane.agents],
@@ -224,6 +234,17 @@ KVPLANE_BOTH_MODES = {
 }
 
 
+# kvplane with flow control (`[flow_control]`, docs/router.md "Flow control"): requests
+# wait in the router while the engines are saturated, tenants sharing by token cost,
+# and those it cannot start are shed (429). A request waits 10 s at most, not the
+# default 60: the noisy-tenant situation's noisy tenant outruns the fleet for 40 of its
+# 50 s, and its requests are shed while the cell runs (counted as shed) instead of
+# waiting past the cell's end (`bakeoff.DRAIN_S`), where the client would cancel them.
+FLOW_CONTROL_SETTINGS = {
+    "KVPLANE_FLOW_CONTROL__ENABLED": "true",
+    "KVPLANE_FLOW_CONTROL__MAX_WAIT_S": "10",
+}
+
 # kvplane crediting no hit on a slower tier (host memory's bandwidth 0: a hit there is
 # worth nothing over recomputing), the reference that shows what its tier credit does.
 NO_TIER_CREDIT_SETTINGS = {"KVPLANE_SCORING__HOST_BANDWIDTH_BYTES_PER_S": "0"}
@@ -240,7 +261,8 @@ def _kvplane_starter(
     """kvplane (its own policy) with `settings` in its routers' environment: in front
     of a fleet that can split, splitting requests as `[disaggregation] mode` says
     (`disaggregation_settings`: `conditional`, the default, set all the same so that
-    the cell's settings say it, `always` or `never`); or without its tier credit."""
+    the cell's settings say it, `always` or `never`); without its tier credit; or with
+    flow control."""
 
     def start(
         spec: RouterSpec,
@@ -257,6 +279,7 @@ def _kvplane_starter(
             workload.tenants,
             picker=False,
             settings=settings,
+            shares=workload.shares,
         )
         return Deployment(
             [url + "/v1" for url in kvplane.urls],
@@ -278,18 +301,20 @@ def launch_kvplane(
     *,
     picker: bool,
     settings: dict[str, str] | None = None,
+    shares: dict[str, float] | None = None,
 ) -> KvplaneFleet:
     """kvplane's replicas (sharing a Redis of the cell's own when there are several) and
     an agent beside each engine, every worker registered with every replica and the
     fleet's wiring checked; with `picker`, each replica serves the endpoint picker too.
-    `settings`: the routers' environment besides (KVPLANE_DISAGGREGATION__MODE...). In a
-    fleet with a connector each agent names its engine's role (`kvplane_agent_argv`)."""
+    `settings`: the routers' environment besides (KVPLANE_DISAGGREGATION__MODE...);
+    `shares`: tenants' shares of a flow-control band (the others' are 1). In a fleet
+    with a connector each agent names its engine's role (`kvplane_agent_argv`)."""
     env = {"KVPLANE_HTTP__ADMIN_TOKEN": ADMIN_TOKEN, **(settings or {})}
     flags = ["--policy", policy, "--block-size", str(BLOCK_SIZE), *_LOG_LEVEL]
     if replicas > 1:
         flags += ["--index", "redis", "--redis-url", own_redis(children)]
     if tenants:
-        flags += ["--tenants-file", str(_tenants_file(tenants, children.log_dir))]
+        flags += ["--tenants-file", str(tenants_file(tenants, children.log_dir, shares or {}))]
         env["KVPLANE_TENANTS__CACHE_SALT_SECRET"] = "bench-live"
     routers = []
     pickers = []
@@ -475,13 +500,16 @@ def _admin_get(url: str, path: str) -> Any:
     return response.json()
 
 
-def _tenants_file(tenants: tuple[str, ...], directory: Path) -> Path:
+def tenants_file(tenants: tuple[str, ...], directory: Path, shares: dict[str, float]) -> Path:
+    """kvplane's tenants file: each tenant's API key, and its share where `shares` names
+    one."""
     lines = []
     for tenant in tenants:
         lines += [
             "[[tenants]]",
             f'name = "{tenant}"',
             f'api_key_sha256 = ["{api_key_digest(api_key(tenant))}"]',
+            *([f"share = {shares[tenant]!r}"] if tenant in shares else []),
             "",
         ]
     path = directory / "tenants.toml"
@@ -847,6 +875,25 @@ PD_ROUTERS: tuple[RouterSpec, ...] = (
             reference=mode == "never",
         )
         for name, mode in KVPLANE_BOTH_MODES.items()
+    ),
+)
+
+# The `noisy-tenant` situation's own routers, beside kvplane without flow control and
+# the cache-aware peers: kvplane with flow control, as one router and as two replicas
+# sharing their index (and the flow's shared state) in the cell's Redis.
+FLOW_ROUTERS: tuple[RouterSpec, ...] = (
+    RouterSpec(
+        "kvplane flow-control",
+        "kvplane",
+        "flow-control",
+        _kvplane_starter(FLOW_CONTROL_SETTINGS),
+    ),
+    RouterSpec(
+        "kvplane flow-control x2",
+        "kvplane",
+        "flow-control x2",
+        _kvplane_starter(FLOW_CONTROL_SETTINGS),
+        replicas=2,
     ),
 )
 

@@ -32,16 +32,28 @@ Workloads (the shapes of `simulations/fleet_sim/workloads.py`, scaled for a smal
   sampled across it and its time compressed to the chosen duration, each 512-token
   block of the trace as a short run of text (32 tokens by default: prefixes are shared
   exactly as in the trace, at 1/16 of the length).
+
+And the `noisy-tenant` situation's, whose rates are fractions of the fleet's sustainable
+rate C (measured in the cell's fleet: `capacity.py`), five tenants each with its own
+system prompts, API key and `cache_salt`:
+- `noisy-same`: four well-behaved tenants, Poisson at 0.15 C each, and a noisy one at
+  eight times that in bursts (`BURST_ON_S` on, `BURST_OFF_S` off), every request of one
+  shape;
+- `noisy-long`: the same, the noisy tenant's prompts and answers `LONG_FACTOR` times
+  longer and its requests as many times fewer: the same token rate;
+- `noisy-solo`: the four well-behaved tenants' very requests, alone (their reference);
+- `shares-2-1-1`: three tenants each flooding at 0.8 C, configured to share 2:1:1.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from simulations.fleet_sim.workloads import group_drawer
@@ -131,6 +143,9 @@ class Workload:
     conversations: tuple[Conversation, ...]
     tenants: tuple[str, ...] = ()  # empty: no tenants, every request anonymous
     description: str = ""  # the shape in words, for the report's JSON
+    # Tenants' configured shares of a flow-control band (the tenants file's `share`); a
+    # tenant not named has kvplane's default, 1.
+    shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def requests(self) -> int:
@@ -350,11 +365,156 @@ def _family_bucket(hash_ids: list[int], buckets: int) -> int:
     return int.from_bytes(hashlib.blake2b(family, digest_size=8).digest(), "big") % buckets
 
 
+# --- the noisy-tenant situation ------------------------------------------------------
+
+NOISY_TENANT = "noisy"
+WELL_BEHAVED_TENANTS = ("tenant-1", "tenant-2", "tenant-3", "tenant-4")
+WELL_BEHAVED_SHARE_OF_C = 0.15  # each well-behaved tenant's rate, a fraction of C
+NOISY_MULTIPLE = 8.0  # the noisy tenant's rate in a burst, in well-behaved tenants' rates
+# The noisy tenant floods for BURST_ON_S, then rests BURST_OFF_S, from the start: long
+# enough for every router's queues to fill (about 16 C requests behind at the end of a
+# burst without flow control), then a rest in which they drain or not.
+BURST_ON_S = 20.0
+BURST_OFF_S = 10.0
+LONG_FACTOR = 4  # noisy-long: the noisy tenant's prompts and answers, its requests fewer
+NOISY_VARIANTS = ("noisy-same", "noisy-long")
+NOISY_SOLO = "noisy-solo"
+NOISY_WORKLOADS = (NOISY_SOLO, *NOISY_VARIANTS)
+# The request shape of every tenant (the noisy one's in noisy-same): each tenant's own
+# system prompts, each request one of them and its own question, as `shared-N` at half
+# the prompt: ten tenants' prompts fill about a third of the fleet's cache.
+TENANT_PROMPTS = 2
+TENANT_SYSTEM_TOKENS = 1024
+TENANT_QUESTION_TOKENS = 128
+TENANT_MAX_TOKENS = 16
+SHARES_WORKLOAD = "shares-2-1-1"
+SHARES = {"tenant-a": 2.0, "tenant-b": 1.0, "tenant-c": 1.0}
+SHARES_RATE_OF_C = 0.8  # each tenant's rate in the shares measurement: all backlogged
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What one tenant sends: its system prompts' and questions' lengths, its answers'."""
+
+    system_tokens: int = TENANT_SYSTEM_TOKENS
+    question_tokens: int = TENANT_QUESTION_TOKENS
+    max_tokens: int = TENANT_MAX_TOKENS
+
+    def scaled(self, factor: int) -> RequestShape:
+        return RequestShape(
+            self.system_tokens * factor, self.question_tokens * factor, self.max_tokens * factor
+        )
+
+
+def burst_starts(
+    rng: random.Random, rate_per_s: float, duration_s: float, on_s: float, off_s: float
+) -> Iterator[float]:
+    """Arrival times of a Poisson process at `rate_per_s` that runs only in bursts: on
+    for `on_s`, off for `off_s`, from 0 to `duration_s`. Drawn over the bursts' own time
+    and laid out on the clock, so each burst gets its full rate."""
+    period = on_s + off_s
+    bursts, last = divmod(duration_s, period)
+    on_time = bursts * on_s + min(last, on_s)
+    for start in poisson_starts(rng, rate_per_s, on_time):
+        burst, into = divmod(start, on_s)
+        yield burst * period + into
+
+
+def tenant_conversations(
+    tenant: str, starts: Iterator[float], shape: RequestShape, seed: int
+) -> list[Conversation]:
+    """A tenant's requests at `starts`: one of its own system prompts (`TENANT_PROMPTS`
+    of them, text no other tenant sends) and a question of its own each."""
+    rng = random.Random(f"tenant-{tenant}-{seed}")
+    systems = [
+        words(f"tenant-system-{tenant}-{prompt}-{shape.system_tokens}", shape.system_tokens)
+        for prompt in range(TENANT_PROMPTS)
+    ]
+    return [
+        Conversation(
+            start,
+            Step(words(f"tenant-{tenant}-{seed}-{n}", shape.question_tokens), shape.max_tokens),
+            system=rng.choice(systems),
+            tenant=tenant,
+        )
+        for n, start in enumerate(starts)
+    ]
+
+
+def poisson_tenants(
+    tenants: tuple[str, ...], rate_per_s: float, duration_s: float, seed: int
+) -> list[Conversation]:
+    """Every one of `tenants` Poisson at `rate_per_s`, each from a seed of its own (its
+    requests the same whoever else sends), in the situation's request shape."""
+    return [
+        conversation
+        for tenant in tenants
+        for conversation in tenant_conversations(
+            tenant,
+            poisson_starts(random.Random(f"{tenant}-{seed}"), rate_per_s, duration_s),
+            RequestShape(),
+            seed,
+        )
+    ]
+
+
+def noisy_tenant(capacity_per_s: float, duration_s: float, name: str, *, seed: int = 0) -> Workload:
+    """`name` (`NOISY_WORKLOADS`) at the fleet's sustainable rate `capacity_per_s` (C):
+    the well-behaved tenants Poisson at 0.15 C each, their requests the same in every
+    variant (their seeds are their own); the noisy tenant, but in `noisy-solo`, at 8 x
+    0.15 C in bursts, or in `noisy-long` its requests LONG_FACTOR times longer and as
+    many times fewer."""
+    if name not in NOISY_WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}")
+    rate = WELL_BEHAVED_SHARE_OF_C * capacity_per_s
+    conversations = poisson_tenants(WELL_BEHAVED_TENANTS, rate, duration_s, seed)
+    tenants: tuple[str, ...] = WELL_BEHAVED_TENANTS
+    noisy = ""
+    if name != NOISY_SOLO:
+        factor = LONG_FACTOR if name == "noisy-long" else 1
+        rng = random.Random(f"{NOISY_TENANT}-{seed}")
+        burst_rate = NOISY_MULTIPLE * rate / factor
+        starts = burst_starts(rng, burst_rate, duration_s, BURST_ON_S, BURST_OFF_S)
+        conversations += tenant_conversations(
+            NOISY_TENANT, starts, RequestShape().scaled(factor), seed
+        )
+        tenants = (*tenants, NOISY_TENANT)
+        noisy = (
+            f"; {NOISY_TENANT} at {NOISY_MULTIPLE:g}x that in {BURST_ON_S:g} s bursts "
+            f"every {BURST_ON_S + BURST_OFF_S:g} s"
+            + (f", {factor}x longer prompts and answers, {factor}x fewer" if factor > 1 else "")
+        )
+    return Workload(
+        name,
+        tuple(sorted(conversations, key=lambda conversation: conversation.start_s)),
+        tenants=tenants,
+        description=f"{len(WELL_BEHAVED_TENANTS)} tenants at {rate:.2f} req/s "
+        f"({WELL_BEHAVED_SHARE_OF_C:g} C, C = {capacity_per_s:.1f} req/s) each, "
+        f"{TENANT_PROMPTS} system prompts of ~{TENANT_SYSTEM_TOKENS} tokens of their own" + noisy,
+    )
+
+
+def tenant_shares(capacity_per_s: float, duration_s: float, *, seed: int = 0) -> Workload:
+    """`SHARES_WORKLOAD`: every tenant of `SHARES` Poisson at 0.8 C (all of them
+    backlogged on a fleet that serves C), configured to share the band as `SHARES`."""
+    rate = SHARES_RATE_OF_C * capacity_per_s
+    conversations = poisson_tenants(tuple(SHARES), rate, duration_s, seed)
+    return Workload(
+        SHARES_WORKLOAD,
+        tuple(sorted(conversations, key=lambda conversation: conversation.start_s)),
+        tenants=tuple(SHARES),
+        description=f"{len(SHARES)} tenants at {rate:.2f} req/s ({SHARES_RATE_OF_C:g} C) each, "
+        "configured shares " + ":".join(f"{share:g}" for share in SHARES.values()),
+        shares=dict(SHARES),
+    )
+
+
 WorkloadFactory = Callable[[float, float], Workload]
 
 
 def build_workload(name: str, rate_per_s: float, duration_s: float, *, trace: Path) -> Workload:
-    """The named workload at a request rate over a duration."""
+    """The named workload at a request rate over a duration (for the noisy-tenant
+    situation's, the fleet's sustainable rate C)."""
     for prefix in ("shared-", "zipf-"):
         if not name.startswith(prefix):
             continue
@@ -377,6 +537,8 @@ def build_workload(name: str, rate_per_s: float, duration_s: float, *, trace: Pa
         "multi-tenant": multi_tenant,
         "agent-tree": agent_tree,
         "mooncake": lambda rate, duration: mooncake(rate, duration, trace=trace),
+        SHARES_WORKLOAD: tenant_shares,
+        **{noisy: functools.partial(noisy_tenant, name=noisy) for noisy in NOISY_WORKLOADS},
     }
     if name not in factories:
         known = ", ".join(("shared-N", "zipf-N", *factories))

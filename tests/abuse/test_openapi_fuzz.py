@@ -68,6 +68,7 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("GET", "/fleet/workers"),
     ("GET", "/fleet/funnel"),
+    ("GET", "/fleet/flow"),
     ("GET", "/fleet/prefixes"),
     ("POST", "/fleet/check"),
     ("POST", "/fleet/locality"),

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.config import (
     FlowControlSettings,
@@ -27,6 +26,7 @@ from router.flow_control.saturation import EngineQueues
 from router.lifecycle.flow import SCHEDULING_LABEL
 from router.tenants import api_key_digest
 from tests.abuse.conftest import wait_indexed
+from tests.metrics_text import sample_sum
 from tests.router.proxy.conftest import ADMIN, MODEL, RoutedFleet, routed_fleet, router_settings
 from tests.waiting import wait_until
 
@@ -156,13 +156,7 @@ def engines_idle(router: RoutedFleet | RunningRouter) -> bool:
 
 async def metric(fleet: RoutedFleet, name: str, **labels: str) -> float:
     async with fleet.http() as http:
-        text = (await http.get("/metrics", headers=ADMIN)).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
+        return sample_sum((await http.get("/metrics", headers=ADMIN)).text, name, **labels)
 
 
 async def queued(fleet: RoutedFleet, count: int) -> None:

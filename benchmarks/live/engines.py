@@ -72,6 +72,9 @@ class EngineShape:
     # A CPU tier of this many blocks on every engine (vLLM's native CPU offloading:
     # blocks written to host memory as they are computed, restored on a hit); 0: none.
     cpu_offload_blocks: int = 0
+    # vLLM's `--scheduling-policy priority`: waiting requests run by the priority the
+    # router sends (a router that sends none leaves it first come, first served).
+    priority_scheduling: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -115,6 +118,7 @@ class Engine:
     replay_endpoint: str
     role: str = "both"  # prefill, decode (a disaggregated fleet's pools) or both
     connector: bool = False  # NixlConnector (kv_both): it can take either leg of a split
+    priority_scheduling: bool = False  # vLLM's `--scheduling-policy priority`
 
 
 @dataclass(slots=True)
@@ -276,6 +280,8 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
         ]  # fmt: skip
         if shape.time_scale is not None:
             command += ["--time-scale", str(shape.time_scale)]
+        if shape.priority_scheduling:
+            command += ["--scheduling-policy", "priority"]
         if shape.cpu_offload_blocks:
             # The offloading model's default copy bandwidth (about PCIe 4.0 x16).
             command += ["--cpu-offload-blocks", str(shape.cpu_offload_blocks)]
@@ -293,6 +299,7 @@ def start_engines(children: Children, shape: EngineShape) -> RunningEngines:
                 f"tcp://127.0.0.1:{replay}",
                 shape.role(number),
                 shape.connector,
+                shape.priority_scheduling,
             )
         )
     wait_ready((engine.child, engine.base_url + "/health") for engine in engines)

@@ -19,7 +19,10 @@ One about flow control under saturation:
   kvplane with flow control (as one router and as two replicas), without it, and the
   cache-aware peers; and three tenants flooding with shares 2:1:1 on kvplane with flow
   control (`shares-2-1-1`). Its engines run the timing model `NOISY_TIME_SCALE` times
-  slower, so that the fleet, not the 2-core machine, is what saturates.
+  slower, so that the fleet, not the 2-core machine, is what saturates, and in vLLM's
+  priority scheduling, labelled so for kvplane's agents (a router that sends no
+  priority, as the peers and kvplane without flow control, has them first come, first
+  served).
 
 And one where the fleet itself changes:
 - `pd`: prefill/decode disaggregation, on long shared prompts and on chats
@@ -151,14 +154,14 @@ class Cell:
         return (workload, self.situation, self.load)
 
     def shape(self, base: EngineShape) -> EngineShape:
-        """The cell's engines: `base`, with a CPU tier in `eviction-cpu`, slower in
-        `noisy-tenant`, split into prefill and decode pools for a router in front of
-        those, every engine with a connector and no pool for one in front of the
-        `pd-both` fleet."""
+        """The cell's engines: `base`, with a CPU tier in `eviction-cpu`, slower and
+        in priority scheduling in `noisy-tenant`, split into prefill and decode pools
+        for a router in front of those, every engine with a connector and no pool for
+        one in front of the `pd-both` fleet."""
         if self.situation == "eviction-cpu":
             return replace(base, cpu_offload_blocks=EVICTION_CPU_BLOCKS)
         if self.situation == NOISY_SITUATION:
-            return replace(base, time_scale=NOISY_TIME_SCALE)
+            return replace(base, time_scale=NOISY_TIME_SCALE, priority_scheduling=True)
         if self.router.fleet == FLEET_PD:
             return replace(base, prefill_engines=PD_PREFILL_ENGINES)
         if self.router.fleet == FLEET_BOTH:

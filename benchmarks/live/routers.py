@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -67,6 +68,7 @@ from benchmarks.live.processes import Child, Children, Ready, StartFailed, wait_
 from benchmarks.live.workloads import Workload
 from kvplane.core.serving import free_port
 from router.check import require_wiring
+from router.lifecycle.flow import SCHEDULING_LABEL
 from router.tenants import api_key_digest
 
 # Where `make peers-env` builds the peers' environment; KVPLANE_PEERS_VENV points
@@ -396,6 +398,8 @@ def kvplane_agent_argv(engine: Engine, addresses: str) -> list[str]:
     ]  # fmt: skip
     if engine.connector or engine.role != "both":
         command += ["--role", engine.role]
+    if engine.priority_scheduling:  # vLLM tells no one: its operator labels the agent
+        command += ["--labels", json.dumps({SCHEDULING_LABEL: "priority"})]
     return command
 
 

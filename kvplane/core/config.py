@@ -235,6 +235,12 @@ class FlowControlSettings(_Section):
     # its engine reports it, plus what was sent since); a model whose every worker is at
     # it is saturated, and its requests wait here. 0: a worker whose engine queues any.
     max_engine_waiting: int = Field(default=2, ge=0)
+    # Of those places, what a tenant with a backlog (more requests waiting here, or at
+    # another replica) takes before a waiting tenant without one: that tenant's request
+    # then goes first, ahead of its turn, and starts at its engine's next free batch
+    # slot instead of behind the backlog's. More than max_engine_waiting is read as
+    # max_engine_waiting.
+    max_engine_waiting_backlogged: int = Field(default=1, ge=0)
     # A worker whose KV cache is this full takes no more (a new request would evict or
     # preempt there); 1.0 leaves it to the queue alone.
     max_kv_usage: float = Field(default=1.0, gt=0, le=1)
@@ -253,6 +259,11 @@ class FlowControlSettings(_Section):
     # Tenants' counters are read as this much service apart before one's turn is
     # another's: a request's worth, so that two routers do not trade turns every token.
     fairness_slack_tokens: float = Field(default=2048.0, ge=0)
+
+    @property
+    def backlogged_engine_waiting(self) -> int:
+        """The places a tenant with a backlog may take (never more than anyone may)."""
+        return min(self.max_engine_waiting_backlogged, self.max_engine_waiting)
 
 
 class DisaggregationSettings(_Section):

@@ -39,6 +39,13 @@ def placement(tenant: Tenant, priority: str | None, deadline_ms: str | None) -> 
     return Placement(band, deadline_s)
 
 
+def engine_priority(band: int, backlogged: bool) -> int:
+    """vLLM's `priority` (lower first) for a request of `band`: bands strictly apart,
+    and within one a tenant with a backlog after those without (its flood does not
+    push ahead of a lighter tenant's request in the engine's queue)."""
+    return -2 * band + int(backlogged)
+
+
 def _whole(header: str, value: str, low: int, high: int) -> int:
     try:
         number = int(value.strip())

@@ -20,6 +20,7 @@ predicted cached where it went, and its generated tokens as they stream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -33,7 +34,7 @@ import numpy as np
 from kvplane.core.clock import Clock
 from kvplane.core.config import FlowControlSettings
 from router.errors import RequestRefused
-from router.flow_control.bands import Placement
+from router.flow_control.bands import Placement, engine_priority
 from router.flow_control.counters import ServiceCounters
 from router.flow_control.queue import ModelQueue, Waiting
 from router.flow_control.saturation import (
@@ -87,6 +88,7 @@ class FlowPass:
         "_gate",
         "_input_charge",
         "_tenant",
+        "backlogged",
         "band",
         "closed",
         "dispatched_once",
@@ -98,12 +100,20 @@ class FlowPass:
     )
 
     def __init__(
-        self, gate: FlowGate, model: str, tenant: Tenant, prompt_tokens: int, band: int
+        self,
+        gate: FlowGate,
+        model: str,
+        tenant: Tenant,
+        prompt_tokens: int,
+        band: int,
+        *,
+        backlogged: bool = False,
     ) -> None:
         self._gate = gate
         self.model = model
         self._tenant = tenant
         self.band = band
+        self.backlogged = backlogged  # its tenant had more waiting as it was let through
         self.seq = gate.next_seq()
         self.dispatched_once = False
         self.closed = False
@@ -117,6 +127,11 @@ class FlowPass:
         self._input_charge = prompt_tokens * gate.settings.input_token_cost
         gate.charge(model, tenant, self._input_charge)
         gate.releasing[model] = gate.releasing.get(model, 0) + 1
+
+    @property
+    def engine_priority(self) -> int:
+        """vLLM's `priority` for it, where its engine runs priority scheduling."""
+        return engine_priority(self.band, self.backlogged)
 
     def dispatched(self, computed_tokens: int) -> None:
         """Sent to a worker that computes `computed_tokens` of its prompt (the first
@@ -362,10 +377,17 @@ class FlowGate:
     def room(self, model: str) -> int:
         """Requests `model`'s engines can take now, less those let through and not yet
         sent."""
+        return self._rooms(model)[0]
+
+    def _rooms(self, model: str) -> tuple[int, int]:
+        """`room`, and the room left to a tenant with a backlog (which may take fewer of
+        the engines' waiting places)."""
         engines, settings = self._engines, self.settings
         queues = engines.engine_queues(engines.serving_rows(model))
-        free = room(queues, settings.max_engine_waiting, settings.max_kv_usage)
-        return free - self.releasing.get(model, 0)
+        releasing = self.releasing.get(model, 0)
+        anyone = room(queues, settings.max_engine_waiting, settings.max_kv_usage)
+        backlogged = room(queues, settings.backlogged_engine_waiting, settings.max_kv_usage)
+        return anyone - releasing, backlogged - releasing
 
     def would_wait(self, worker_id: str) -> bool:
         """Whether a request sent to `worker_id` now would wait in its engine's queue."""
@@ -380,12 +402,24 @@ class FlowGate:
         queue = self._queues.get(model)
         if not queue:
             return
-        free = self.room(model)
+        free, free_to_backlog = self._rooms(model)
         counter = self._counter(model)
         granted = 0
         while free > 0 and queue:
             waiting = queue.next(counter)
             assert waiting is not None
+            backlogged = self._backlogged(model, queue, waiting.tenant, waiting.band)
+            if backlogged and free_to_backlog <= 0:
+                # The places left are kept for tenants without a backlog: the best of
+                # them waiting goes now, ahead of its turn, as it would have gone had it
+                # come while the engines took the backlog's requests. With none waiting,
+                # the backlog takes them (left empty, they would idle the engines that
+                # a flood's queue elsewhere offsets in the room).
+                lighter = queue.next(
+                    counter, only=functools.partial(self._unbacklogged, model, queue, waiting.band)
+                )
+                if lighter is not None:
+                    waiting, backlogged = lighter, False
             if not self._its_turn(model, waiting, counter):
                 break  # the room is another replica's waiting tenant's
             queue.remove(waiting)
@@ -393,10 +427,18 @@ class FlowGate:
             if waiter.future.done():  # its wait was given up
                 continue
             waiter.future.set_result(
-                FlowPass(self, model, waiter.tenant, waiter.prompt_tokens, waiting.band)
+                FlowPass(
+                    self,
+                    model,
+                    waiter.tenant,
+                    waiter.prompt_tokens,
+                    waiting.band,
+                    backlogged=backlogged,
+                )
             )
             self._granted(model)
             free -= 1
+            free_to_backlog -= 1
             granted += 1
         if granted:
             self._publish(model)
@@ -435,6 +477,14 @@ class FlowGate:
             "preempted",
             "a request of a higher band took its place before its engine answered",
         )
+
+    def _backlogged(self, model: str, queue: ModelQueue, tenant: str, band: int) -> bool:
+        """Whether `tenant`, whose request in `band` is about to go, has more waiting
+        there: another here, or any at another replica."""
+        return queue.count(tenant, band) > 1 or tenant in self._elsewhere.waiting(model, band)
+
+    def _unbacklogged(self, model: str, queue: ModelQueue, band: int, tenant: str) -> bool:
+        return not self._backlogged(model, queue, tenant, band)
 
     def _its_turn(self, model: str, waiting: Waiting, counter: Callable[[str], float]) -> bool:
         """Whether no tenant waiting at another replica goes before `waiting`: none in

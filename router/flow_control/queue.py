@@ -77,8 +77,12 @@ class ModelQueue:
 
     def waits(self, tenant: str, band: int) -> bool:
         """Whether `tenant` has a request waiting in `band`."""
+        return self.count(tenant, band) > 0
+
+    def count(self, tenant: str, band: int) -> int:
+        """How many requests `tenant` has waiting in `band`."""
         line = self._bands.get(band, {}).get(tenant)
-        return line is not None and line.live > 0
+        return 0 if line is None else line.live
 
     def backlogged(self, band: int) -> list[str]:
         """The tenants with requests waiting in `band`."""
@@ -113,14 +117,17 @@ class ModelQueue:
                 del self._bands[waiting.band]
         return True
 
-    def next(self, counter: Counter) -> Waiting | None:
-        """Who goes next (still queued: `remove` it)."""
+    def next(self, counter: Counter, only: Callable[[str], bool] | None = None) -> Waiting | None:
+        """Who goes next (still queued: `remove` it); with `only`, who goes next of the
+        highest band's tenants it keeps (None where it keeps none)."""
         if not self._bands:
             return None
         band = max(self._bands)
         chosen: Waiting | None = None
         chosen_key = (math.inf, 0)
         for tenant, line in self._bands[band].items():
+            if only is not None and not only(tenant):
+                continue
             head = line.head()
             assert head is not None  # lines without live entries are deleted
             key = (counter(tenant), head.seq)

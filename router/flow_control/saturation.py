@@ -7,10 +7,11 @@ what this router's traffic to it has changed since (requests sent less requests 
 or what the router replicas have in flight there, whichever is more (reports lag; the
 replicas' traffic is all of it but what reaches the engine around them).
 Of those, the engine runs up to its batch limit, learnt from its reports: the most it
-ran in a report that also had requests waiting (the batch was full then), raised when a
-later report runs more. A worker whose
-engine has never queued a request has no known limit and never saturates; nor does one
-whose load this router has not had reported (another replica's agent).
+ran in two reports in a row that also had requests waiting (the batch was full then; in
+one report alone, the requests waiting may only have arrived since the engine's last
+step), raised when a later report runs more. A worker whose engine has not queued
+requests so has no known limit and never saturates; nor does one whose load this router
+has not had reported (another replica's agent).
 """
 
 from __future__ import annotations
@@ -98,11 +99,30 @@ def room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> 
     return max(0, int(free.sum()))
 
 
-def learnt_batch_limit(previous: float, running: int, waiting: int) -> float:
+@dataclass(frozen=True, slots=True)
+class BatchLimit:
+    """A worker's batch limit as its reports taught it."""
+
+    limit: float = math.inf  # inf: not learnt
+    # The previous report's running requests, where it had requests waiting too (NaN:
+    # none waited then).
+    queued_running: float = math.nan
+
+
+def learnt_batch_limit(previous: BatchLimit, running: int, waiting: int) -> BatchLimit:
     """A worker's batch limit after a report of `running` and `waiting` requests: the
-    most it ran with requests waiting, or more. It never falls: a batch held back by KV
-    memory or a prefill's token budget leaves requests waiting, and those count as held
-    (a limit lowered by a moment's budget would keep the engine below its batch)."""
-    if waiting > 0 and running > 0:
-        return float(running) if math.isinf(previous) else max(previous, float(running))
-    return previous if math.isinf(previous) else max(previous, float(running))
+    most it ran with requests waiting in this report and the one before, or more since.
+    A single report proves nothing: a request that arrived after the engine's last step
+    waits for its next one, whatever room the batch has (caught often where steps are
+    slow and arrivals frequent, it would set the limit far below the engine's). It never
+    falls: a batch held back by KV memory or a prefill's token budget leaves requests
+    waiting, and those count as held (a limit lowered by a moment's budget would keep
+    the engine below its batch)."""
+    known = not math.isinf(previous.limit)
+    queued = waiting > 0 and running > 0
+    limit = previous.limit
+    if known:
+        limit = max(limit, float(running))
+    elif queued and not math.isnan(previous.queued_running):
+        limit = max(previous.queued_running, float(running))
+    return BatchLimit(limit, float(running) if queued else math.nan)

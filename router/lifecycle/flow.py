@@ -71,8 +71,8 @@ class RoutedRequest:
     # The prompt's whole ids, where it was routed on its start: tokenised once the
     # answer is settled, for the count and the predicted entries (None: whole already).
     prompt_rest: Callable[[], Sequence[int]] | None
-    # vLLM's `priority` for engines in priority mode (lower first): its band's, negated;
-    # 0 for none.
+    # vLLM's `priority` for engines in priority mode (lower first): by its band, then
+    # its tenant's backlog (router/flow_control/bands.py); 0 for none.
     engine_priority: int = 0
 
     def worker_ids(self, at_most: int) -> list[str]:
@@ -282,7 +282,7 @@ class RequestLifecycle:
             decision,
             body_for_engine(raw, parsed, tenant.cache_salt),
             None if start is None else start.rest,
-            engine_priority=-self.placement.band if flow.gate is not None else 0,
+            engine_priority=0 if self.flow_pass is None else self.flow_pass.engine_priority,
         )
 
     async def _tokenize(self, parsed: ParsedRequest, scope: str, limit: int) -> PromptStart | None:

@@ -37,7 +37,12 @@ import numpy as np
 from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerRecord, WorkerView
-from router.flow_control.saturation import EngineQueues, SharedReport, learnt_batch_limit
+from router.flow_control.saturation import (
+    BatchLimit,
+    EngineQueues,
+    SharedReport,
+    learnt_batch_limit,
+)
 from router.index.base import (
     LocationIndex,
     LocationIndexError,
@@ -147,7 +152,7 @@ class WorkerPool:
         self._traffic: dict[str, WorkerTraffic] = {}
         self._unreachable_until: dict[str, float] = {}
         self._drained: set[str] = set()  # by an operator, through this router
-        self._batch_limits: dict[str, float] = {}  # learnt from load reports
+        self._batch_limits: dict[str, BatchLimit] = {}  # learnt from load reports
         # What other router replicas shared for flow control (shared_engines).
         self._others_in_flight: dict[str, int] = {}
         self._shared_reports: dict[str, SharedReport] = {}
@@ -487,10 +492,11 @@ class WorkerPool:
         roster.reported[row] = load is not None and received_at is not None
         if load is not None and received_at != roster.report_received_at[row]:  # a new one
             roster.in_flight_at_report[row] = traffic.in_flight
-            limit = learnt_batch_limit(
-                self._batch_limits.get(worker_id, np.inf), load.running, load.waiting
+            learnt = learnt_batch_limit(
+                self._batch_limits.get(worker_id, BatchLimit()), load.running, load.waiting
             )
-            self._batch_limits[worker_id] = roster.batch_limit[row] = limit
+            self._batch_limits[worker_id] = learnt
+            roster.batch_limit[row] = learnt.limit
         roster.report_waiting[row] = load.waiting if load is not None else 0
         roster.report_running[row] = load.running if load is not None else 0
         roster.kv_usage[row] = load.kv_usage if load is not None else 0.0

@@ -440,3 +440,44 @@ async def test_a_higher_band_preempts_a_lower_one_waiting_in_its_engine() -> Non
     assert [r.status_code for r in (responses[0], responses[1], responses[3])] == [200] * 3
     assert finished.index("high") < finished.index("low 2")
     assert preempted == 1
+
+
+async def flood_then_light(fleet: RoutedFleet) -> list[str]:
+    """While the engine runs one request: four of noisy's at once, then one of acme's;
+    the order they finish."""
+    finished: list[str] = []
+
+    async def send(name: str, tenant: str, **kw: Any) -> None:
+        response = await complete(fleet, tenant, f"request {name}", **kw)
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    occupying = asyncio.ensure_future(send("occupying", "warm", max_tokens=12))
+    await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+    flood = [asyncio.ensure_future(send(f"noisy {n}", "noisy")) for n in range(4)]
+    await queued(fleet, 2)
+    light = asyncio.ensure_future(send("light", "acme"))
+    await queued(fleet, 3)
+    await asyncio.gather(occupying, *flood, light)
+    return finished
+
+
+async def test_a_flood_leaves_the_engines_last_waiting_places_to_a_lighter_tenant() -> None:
+    # Two may wait in the engine, one of them a backlogged tenant's: noisy's first two
+    # take both before it has a backlog, then acme's request takes the place the third
+    # would have had (noisy's turn in the router: acme is lifted to its counter).
+    async with slow_fleet(max_engine_waiting=2, max_engine_waiting_backlogged=1) as fleet:
+        order = await flood_then_light(fleet)
+    assert order.index("light") < order.index("noisy 2"), order
+
+
+async def test_engines_in_priority_mode_run_a_backlogged_tenants_requests_last() -> None:
+    # No place kept: noisy's third goes first from the router, backlogged (its fourth
+    # still waits), and acme's after it; the engine runs acme's first.
+    settings = flow_settings(max_engine_waiting=2, max_engine_waiting_backlogged=2)
+    sim = {**SLOW, "scheduling_policy": "priority"}
+    labelled = {"worker-1": {SCHEDULING_LABEL: "priority"}}
+    async with routed_fleet(1, settings, sim_options=sim, labels=labelled) as fleet:
+        await learn_batch_limits(fleet)
+        order = await flood_then_light(fleet)
+    assert order.index("light") < order.index("noisy 2"), order

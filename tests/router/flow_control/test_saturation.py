@@ -8,6 +8,7 @@ import numpy as np
 
 from router.flow_control.saturation import (
     UNBOUNDED,
+    BatchLimit,
     EngineQueues,
     learnt_batch_limit,
     room,
@@ -63,12 +64,23 @@ def test_a_full_kv_cache_takes_nothing_and_an_unlearnt_limit_is_unbounded() -> N
 
 
 def test_the_batch_limit_is_the_most_run_while_requests_waited_and_never_falls() -> None:
-    assert learnt_batch_limit(math.inf, 3, 0) == math.inf
-    assert learnt_batch_limit(math.inf, 3, 2) == 3.0
-    assert learnt_batch_limit(3.0, 5, 0) == 5.0
-    assert learnt_batch_limit(5.0, 2, 1) == 5.0  # held back by KV memory: those wait
-    assert learnt_batch_limit(5.0, 7, 1) == 7.0
-    assert learnt_batch_limit(5.0, 0, 4) == 5.0  # nothing ran: nothing learnt
+    def after(*reports: tuple[int, int]) -> float:
+        learnt = BatchLimit()
+        for running, waiting in reports:
+            learnt = learnt_batch_limit(learnt, running, waiting)
+        return learnt.limit
+
+    assert after((3, 0)) == math.inf
+    assert after((3, 2)) == math.inf  # one report: the waiting may have just arrived
+    assert after((3, 2), (5, 0)) == math.inf  # they had: the engine ran them
+    assert after((3, 2), (5, 0), (5, 1)) == math.inf
+    assert after((3, 2), (5, 1)) == 5.0  # two in a row: the batch was full
+    assert after((5, 2), (3, 1)) == 5.0  # the most of the two
+    assert after((3, 2), (3, 2), (5, 0)) == 5.0
+    assert after((5, 2), (5, 2), (2, 1)) == 5.0  # held back by KV memory: those wait
+    assert after((5, 2), (5, 2), (7, 1)) == 7.0
+    assert after((5, 2), (5, 2), (0, 4)) == 5.0  # nothing ran: nothing learnt
+    assert after((0, 4), (3, 2)) == math.inf  # nothing ran: no evidence of a batch
 
 
 def test_a_request_would_wait_where_its_engines_batch_is_full() -> None:

@@ -236,9 +236,9 @@ class FlowControlSettings(_Section):
     # it is saturated, and its requests wait here. 0: a worker whose engine queues any.
     max_engine_waiting: int = Field(default=2, ge=0)
     # Of those places, what a tenant with a backlog (more requests waiting here, or at
-    # another replica) may take, and only at a worker with room of its own: its
-    # requests go only there, not to queue at their prefix's holders. The rest are kept
-    # for tenants without one. More than max_engine_waiting is read as
+    # another replica) takes before a waiting tenant without one: that tenant's request
+    # then goes first, ahead of its turn, and starts at its engine's next free batch
+    # slot instead of behind the backlog's. More than max_engine_waiting is read as
     # max_engine_waiting.
     max_engine_waiting_backlogged: int = Field(default=1, ge=0)
     # A worker whose KV cache is this full takes no more (a new request would evict or

@@ -40,11 +40,7 @@ from router.flow_control.queue import ModelQueue, Waiting
 from router.flow_control.saturation import (
     UNBOUNDED,
     Engines,
-    Flags,
-    Rows,
-    has_room,
     room,
-    room_apart,
     would_wait,
 )
 from router.flow_control.shared import (
@@ -384,22 +380,14 @@ class FlowGate:
         return self._rooms(model)[0]
 
     def _rooms(self, model: str) -> tuple[int, int]:
-        """`room`, and the room left to a tenant with a backlog: fewer of the engines'
-        waiting places, at the workers with room of their own (its requests go only
-        there, `with_room`), so that a flood neither queues where its prefix is nor
-        waits while another worker idles."""
+        """`room`, and the room left to a tenant with a backlog (which may take fewer of
+        the engines' waiting places)."""
         engines, settings = self._engines, self.settings
         queues = engines.engine_queues(engines.serving_rows(model))
         releasing = self.releasing.get(model, 0)
         anyone = room(queues, settings.max_engine_waiting, settings.max_kv_usage)
-        apart = room_apart(queues, settings.backlogged_engine_waiting, settings.max_kv_usage)
-        return anyone - releasing, apart - releasing
-
-    def with_room(self, rows: Rows) -> Flags:
-        """Which of these rows' workers can take a backlogged tenant's request now."""
-        settings = self.settings
-        queues = self._engines.engine_queues(rows)
-        return has_room(queues, settings.backlogged_engine_waiting, settings.max_kv_usage)
+        backlogged = room(queues, settings.backlogged_engine_waiting, settings.max_kv_usage)
+        return anyone - releasing, backlogged - releasing
 
     def would_wait(self, worker_id: str) -> bool:
         """Whether a request sent to `worker_id` now would wait in its engine's queue."""
@@ -417,22 +405,21 @@ class FlowGate:
         free, free_to_backlog = self._rooms(model)
         counter = self._counter(model)
         granted = 0
-        while queue:
+        while free > 0 and queue:
             waiting = queue.next(counter)
             assert waiting is not None
             backlogged = self._backlogged(model, queue, waiting.tenant, waiting.band)
             if backlogged and free_to_backlog <= 0:
                 # The places left are kept for tenants without a backlog: the best of
                 # them waiting goes now, ahead of its turn, as it would have gone had it
-                # come while the engines took the backlog's requests.
+                # come while the engines took the backlog's requests. With none waiting,
+                # the backlog takes them (left empty, they would idle the engines that
+                # a flood's queue elsewhere offsets in the room).
                 lighter = queue.next(
                     counter, only=functools.partial(self._unbacklogged, model, queue, waiting.band)
                 )
-                if lighter is None:
-                    break
-                waiting, backlogged = lighter, False
-            if not backlogged and free <= 0:
-                break
+                if lighter is not None:
+                    waiting, backlogged = lighter, False
             if not self._its_turn(model, waiting, counter):
                 break  # the room is another replica's waiting tenant's
             queue.remove(waiting)

@@ -79,46 +79,24 @@ def would_wait(queues: EngineQueues) -> Flags:
     return queues.reported & np.isfinite(queues.batch_limit) & (held >= queues.batch_limit)
 
 
-def _free(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> Column:
-    """Requests each worker can take before `max_engine_waiting` wait in its engine
-    (negative: that many more wait there; inf: its limit is not known)."""
-    known = queues.reported & np.isfinite(queues.batch_limit)
-    reported = queues.running + queues.waiting + queues.traffic_since_report
-    held = np.maximum(reported, queues.in_flight)
-    free = np.where(known, np.floor(queues.batch_limit + max_engine_waiting - held), np.inf)
-    if max_kv_usage < 1:
-        free[queues.reported & (queues.kv_usage >= max_kv_usage)] = 0.0
-    return free
-
-
 def room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> int:
     """Requests the workers can take, all together, before `max_engine_waiting` wait in
     each engine on average (UNBOUNDED where one has no known limit). Net of the workers
     over theirs: routing sends a request where its prefix is, even to an engine that
     queues it, and that takes room the others had (so the engines together never queue
     more than `max_engine_waiting` each, wherever the requests went)."""
-    free = _free(queues, max_engine_waiting, max_kv_usage)
-    if not len(free):
-        return 0
-    if np.isinf(free).any():
-        return UNBOUNDED
+    known = queues.reported & np.isfinite(queues.batch_limit)
+    full = (
+        queues.reported & (queues.kv_usage >= max_kv_usage)
+        if max_kv_usage < 1
+        else np.zeros(len(known), dtype=np.bool_)
+    )
+    if not (known | full).all():
+        return UNBOUNDED if len(known) else 0
+    reported = queues.running + queues.waiting + queues.traffic_since_report
+    held = np.maximum(reported, queues.in_flight)
+    free = np.where(full, 0.0, np.floor(queues.batch_limit + max_engine_waiting - held))
     return max(0, int(free.sum()))
-
-
-def room_apart(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> int:
-    """Requests the workers with room can take, each within its own (UNBOUNDED where
-    one has no known limit): for requests sent only to a worker with room (`has_room`),
-    which a worker over its limit takes nothing from."""
-    free = _free(queues, max_engine_waiting, max_kv_usage)
-    if np.isinf(free).any():
-        return UNBOUNDED
-    return int(np.maximum(free, 0.0).sum())
-
-
-def has_room(queues: EngineQueues, max_engine_waiting: int, max_kv_usage: float) -> Flags:
-    """Whether each worker can take a request before `max_engine_waiting` wait in its
-    engine (True where its limit is not known)."""
-    return _free(queues, max_engine_waiting, max_kv_usage) >= 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,9 +45,7 @@ from router.lifecycle.tokens import PromptLength, PromptStart, PromptTokens, Pro
 from router.metrics import NO_WORKER, RouterMetrics
 from router.routing.decide import Decision, RoutingPlanner
 from router.routing.pool import Ticket, WorkerPool
-from router.routing.roster import Rows
 from router.scoring.disaggregation import LegPlan, LegReason
-from router.scoring.score import Flags
 from router.tenant_limits import TenantLimiter
 from router.tenants import Tenant, TenantDirectory
 from router.tracing import Tracer
@@ -261,7 +259,6 @@ class RequestLifecycle:
                 )
             except RequestRefused as shed:
                 raise flow.refused(shed) from None
-        backlogged = self.flow_pass is not None and self.flow_pass.backlogged
         decision, start = await route_prompt(
             flow.planner,
             parsed,
@@ -269,9 +266,6 @@ class RequestLifecycle:
             scope,
             start,
             length.per_worker,
-            # A flood goes where there is room, not to queue at its prefix's holders
-            # (lighter tenants' too); others' requests follow their prefixes.
-            with_room=flow.gate.with_room if backlogged and flow.gate is not None else None,
         )
         metrics = flow.metrics
         if deferred:
@@ -479,12 +473,10 @@ async def route_prompt(
     cache_scope: str,
     start: PromptStart | None,
     counted_as_engines: bool,
-    with_room: Callable[[Rows], Flags] | None = None,
 ) -> tuple[Decision, PromptStart | None]:
     """The decision for a prompt, on its start where that cannot choose otherwise than
     the whole would (Decision.rest_could_change_choice); else its rest is tokenised now
-    and the whole decides (`with_room`: see RoutingPlanner.decide). Returns the prompt
-    as decided on."""
+    and the whole decides. Returns the prompt as decided on."""
     for _ in range(2):
         tokens: Sequence[int] = [] if start is None else start.ids
         decision = await planner.decide(
@@ -495,7 +487,6 @@ async def route_prompt(
             counted_as_engines=counted_as_engines,
             more_tokens=0 if start is None else start.estimated_tokens - len(tokens),
             more_tokens_at_most=0 if start is None else start.most_tokens - len(tokens),
-            with_room=with_room,
         )
         if start is None or not decision.rest_could_change_choice():
             break

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,7 +209,6 @@ class RoutingPlanner:
         counted_as_engines: bool = True,
         more_tokens: int = 0,
         more_tokens_at_most: int = 0,
-        with_room: Callable[[Rows], Flags] | None = None,
     ) -> Decision:
         """Rank the candidates serving `model` for a prompt of `tokens`, keyed in
         `cache_scope` (the tenant's salt, or a salt the client sent in the shared
@@ -217,9 +216,7 @@ class RoutingPlanner:
         `tokens` does, so a worker whose max_model_len it exceeds is no candidate.
         `more_tokens_at_most` > 0: `tokens` are the prompt's start, and its rest (an
         estimated `more_tokens`, at most `more_tokens_at_most`) is not tokenised yet:
-        the costs count the estimate, max_model_len the most it can be. `with_room`:
-        flow control's word, for a backlogged tenant's request, on which rows can take
-        it now (the others are no candidates, unless none or all can)."""
+        the costs count the estimate, max_model_len the most it can be."""
         started = time.perf_counter()
         with self.tracer.start_as_current_span("kvplane.key") as span:
             root = self._root(model, cache_scope)
@@ -262,17 +259,11 @@ class RoutingPlanner:
                 counted_as_engines=counted_as_engines,
             )
             legs, prefill_ranked = None, None
-            full = None
-            if with_room is not None and len(rows):
-                full = ~with_room(rows)
-                full = full if full.any() and not full.all() else None
             if not roster.has_roles:
-                ranked, factor = self.policy.rank(request, facts._replace(excluded=full), self.rng)
+                ranked, factor = self.policy.rank(request, facts, self.rng)
             else:
                 prefill_only = roster.prefill_only[rows]
                 excluded = prefill_only if prefill_only.any() and not prefill_only.all() else None
-                if full is not None:
-                    excluded = full if excluded is None else excluded | full
                 # Whole requests and decode legs go to a prefill-only worker only when
                 # no other is live.
                 ranked, factor = self.policy.rank(

@@ -21,7 +21,6 @@ from kvplane.core.config import (
     TenantSettings,
     TenantSpec,
 )
-from kvplane.core.tokenizer import load_tokenizer
 from router.app import RunningRouter
 from router.flow_control.saturation import EngineQueues
 from router.lifecycle.flow import SCHEDULING_LABEL
@@ -482,49 +481,3 @@ async def test_engines_in_priority_mode_run_a_backlogged_tenants_requests_last()
         await learn_batch_limits(fleet)
         order = await flood_then_light(fleet)
     assert order.index("light") < order.index("noisy 2"), order
-
-
-async def wait_held(fleet: RoutedFleet, prompt: str, tenant: str, worker: str) -> None:
-    """Until the index holds all of `prompt`'s blocks on `worker`, in `tenant`'s scope."""
-    record = fleet.router.tenants.get(tenant)
-    assert record is not None
-    assert record.cache_salt is not None
-    tokens = load_tokenizer().completion_tokens(prompt)
-    keys = fleet.router.planner.keys(MODEL, record.cache_salt, tokens)
-
-    async def indexed() -> bool:
-        match = (await fleet.router.index.lookup(keys)).get(worker)
-        return match is not None and match.blocks == len(keys)
-
-    await wait_until(f"{worker} has the prompt's blocks in the index", indexed)
-
-
-async def test_a_backlog_goes_where_there_is_room_and_a_lighter_tenant_to_its_prefix() -> None:
-    # One may wait in each engine, none of them a backlog's. Both tenants' prefixes are
-    # on one worker; while it is full, noisy's backlog goes to the other (without its
-    # prefix), and acme's request still to the holder.
-    async with slow_fleet(2, max_engine_waiting=1, max_engine_waiting_backlogged=0) as fleet:
-        prefix = "The handbook of the storage desk, chapter one. " * 30
-        first = await complete(fleet, "noisy", prefix + "warming", max_tokens=1)
-        holder = first.headers["x-kvplane-worker"]
-        await wait_held(fleet, prefix, "noisy", holder)
-        acme_tenant = fleet.router.tenants.get("acme")
-        assert acme_tenant is not None
-        await direct(fleet.worker(holder).base_url, prefix + "warming", 1, acme_tenant.cache_salt)
-        await wait_held(fleet, prefix, "acme", holder)
-        occupying = asyncio.ensure_future(
-            complete(fleet, "noisy", prefix + "occupying", max_tokens=16)
-        )
-        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
-        flood = [
-            asyncio.ensure_future(complete(fleet, "noisy", prefix + f"flood {n}", max_tokens=8))
-            for n in range(6)
-        ]
-        await queued(fleet, 2)
-        acme = asyncio.ensure_future(complete(fleet, "acme", prefix + "question", max_tokens=1))
-        answers = await asyncio.gather(occupying, acme, *flood)
-
-    assert all(answer.status_code == 200 for answer in answers), answers
-    assert answers[1].headers["x-kvplane-worker"] == holder  # acme follows its prefix
-    elsewhere = [a for a in answers[2:] if a.headers["x-kvplane-worker"] != holder]
-    assert len(elsewhere) >= 3, [a.headers["x-kvplane-worker"] for a in answers[2:]]

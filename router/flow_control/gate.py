@@ -377,17 +377,15 @@ class FlowGate:
     def room(self, model: str) -> int:
         """Requests `model`'s engines can take now, less those let through and not yet
         sent."""
-        return self._rooms(model)[0]
+        return self._rooms(model, self.settings.max_engine_waiting)[0]
 
-    def _rooms(self, model: str) -> tuple[int, int]:
-        """`room`, and the room left to a tenant with a backlog (which may take fewer of
-        the engines' waiting places)."""
+    def _rooms(self, model: str, *depths: int) -> list[int]:
+        """The room with each of `depths` waiting places per engine (a tenant with a
+        backlog takes fewer), less the requests let through and not yet sent."""
         engines, settings = self._engines, self.settings
         queues = engines.engine_queues(engines.serving_rows(model))
         releasing = self.releasing.get(model, 0)
-        anyone = room(queues, settings.max_engine_waiting, settings.max_kv_usage)
-        backlogged = room(queues, settings.backlogged_engine_waiting, settings.max_kv_usage)
-        return anyone - releasing, backlogged - releasing
+        return [room(queues, depth, settings.max_kv_usage) - releasing for depth in depths]
 
     def would_wait(self, worker_id: str) -> bool:
         """Whether a request sent to `worker_id` now would wait in its engine's queue."""
@@ -402,7 +400,10 @@ class FlowGate:
         queue = self._queues.get(model)
         if not queue:
             return
-        free, free_to_backlog = self._rooms(model)
+        settings = self.settings
+        free, free_to_backlog = self._rooms(
+            model, settings.max_engine_waiting, settings.backlogged_engine_waiting
+        )
         counter = self._counter(model)
         granted = 0
         while free > 0 and queue:

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from kvplane.core.config import FlowControlSettings
 from router.errors import RequestRefused
-from router.flow_control.bands import Placement, placement
+from router.flow_control.bands import Placement, engine_priority, placement
 from router.tenants import ANONYMOUS_TENANT
 
 BATCH = dataclasses.replace(ANONYMOUS_TENANT, name="batch", priority=-1)
@@ -36,3 +37,23 @@ def test_a_header_out_of_its_range_is_a_400(priority: str | None, deadline: str 
         placement(CHAT, priority, deadline)
     assert (refused.value.status, refused.value.outcome) == (400, "bad_header")
     assert "must be a whole number" in str(refused.value)
+
+
+def test_engine_priorities_keep_bands_apart_and_a_backlog_behind_its_band() -> None:
+    ordered = [
+        engine_priority(5, backlogged=False),
+        engine_priority(5, backlogged=True),
+        engine_priority(0, backlogged=False),
+        engine_priority(0, backlogged=True),
+        engine_priority(-1, backlogged=False),
+    ]
+    assert ordered == sorted(ordered)  # vLLM runs the lowest first
+    assert len(set(ordered)) == len(ordered)
+    assert engine_priority(0, backlogged=False) == 0  # nothing sent
+
+
+def test_a_backlog_never_takes_more_engine_places_than_anyone() -> None:
+    assert FlowControlSettings(max_engine_waiting=0).backlogged_engine_waiting == 0
+    assert FlowControlSettings(max_engine_waiting=3).backlogged_engine_waiting == 1
+    settings = FlowControlSettings(max_engine_waiting=2, max_engine_waiting_backlogged=5)
+    assert settings.backlogged_engine_waiting == 2

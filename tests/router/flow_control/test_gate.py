@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -166,14 +166,22 @@ async def queued(fleet: RoutedFleet, count: int) -> None:
     await wait_until(f"{count} requests wait in the router", enough)
 
 
+def finishing(fleet: RoutedFleet, finished: list[str]) -> Callable[..., Awaitable[None]]:
+    """A sender of named requests that must be answered, each name appended to
+    `finished` as its answer ends."""
+
+    async def send(name: str, tenant: str, **kw: Any) -> None:
+        response = await complete(fleet, tenant, f"request {name}", **kw)
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    return send
+
+
 async def test_a_higher_band_goes_before_requests_that_waited_longer() -> None:
     async with slow_fleet(max_engine_waiting=0) as fleet:
         finished: list[str] = []
-
-        async def send(name: str, tenant: str, **kw: Any) -> None:
-            response = await complete(fleet, tenant, f"request {name}", **kw)
-            assert response.status_code == 200, response.text
-            finished.append(name)
+        send = finishing(fleet, finished)
 
         occupying = asyncio.ensure_future(send("occupying", "acme", max_tokens=12))
         await wait_until("the engine runs it", lambda: not engines_idle(fleet))
@@ -356,11 +364,7 @@ async def send_in_order(fleet: RoutedFleet) -> list[str]:
     """While the engine is busy: three of acme's requests (the second asking the engine
     itself for the first place), then one of globex in band 5; the order they finish."""
     finished: list[str] = []
-
-    async def send(name: str, tenant: str, **kw: Any) -> None:
-        response = await complete(fleet, tenant, f"request {name}", **kw)
-        assert response.status_code == 200, response.text
-        finished.append(name)
+    send = finishing(fleet, finished)
 
     occupying = asyncio.ensure_future(send("occupying", "acme", max_tokens=12))
     await wait_until("the engine runs it", lambda: not engines_idle(fleet))
@@ -446,11 +450,7 @@ async def flood_then_light(fleet: RoutedFleet) -> list[str]:
     """While the engine runs one request: four of noisy's at once, then one of acme's;
     the order they finish."""
     finished: list[str] = []
-
-    async def send(name: str, tenant: str, **kw: Any) -> None:
-        response = await complete(fleet, tenant, f"request {name}", **kw)
-        assert response.status_code == 200, response.text
-        finished.append(name)
+    send = finishing(fleet, finished)
 
     occupying = asyncio.ensure_future(send("occupying", "warm", max_tokens=12))
     await wait_until("the engine runs it", lambda: not engines_idle(fleet))

@@ -8,10 +8,15 @@ counters of the tenants already waiting (router/flow_control/gate.py), so that i
 earns no credit and a past flood is not a debt forever.
 
 These are one router's; `SharedServiceCounters` (router/flow_control/shared.py) keeps
-them in the index's Redis for every replica.
+them in the index's Redis for every replica. `RecentService`, which tells who has had
+more than its share lately, is each router's own: a flood split between replicas is
+over its share at each.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Collection
 
 
 class ServiceCounters:
@@ -42,3 +47,46 @@ class ServiceCounters:
         wanted = min(max(current, low), high)
         if wanted != current:
             self._values.setdefault(model, {})[tenant] = wanted
+
+
+OVER_SHARE_MARGIN = 1.25
+"""A tenant takes more than its share where its recent service is over the mean of the
+tenants served lately by this much: tenants with equal demands stay under it through
+the noise of their arrivals, a flood is over it."""
+
+
+FORGOTTEN = 0.01  # of the recent service of all: a tenant with less is not counted
+
+
+class RecentService:
+    """Each (model, tenant)'s service lately (the counters' charges, so already divided
+    by its share), decayed with a time constant of `window_s`: unlike the counters it
+    forgets, so it tells the tenant that floods now from one that waited its turn."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._values: dict[str, dict[str, tuple[float, float]]] = {}  # (value, as of)
+
+    def charge(self, model: str, tenant: str, amount: float, now: float) -> None:
+        values = self._values.setdefault(model, {})
+        values[tenant] = (self._decayed(values.get(tenant), now) + amount, now)
+
+    def over_share(self, model: str, tenant: str, now: float, waiting: Collection[str]) -> bool:
+        """Whether `tenant` had more than its share of `model` lately, among the tenants
+        served lately and those `waiting` for it (a lighter tenant that starts waiting
+        has had nothing yet)."""
+        values = self._values.get(model, {})
+        recent = {name: self._decayed(value, now) for name, value in values.items()}
+        total = sum(value for value in recent.values() if value > 0)
+        # Those whose service has decayed to almost nothing are no longer served lately.
+        served = {name for name, value in recent.items() if value > FORGOTTEN * total}
+        sharing = served | set(waiting)
+        if tenant not in served or len(sharing) < 2:
+            return False  # alone, a tenant's share is all of it
+        return recent[tenant] > OVER_SHARE_MARGIN * total / len(sharing)
+
+    def _decayed(self, value: tuple[float, float] | None, now: float) -> float:
+        if value is None:
+            return 0.0
+        amount, as_of = value
+        return amount * math.exp(-max(0.0, now - as_of) / self._window_s)

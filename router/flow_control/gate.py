@@ -35,7 +35,7 @@ from kvplane.core.clock import Clock
 from kvplane.core.config import FlowControlSettings
 from router.errors import RequestRefused
 from router.flow_control.bands import Placement, engine_priority
-from router.flow_control.counters import ServiceCounters
+from router.flow_control.counters import RecentService, ServiceCounters
 from router.flow_control.queue import ModelQueue, Waiting
 from router.flow_control.saturation import (
     UNBOUNDED,
@@ -250,6 +250,7 @@ class FlowGate:
         self._engines = engines
         self._exchange = None if shared is None else FlowExchange(shared, settings.shared_refresh_s)
         self.counters = ServiceCounters() if shared is None else SharedCounters()
+        self._recent = RecentService(settings.recent_service_window_s)
         self._elsewhere = Elsewhere()
         self._exchanged_at = -math.inf
         self._metrics = metrics
@@ -421,6 +422,8 @@ class FlowGate:
                 )
                 if lighter is not None:
                     waiting, backlogged = lighter, False
+                elif settings.backlog_reserved_slots:
+                    break  # the slots left wait for a lighter tenant's request to come
             if not self._its_turn(model, waiting, counter):
                 break  # the room is another replica's waiting tenant's
             queue.remove(waiting)
@@ -481,8 +484,13 @@ class FlowGate:
 
     def _backlogged(self, model: str, queue: ModelQueue, tenant: str, band: int) -> bool:
         """Whether `tenant`, whose request in `band` is about to go, has more waiting
-        there: another here, or any at another replica."""
-        return queue.count(tenant, band) > 1 or tenant in self._elsewhere.waiting(model, band)
+        there (another here, or any at another replica) and had more than its share
+        lately."""
+        elsewhere = self._elsewhere.waiting(model, band)
+        if queue.count(tenant, band) <= 1 and tenant not in elsewhere:
+            return False
+        waiting = set(queue.backlogged(band)) | elsewhere.keys()
+        return self._recent.over_share(model, tenant, self._clock(), waiting)
 
     def _unbacklogged(self, model: str, queue: ModelQueue, band: int, tenant: str) -> bool:
         return not self._backlogged(model, queue, tenant, band)
@@ -555,6 +563,7 @@ class FlowGate:
 
     def charge(self, model: str, tenant: Tenant, cost: float) -> None:
         self.counters.charge(model, tenant.name, cost / tenant.share)
+        self._recent.charge(model, tenant.name, cost / tenant.share, self._clock())
 
     def served(self, tenant: Tenant, kind: str, cost: float) -> None:
         self._metrics.flow_service_tokens.labels(tenant=tenant.name, kind=kind).inc(cost)

@@ -68,10 +68,9 @@ def flow_settings(index: IndexSettings | None = None, **flow: Any) -> Settings:
 async def slow_fleet(
     count: int = 1, *, sim: Mapping[str, Any] | None = None, **flow: Any
 ) -> AsyncIterator[RoutedFleet]:
-    async with routed_fleet(
-        count, flow_settings(**flow), sim_options={**SLOW, **(sim or {})}
-    ) as fleet:
-        await learn_batch_limits(fleet)
+    options = {**SLOW, **(sim or {})}
+    async with routed_fleet(count, flow_settings(**flow), sim_options=options) as fleet:
+        await learn_batch_limits(fleet, batch=options["max_num_seqs"])
         yield fleet
 
 
@@ -119,16 +118,17 @@ async def direct(
 
 
 async def learn_batch_limits(
-    fleet: RoutedFleet, routers: Sequence[RunningRouter] | None = None
+    fleet: RoutedFleet, routers: Sequence[RunningRouter] | None = None, batch: int = 1
 ) -> None:
-    """Queue requests in every engine until the routers (the fleet's, by default) have
-    seen each one's batch full (flow control knows no engine's limit before that)."""
+    """Queue requests in every engine (of `batch` running at most) until the routers
+    (the fleet's, by default) have seen each one's batch full (flow control knows no
+    engine's limit before that)."""
     count = len(fleet.workers)
     routers = routers or [fleet.router]
     warmers = [
         asyncio.ensure_future(direct(worker.base_url, f"warm {worker.worker_id} {n}", 8))
         for worker in fleet.workers
-        for n in range(3)
+        for n in range(3 * batch)
     ]
 
     def learnt() -> bool:
@@ -447,12 +447,13 @@ async def test_a_higher_band_preempts_a_lower_one_waiting_in_its_engine() -> Non
 
 
 async def flood_then_light(fleet: RoutedFleet) -> list[str]:
-    """While the engine runs one request: four of noisy's at once, then one of acme's;
-    the order they finish."""
+    """While the engine runs one of noisy's requests: four more of noisy's at once,
+    then one of acme's; the order they finish. Noisy, the only tenant served until
+    then, has had more than its share of it once acme waits too."""
     finished: list[str] = []
     send = finishing(fleet, finished)
 
-    occupying = asyncio.ensure_future(send("occupying", "warm", max_tokens=12))
+    occupying = asyncio.ensure_future(send("occupying", "noisy", max_tokens=12))
     await wait_until("the engine runs it", lambda: not engines_idle(fleet))
     flood = [asyncio.ensure_future(send(f"noisy {n}", "noisy")) for n in range(4)]
     await queued(fleet, 2)
@@ -469,6 +470,28 @@ async def test_a_flood_leaves_the_engines_last_waiting_places_to_a_lighter_tenan
     async with slow_fleet(max_engine_waiting=2, max_engine_waiting_backlogged=1) as fleet:
         order = await flood_then_light(fleet)
     assert order.index("light") < order.index("noisy 2"), order
+
+
+async def test_a_flood_leaves_reserved_batch_slots_to_a_lighter_tenant() -> None:
+    # A batch of two, one slot reserved. Once noisy has a backlog (and has had most of
+    # the service since acme's request), it runs one request at a time; acme's, sent as
+    # noisy's next starts, runs beside it rather than waiting for it. Without the
+    # reserve, noisy's run two at a time with a third waiting in the engine.
+    sim = {"max_num_seqs": 2}
+    async with slow_fleet(sim=sim, max_engine_waiting=2, backlog_reserved_slots=1) as fleet:
+        finished: list[str] = []
+        send = finishing(fleet, finished)
+        await send("earlier", "acme", max_tokens=8)
+        # The first four fill the batch and the engine's waiting places; the rest wait
+        # here.
+        flood = [
+            asyncio.ensure_future(send(f"noisy {n}", "noisy", max_tokens=40)) for n in range(8)
+        ]
+        await queued(fleet, 4)
+        await wait_until("noisy 4 answered", lambda: "noisy 4" in finished)
+        await send("light", "acme", max_tokens=2)
+        await asyncio.gather(*flood)
+    assert finished.index("light") < finished.index("noisy 5"), finished
 
 
 async def test_engines_in_priority_mode_run_a_backlogged_tenants_requests_last() -> None:

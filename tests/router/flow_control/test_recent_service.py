@@ -1,0 +1,52 @@
+"""Which tenant had more than its share lately (router/flow_control/counters.py's
+RecentService): pure, on an explicit clock."""
+
+from __future__ import annotations
+
+from router.flow_control.counters import RecentService
+
+MODEL = "m"
+
+
+def served(**amounts: float) -> RecentService:
+    recent = RecentService(window_s=10.0)
+    for tenant, amount in amounts.items():
+        recent.charge(MODEL, tenant, amount, now=0.0)
+    return recent
+
+
+def test_a_flood_is_over_its_share_and_the_tenants_beside_it_are_not() -> None:
+    recent = served(noisy=35.0, a=16.0, b=16.0, c=17.0, d=16.0)
+    assert recent.over_share(MODEL, "noisy", 0.0, waiting=["noisy", "a"])
+    assert not any(recent.over_share(MODEL, name, 0.0, waiting=[name]) for name in "abcd")
+
+
+def test_tenants_with_equal_demands_stay_under_it_through_their_noise() -> None:
+    recent = served(a=22.0, b=18.0, c=20.0, d=20.0)
+    assert not any(recent.over_share(MODEL, name, 0.0, waiting="abcd") for name in "abcd")
+
+
+def test_a_tenant_alone_has_all_of_its_share() -> None:
+    assert not served(noisy=100.0).over_share(MODEL, "noisy", 0.0, waiting=["noisy"])
+
+
+def test_a_tenant_that_starts_waiting_shares_the_service_though_it_had_none() -> None:
+    recent = served(noisy=100.0)
+    assert recent.over_share(MODEL, "noisy", 0.0, waiting=["noisy", "acme"])
+
+
+def test_service_is_forgotten_over_the_window() -> None:
+    recent = served(a=100.0)
+    recent.charge(MODEL, "b", 20.0, now=30.0)  # a's 100 has decayed to 5 by then
+    assert recent.over_share(MODEL, "b", 30.0, waiting=[])
+    assert not recent.over_share(MODEL, "a", 30.0, waiting=[])
+    # Long after, a's is all but nothing beside b's latest: b is served alone.
+    recent.charge(MODEL, "b", 20.0, now=80.0)
+    assert not recent.over_share(MODEL, "b", 80.0, waiting=[])
+
+
+def test_models_are_apart() -> None:
+    recent = served(noisy=100.0, a=5.0)
+    recent.charge("other", "a", 100.0, now=0.0)
+    assert recent.over_share(MODEL, "noisy", 0.0, waiting=[])
+    assert not recent.over_share("other", "a", 0.0, waiting=[])

@@ -267,6 +267,10 @@ class FlowGate:
         # and those preempted that have not ended yet.
         self._armed: dict[str, dict[FlowPass, None]] = {}
         self.preempting: dict[str, int] = {}
+        # Per model: the waiting request the latest preemption made room for. It is
+        # given one place: the room a load report counts late (one sampled before the
+        # victim ended) must not cost a second victim.
+        self._preempted_for: dict[str, Waiting] = {}
         self._seq = 0
         self._busy = asyncio.Event()
 
@@ -452,16 +456,20 @@ class FlowGate:
     def _preempt_for(self, model: str, queue: ModelQueue, counter: Callable[[str], float]) -> None:
         """Where the next waiting request's band is above a request sent and not yet
         answered, that request (the newest of the lowest band) gives up its place: one
-        at a time per model, the next once it has ended."""
+        at a time per model, the next once it has ended, and one for each waiting
+        request at most."""
         armed = self._armed.get(model)
         if not armed or self.preempting.get(model, 0):
             return
         head = queue.next(counter)
         if head is None or not self._its_turn(model, head, counter):
             return
+        if self._preempted_for.get(model) is head:
+            return
         victim = min(armed, key=lambda flow_pass: (flow_pass.band, -flow_pass.seq))
         if victim.band < head.band:
             self.preempting[model] = self.preempting.get(model, 0) + 1
+            self._preempted_for[model] = head
             victim.preempt()
 
     def armed(self, flow_pass: FlowPass) -> None:

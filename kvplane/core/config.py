@@ -241,13 +241,6 @@ class FlowControlSettings(_Section):
     # slot instead of behind the backlog's. More than max_engine_waiting is read as
     # max_engine_waiting.
     max_engine_waiting_backlogged: int = Field(default=1, ge=0)
-    # Batch slots of each engine that a tenant with a backlog leaves free even when no
-    # one else waits (it then takes no waiting place either), so that a lighter
-    # tenant's request that comes finds a slot at once rather than the next one a
-    # flood's request frees (engines do not preempt a running request for a waiting one
-    # of higher priority). Each costs up to a slot's throughput per engine while only
-    # the backlog is served.
-    backlog_reserved_slots: int = Field(default=0, ge=0)
     # A tenant counts as having a backlog where it also had more than its share lately:
     # its service, decayed with this time constant, over the mean of the tenants served
     # lately by a quarter (a lighter tenant whose requests bunch up keeps its place).
@@ -273,10 +266,7 @@ class FlowControlSettings(_Section):
 
     @property
     def backlogged_engine_waiting(self) -> int:
-        """The places a tenant with a backlog may take (never more than anyone may);
-        negative: the batch slots it leaves free."""
-        if self.backlog_reserved_slots:
-            return -self.backlog_reserved_slots
+        """The places a tenant with a backlog may take (never more than anyone may)."""
         return min(self.max_engine_waiting_backlogged, self.max_engine_waiting)
 
 

@@ -71,19 +71,20 @@ class RecentService:
         values = self._values.setdefault(model, {})
         values[tenant] = (self._decayed(values.get(tenant), now) + amount, now)
 
-    def over_share(self, model: str, tenant: str, now: float, waiting: Collection[str]) -> bool:
-        """Whether `tenant` had more than its share of `model` lately, among the tenants
-        served lately and those `waiting` for it (a lighter tenant that starts waiting
-        has had nothing yet)."""
+    def over_share(self, model: str, now: float, waiting: Collection[str]) -> set[str]:
+        """The tenants that had more than their share of `model` lately, among the
+        tenants served lately and those `waiting` for it (a lighter tenant that starts
+        waiting has had nothing yet)."""
         values = self._values.get(model, {})
         recent = {name: self._decayed(value, now) for name, value in values.items()}
         total = sum(value for value in recent.values() if value > 0)
         # Those whose service has decayed to almost nothing are no longer served lately.
         served = {name for name, value in recent.items() if value > FORGOTTEN * total}
         sharing = served | set(waiting)
-        if tenant not in served or len(sharing) < 2:
-            return False  # alone, a tenant's share is all of it
-        return recent[tenant] > OVER_SHARE_MARGIN * total / len(sharing)
+        if len(sharing) < 2:
+            return set()  # alone, a tenant's share is all of it
+        bound = OVER_SHARE_MARGIN * total / len(sharing)
+        return {name for name in served if recent[name] > bound}
 
     def _decayed(self, value: tuple[float, float] | None, now: float) -> float:
         if value is None:

@@ -20,7 +20,6 @@ predicted cached where it went, and its generated tokens as they stream.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
@@ -414,20 +413,17 @@ class FlowGate:
         while free > 0 and queue:
             waiting = queue.next(counter)
             assert waiting is not None
-            backlogged = self._backlogged(model, queue, waiting.tenant, waiting.band)
+            backlogs = self._backlogs(model, queue, waiting.band)
+            backlogged = waiting.tenant in backlogs
             if backlogged and free_to_backlog <= 0:
                 # The places left are kept for tenants without a backlog: the best of
                 # them waiting goes now, ahead of its turn, as it would have gone had it
                 # come while the engines took the backlog's requests. With none waiting,
                 # the backlog takes them (left empty, they would idle the engines that
                 # a flood's queue elsewhere offsets in the room).
-                lighter = queue.next(
-                    counter, only=functools.partial(self._unbacklogged, model, queue, waiting.band)
-                )
+                lighter = queue.next(counter, skip=backlogs)
                 if lighter is not None:
                     waiting, backlogged = lighter, False
-                elif settings.backlog_reserved_slots:
-                    break  # the slots left wait for a lighter tenant's request to come
             if not self._its_turn(model, waiting, counter):
                 break  # the room is another replica's waiting tenant's
             queue.remove(waiting)
@@ -490,18 +486,17 @@ class FlowGate:
             "a request of a higher band took its place before its engine answered",
         )
 
-    def _backlogged(self, model: str, queue: ModelQueue, tenant: str, band: int) -> bool:
-        """Whether `tenant`, whose request in `band` is about to go, has more waiting
-        there (another here, or any at another replica) and had more than its share
-        lately."""
+    def _backlogs(self, model: str, queue: ModelQueue, band: int) -> set[str]:
+        """The tenants waiting here in `band` with a backlog: more waiting there (another
+        here, or any at another replica), and more than their share lately."""
         elsewhere = self._elsewhere.waiting(model, band)
-        if queue.count(tenant, band) <= 1 and tenant not in elsewhere:
-            return False
-        waiting = set(queue.backlogged(band)) | elsewhere.keys()
-        return self._recent.over_share(model, tenant, self._clock(), waiting)
-
-    def _unbacklogged(self, model: str, queue: ModelQueue, band: int, tenant: str) -> bool:
-        return not self._backlogged(model, queue, tenant, band)
+        here = queue.backlogged(band)
+        over = self._recent.over_share(model, self._clock(), set(here) | elsewhere.keys())
+        return {
+            tenant
+            for tenant in here
+            if tenant in over and (queue.count(tenant, band) > 1 or tenant in elsewhere)
+        }
 
     def _its_turn(self, model: str, waiting: Waiting, counter: Callable[[str], float]) -> bool:
         """Whether no tenant waiting at another replica goes before `waiting`: none in

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -117,16 +117,16 @@ class ModelQueue:
                 del self._bands[waiting.band]
         return True
 
-    def next(self, counter: Counter, only: Callable[[str], bool] | None = None) -> Waiting | None:
-        """Who goes next (still queued: `remove` it); with `only`, who goes next of the
-        highest band's tenants it keeps (None where it keeps none)."""
+    def next(self, counter: Counter, skip: Collection[str] = ()) -> Waiting | None:
+        """Who goes next (still queued: `remove` it), passing over the tenants in `skip`
+        (None where the highest band has no one else)."""
         if not self._bands:
             return None
         band = max(self._bands)
         chosen: Waiting | None = None
         chosen_key = (math.inf, 0)
         for tenant, line in self._bands[band].items():
-            if only is not None and not only(tenant):
+            if tenant in skip:
                 continue
             head = line.head()
             assert head is not None  # lines without live entries are deleted

@@ -57,8 +57,3 @@ def test_a_backlog_never_takes_more_engine_places_than_anyone() -> None:
     assert FlowControlSettings(max_engine_waiting=3).backlogged_engine_waiting == 1
     settings = FlowControlSettings(max_engine_waiting=2, max_engine_waiting_backlogged=5)
     assert settings.backlogged_engine_waiting == 2
-
-
-def test_a_backlog_with_slots_reserved_takes_no_place_and_leaves_the_slots() -> None:
-    settings = FlowControlSettings(max_engine_waiting=2, backlog_reserved_slots=1)
-    assert settings.backlogged_engine_waiting == -1

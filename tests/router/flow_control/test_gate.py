@@ -472,28 +472,6 @@ async def test_a_flood_leaves_the_engines_last_waiting_places_to_a_lighter_tenan
     assert order.index("light") < order.index("noisy 2"), order
 
 
-async def test_a_flood_leaves_reserved_batch_slots_to_a_lighter_tenant() -> None:
-    # A batch of two, one slot reserved. Once noisy has a backlog (and has had most of
-    # the service since acme's request), it runs one request at a time; acme's, sent as
-    # noisy's next starts, runs beside it rather than waiting for it. Without the
-    # reserve, noisy's run two at a time with a third waiting in the engine.
-    sim = {"max_num_seqs": 2}
-    async with slow_fleet(sim=sim, max_engine_waiting=2, backlog_reserved_slots=1) as fleet:
-        finished: list[str] = []
-        send = finishing(fleet, finished)
-        await send("earlier", "acme", max_tokens=8)
-        # The first four fill the batch and the engine's waiting places; the rest wait
-        # here.
-        flood = [
-            asyncio.ensure_future(send(f"noisy {n}", "noisy", max_tokens=40)) for n in range(8)
-        ]
-        await queued(fleet, 4)
-        await wait_until("noisy 4 answered", lambda: "noisy 4" in finished)
-        await send("light", "acme", max_tokens=2)
-        await asyncio.gather(*flood)
-    assert finished.index("light") < finished.index("noisy 5"), finished
-
-
 async def test_engines_in_priority_mode_run_a_backlogged_tenants_requests_last() -> None:
     # No place kept: noisy's third goes first from the router, backlogged (its fourth
     # still waits), and acme's after it; the engine runs acme's first.

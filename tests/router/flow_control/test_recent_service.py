@@ -17,36 +17,34 @@ def served(**amounts: float) -> RecentService:
 
 def test_a_flood_is_over_its_share_and_the_tenants_beside_it_are_not() -> None:
     recent = served(noisy=35.0, a=16.0, b=16.0, c=17.0, d=16.0)
-    assert recent.over_share(MODEL, "noisy", 0.0, waiting=["noisy", "a"])
-    assert not any(recent.over_share(MODEL, name, 0.0, waiting=[name]) for name in "abcd")
+    assert recent.over_share(MODEL, 0.0, waiting=["noisy", "a"]) == {"noisy"}
 
 
 def test_tenants_with_equal_demands_stay_under_it_through_their_noise() -> None:
     recent = served(a=22.0, b=18.0, c=20.0, d=20.0)
-    assert not any(recent.over_share(MODEL, name, 0.0, waiting="abcd") for name in "abcd")
+    assert recent.over_share(MODEL, 0.0, waiting="abcd") == set()
 
 
 def test_a_tenant_alone_has_all_of_its_share() -> None:
-    assert not served(noisy=100.0).over_share(MODEL, "noisy", 0.0, waiting=["noisy"])
+    assert served(noisy=100.0).over_share(MODEL, 0.0, waiting=["noisy"]) == set()
 
 
 def test_a_tenant_that_starts_waiting_shares_the_service_though_it_had_none() -> None:
     recent = served(noisy=100.0)
-    assert recent.over_share(MODEL, "noisy", 0.0, waiting=["noisy", "acme"])
+    assert recent.over_share(MODEL, 0.0, waiting=["noisy", "acme"]) == {"noisy"}
 
 
 def test_service_is_forgotten_over_the_window() -> None:
     recent = served(a=100.0)
     recent.charge(MODEL, "b", 20.0, now=30.0)  # a's 100 has decayed to 5 by then
-    assert recent.over_share(MODEL, "b", 30.0, waiting=[])
-    assert not recent.over_share(MODEL, "a", 30.0, waiting=[])
+    assert recent.over_share(MODEL, 30.0, waiting=[]) == {"b"}
     # Long after, a's is all but nothing beside b's latest: b is served alone.
     recent.charge(MODEL, "b", 20.0, now=80.0)
-    assert not recent.over_share(MODEL, "b", 80.0, waiting=[])
+    assert recent.over_share(MODEL, 80.0, waiting=[]) == set()
 
 
 def test_models_are_apart() -> None:
     recent = served(noisy=100.0, a=5.0)
     recent.charge("other", "a", 100.0, now=0.0)
-    assert recent.over_share(MODEL, "noisy", 0.0, waiting=[])
-    assert not recent.over_share("other", "a", 0.0, waiting=[])
+    assert recent.over_share(MODEL, 0.0, waiting=[]) == {"noisy"}
+    assert recent.over_share("other", 0.0, waiting=[]) == set()

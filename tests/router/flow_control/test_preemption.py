@@ -1,0 +1,85 @@
+"""The gate's preemption against a view of the engines the test sets (the view is the
+gate's input here, not under test: router/flow_control/test_gate.py runs it against real
+engines). A load report that counts a victim's place after the victim ended must not
+cost a second victim."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from kvplane.core.config import FlowControlSettings
+from router.flow_control.bands import Placement
+from router.flow_control.gate import FlowGate, FlowPass
+from router.flow_control.saturation import EngineQueues, Rows, SharedReport
+from router.metrics import RouterMetrics
+from router.tenants import Tenant
+
+MODEL = "m"
+
+
+class OneEngine:
+    """One worker whose engine holds `held` requests, of a batch of one."""
+
+    def __init__(self) -> None:
+        self.held = 0.0
+
+    def serving_rows(self, model: str) -> Rows:
+        return np.array([0], dtype=np.intp)
+
+    def engine_queues(self, rows: Rows) -> EngineQueues:
+        one = np.ones(1)
+        return EngineQueues(
+            reported=np.ones(1, dtype=np.bool_),
+            running=one * min(self.held, 1.0),
+            waiting=one * max(self.held - 1.0, 0.0),
+            traffic_since_report=np.zeros(1),
+            batch_limit=one,
+            kv_usage=np.zeros(1),
+            in_flight=np.zeros(1),
+        )
+
+    def row_of(self, worker_id: str) -> int | None:
+        return 0
+
+    def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]:
+        return {}, {}
+
+    def shared_engines(
+        self, others_in_flight: dict[str, int], reports: dict[str, SharedReport]
+    ) -> None:
+        pass
+
+
+def tenant(name: str) -> Tenant:
+    return Tenant(name=name, cache_scope=name, cache_salt=None, max_priority=5)
+
+
+async def test_a_waiting_request_costs_one_victim_though_the_report_counts_it_late() -> None:
+    engine = OneEngine()
+    gate = FlowGate(
+        FlowControlSettings(enabled=True, max_engine_waiting=2), engine, RouterMetrics()
+    )
+    low = tenant("acme")
+    passes: list[FlowPass] = []
+    cancelled: list[int] = []
+    for n in range(3):  # one runs, two wait in the engine: it is full
+        flow_pass = await gate.enter(low, MODEL, Placement(0), 10)
+        flow_pass.dispatched(10)
+        flow_pass.arm(lambda n=n: cancelled.append(n))
+        passes.append(flow_pass)
+        engine.held += 1
+    high = asyncio.ensure_future(gate.enter(tenant("globex"), MODEL, Placement(5), 10))
+    await asyncio.sleep(0.05)
+    assert cancelled == [2], "the newest of the lower band gives its place"
+
+    # It ended, but the engine's report still counts it: no room yet.
+    passes[2].close()
+    await asyncio.sleep(0.05)
+    assert cancelled == [2], "a second victim for the same waiting request"
+    assert not high.done()
+
+    engine.held -= 1  # the next report: its place is free
+    gate.dispatch(MODEL)
+    assert (await asyncio.wait_for(high, 1)).band == 5

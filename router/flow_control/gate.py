@@ -283,10 +283,15 @@ class FlowGate:
         prompt_tokens: int,
         waiting_for: Callable[[Awaitable[FlowPass | Shed]], Awaitable[FlowPass | Shed]]
         | None = None,
-    ) -> FlowPass:
+    ) -> FlowPass | None:
         """Let through now, or once the engines make room (`waiting_for` wraps the
         wait: the proxy's ends it when the client leaves); raises the Shed's
-        RequestRefused when the request cannot wait."""
+        RequestRefused when the request cannot wait. None: no worker can take it, and
+        it is not held (routing refuses it at once)."""
+        queued_as = self._engines.queue_model(model)
+        if queued_as is None:
+            return None
+        model = queued_as
         queue = self._queue(model)
         self._lift(model, tenant, placement.band, queue)
         elsewhere = self._elsewhere

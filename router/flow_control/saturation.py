@@ -30,6 +30,10 @@ Rows = npt.NDArray[np.intp]
 UNBOUNDED = 1 << 30
 """The room of a model none of whose workers has a known limit."""
 
+ANY_MODEL = "*"
+"""The queue of requests for names no worker registers, where the workers serve several
+models (their serving rows are all workers)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineQueues:
@@ -59,6 +63,8 @@ class Engines(Protocol):
     """Where flow control reads the engines (router/routing/pool.py's WorkerPool)."""
 
     def serving_rows(self, model: str) -> Rows: ...
+
+    def queue_model(self, model: str) -> str | None: ...
 
     def engine_queues(self, rows: Rows) -> EngineQueues: ...
 

@@ -38,6 +38,7 @@ from kvplane.core.clock import Clock
 from kvplane.core.types import LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerRecord, WorkerView
 from router.flow_control.saturation import (
+    ANY_MODEL,
     BatchLimit,
     EngineQueues,
     SharedReport,
@@ -256,6 +257,21 @@ class WorkerPool:
         model's registration (the engine judges whether it serves the model)."""
         rows = self.candidate_rows(model)
         return rows if len(rows) else self.candidate_rows()
+
+    def queue_model(self, model: str) -> str | None:
+        """The model whose requests a request for `model` waits among in flow control
+        (router/flow_control/gate.py): `model` where workers are registered under it;
+        else (an adapter, or a name the engines will judge) the one model that
+        serving_rows serves, or ANY_MODEL where they serve several (so a name a client
+        makes up never gets its own queue); None where no worker can take a request."""
+        rows = self.candidate_rows()
+        if not len(rows):
+            return None
+        if len(self.roster.rows(model)):
+            return model
+        infos = self.roster.infos
+        served = {infos[row].model for row in rows}
+        return served.pop() if len(served) == 1 else ANY_MODEL
 
     def candidates(self, model: str | None = None) -> list[Candidate]:
         """The candidate_rows' workers, with their load and this router's traffic."""

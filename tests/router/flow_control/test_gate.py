@@ -82,11 +82,12 @@ async def complete(
     headers: Mapping[str, str] | None = None,
     *,
     stream: bool = False,
+    model: str = MODEL,
 ) -> httpx.Response:
     """`prompt` completed through the fleet's router (or the router at this URL)."""
     url = fleet if isinstance(fleet, str) else fleet.url
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -315,6 +316,36 @@ async def test_a_request_that_cannot_wait_long_enough_is_shed_with_its_reason() 
     assert timed_out.headers["x-kvplane-shed-reason"] == "queue_timeout"
     assert late.status_code == 429
     assert late.headers["x-kvplane-shed-reason"] == "deadline"
+
+
+async def test_a_request_no_worker_can_take_is_refused_at_once() -> None:
+    # It must not wait max_wait_s (60 s: the client gives up after 30) for a room that
+    # never comes, nor leave a queue behind.
+    async with routed_fleet(0, flow_settings()) as fleet:
+        response = await complete(fleet, "acme", "hello")
+        async with fleet.http() as http:
+            flow = (await http.get("/fleet/flow", headers=ADMIN)).json()
+    assert response.status_code == 503, response.text
+    assert flow["models"] == []
+
+
+async def test_a_name_no_worker_registers_waits_among_the_served_models_requests() -> None:
+    # A client's made-up model name (or an adapter the engines serve under their base
+    # model) gets no queue, counters or metric series of its own.
+    async with slow_fleet(max_engine_waiting=0) as fleet:
+        occupying = asyncio.ensure_future(complete(fleet, "acme", "occupying", max_tokens=12))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        made_up = asyncio.ensure_future(complete(fleet, "acme", "hello", model="made-up"))
+        await queued(fleet, 1)
+        async with fleet.http() as http:
+            flow = (await http.get("/fleet/flow", headers=ADMIN)).json()
+        assert (await occupying).status_code == 200
+        answer = await made_up
+        async with fleet.http() as http:
+            exposed = (await http.get("/metrics", headers=ADMIN)).text
+    assert [model["model"] for model in flow["models"]] == [MODEL]
+    assert answer.status_code == 404, answer.text  # the engine's own answer
+    assert 'model="made-up"' not in exposed
 
 
 async def test_a_waiting_request_is_routed_on_the_index_of_when_it_goes() -> None:

@@ -28,6 +28,9 @@ class OneEngine:
     def serving_rows(self, model: str) -> Rows:
         return np.array([0], dtype=np.intp)
 
+    def queue_model(self, model: str) -> str:
+        return model
+
     def engine_queues(self, rows: Rows) -> EngineQueues:
         one = np.ones(1)
         return EngineQueues(
@@ -66,6 +69,7 @@ async def test_a_waiting_request_costs_one_victim_though_the_report_counts_it_la
     cancelled: list[int] = []
     for n in range(3):  # one runs, two wait in the engine: it is full
         flow_pass = await gate.enter(low, MODEL, Placement(0), 10)
+        assert flow_pass is not None
         flow_pass.dispatched(10)
         flow_pass.arm(lambda n=n: cancelled.append(n))
         passes.append(flow_pass)
@@ -82,4 +86,6 @@ async def test_a_waiting_request_costs_one_victim_though_the_report_counts_it_la
 
     engine.held -= 1  # the next report: its place is free
     gate.dispatch(MODEL)
-    assert (await asyncio.wait_for(high, 1)).band == 5
+    let_through = await asyncio.wait_for(high, 1)
+    assert let_through is not None
+    assert let_through.band == 5

@@ -112,6 +112,22 @@ def _run_bench_live(args: argparse.Namespace) -> int:
     )
 
 
+def _run_bench_scale(args: argparse.Namespace) -> int:
+    from benchmarks.scale import run_scale_benchmark
+
+    return run_scale_benchmark(
+        json_path=args.json,
+        workers=args.workers,
+        routers=args.routers,
+        duration_s=args.duration,
+        batches_per_s=args.batches_per_s,
+        capacity_blocks=args.capacity_blocks,
+        request_blocks=args.request_blocks,
+        request_rate=args.request_rate,
+        plot=args.plot,
+    )
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -284,6 +300,40 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
                       "and each cell's requests (requests.jsonl: turn, TTFT, e2e latency, "
                       "inter-token gaps, tokens; no text)")  # fmt: skip
     live.set_defaults(handler=_run_bench_live)
+    scale = bench_kinds.add_parser(
+        "scale",
+        help="many synthetic workers and several routers on one Redis Cluster",
+        description="Synthetic agents speaking the wire contract, router replicas on a "
+        "Redis Cluster (three masters with a replica each) started for each point, and "
+        "requests through the routers: ingest, apply lag, decision latency, Redis memory "
+        "and CPU against the fleet's size.",
+    )
+    scale.add_argument("--json", type=Path, help="also write the figures here")
+    scale.add_argument("--plot", type=Path, help="also draw them in this PNG")
+    scale.add_argument(
+        "--workers",
+        type=_int_list,
+        default=[16, 100, 300, 1000],
+        help="fleet sizes, comma-separated",
+    )
+    scale.add_argument(
+        "--routers", type=_int_list, default=[1, 2, 4], help="router replicas, comma-separated"
+    )
+    scale.add_argument(
+        "--duration", type=_positive, default=20.0, help="seconds of each measured phase"
+    )
+    scale.add_argument(
+        "--batches-per-s",
+        type=_positive,
+        default=1.0,
+        help="event batches a second per worker (a finished request's blocks each)",
+    )
+    scale.add_argument("--capacity-blocks", type=int, default=2048, help="blocks per worker")
+    scale.add_argument("--request-blocks", type=int, default=64, help="blocks per request")
+    scale.add_argument(
+        "--request-rate", type=_positive, default=50.0, help="requests a second, all routers"
+    )
+    scale.set_defaults(handler=_run_bench_scale)
     return parser
 
 

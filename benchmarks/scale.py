@@ -1,0 +1,555 @@
+"""`kvplane bench scale`: the shared index at a fleet's scale: many workers, several
+router replicas, one Redis Cluster.
+
+Each point (workers x routers) starts from nothing: a Redis Cluster of three masters,
+each with a replica (`simulations/redis_servers.py`); `routers` `kvplane router`
+processes on it (the `redis-cluster` index, worker credentials on); one engine simulator
+(time scale 0) that every worker names as its engine, so requests are proxied and
+answered; and a synthetic fleet in a child process (`simulations/synthetic_fleet.py`):
+`workers` agents speaking the real wire contract, spread over the routers in turn.
+
+Phases:
+1. fill: every worker registers and fills its cache (one of eight shared 1,024-token
+   system prompts, then requests of `request_blocks` blocks up to `capacity_blocks`),
+   as fast as its batches are acknowledged. Redis' memory (used_memory over the
+   masters, less what it used before) per entry and per worker is read after it.
+   Before measuring, every router must list every worker and find a system prompt's
+   holders in the index: figures of an index nobody fills are not figures.
+2. ingest: every worker sends `batches_per_s` batches a second (Poisson), each one
+   finished request's blocks stored and its oldest request's removed. Events and
+   blocks applied a second (the routers' counters), the routers' CPU (user + system)
+   and Redis' per event.
+3. mixed: the same events, and requests arriving at `request_rate` a second (Poisson;
+   an open loop: a closed one measures the machine's saturation), round robin over the
+   routers: `/v1/completions` with a system prompt and 64 new
+   tokens, max_tokens 1. Decision and lookup latency from the routers' own histograms
+   (`kvplane_decision_seconds`: key, look up, score; the share of decisions within
+   5 ms is read off its bucket exactly, p50/p99 interpolated within a bucket); the
+   routers' CPU per request, less what the phase's events cost at the ingest phase's
+   rate.
+Apply lag: from a batch's sending to its acknowledgement, which the control plane sends
+once the index applied it, over both steady phases.
+
+Everything shares the machine's cores: on a small machine the figures are the whole
+system's, the fleet's and the load's own work included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import multiprocessing
+import platform
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvplane.core.serving import free_port
+from router.check import TOKEN_VARIABLE
+from simulations.engine_sim.process import spawn_engine_sim
+from simulations.processes import spawn_kvplane
+from simulations.redis_servers import RunningCluster, redis_cluster
+from simulations.synthetic_fleet import (
+    FILLED,
+    STEADY,
+    STOP,
+    TOKEN_IDS,
+    FleetReport,
+    FleetShape,
+    run_fleet_process,
+)
+
+MODEL = "kvplane-tiny"  # the engine simulator's default model name
+ADMIN_TOKEN = "bench-scale-admin"  # loopback only
+WORKER_SECRET = "bench-scale-worker-secret-of-32-chars-at-least"
+DECISION_TARGET_S = 0.005
+QUESTION_TOKENS = 64
+FILL_TIMEOUT_S = 600.0
+STATS_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleFigures:
+    workers: int
+    routers: int
+    entries: int  # what the workers hold at the end (each acknowledged)
+    index_entries: int  # what the index counts (GET /fleet/index); -1: it did not answer
+    stats_s: float  # how long that took
+    fill_s: float
+    redis_bytes_per_entry: float
+    redis_bytes_per_worker: float
+    events_per_s: float  # applied, all routers
+    events_per_s_per_router: float
+    blocks_per_s: float
+    apply_lag_p50_ms: float
+    apply_lag_p99_ms: float
+    router_cpu_ms_per_event: float
+    redis_cpu_ms_per_event: float
+    requests: int
+    requests_per_s: float
+    decision_p50_ms: float
+    decision_p99_ms: float
+    decisions_within_5ms: float  # share of the routers' decisions
+    lookup_p50_ms: float
+    lookup_p99_ms: float
+    router_cpu_ms_per_request: float
+    failed_requests: int
+    failed_workers: int
+
+
+# -- reading the routers --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RouterProbe:
+    url: str
+    pid: int
+
+    def scrape(self) -> dict[str, Any]:
+        """Counters and histogram buckets this benchmark reads, and the CPU seconds."""
+        text = httpx.get(
+            self.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+        ).text
+        figures: dict[str, Any] = {"cpu_s": _cpu_seconds(self.pid)}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in ("kvplane_events_applied_total", "kvplane_blocks_applied_total"):
+                    figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
+                elif sample.name in (
+                    "kvplane_decision_seconds_bucket",
+                    "kvplane_lookup_seconds_bucket",
+                ):
+                    buckets = figures.setdefault(sample.name, {})
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
+        return figures
+
+    def index_statistics(self) -> tuple[int, float]:
+        """The index's entry count (`GET /fleet/index`, -1 where it did not answer in
+        STATS_TIMEOUT_S) and the seconds it took."""
+        started = time.monotonic()
+        try:
+            response = httpx.get(
+                self.url + "/fleet/index",
+                headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+                timeout=STATS_TIMEOUT_S,
+            )
+        except httpx.TransportError:
+            return -1, time.monotonic() - started
+        seconds = time.monotonic() - started
+        return (int(response.json()["entries"]) if response.status_code == 200 else -1), seconds
+
+
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def _delta(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], name: str) -> float:
+    return float(
+        sum(a.get(name, 0.0) - b.get(name, 0.0) for b, a in zip(before, after, strict=True))
+    )
+
+
+def _bucket_delta(
+    before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], name: str
+) -> dict[float, float]:
+    total: dict[float, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for bound, count in a.get(name, {}).items():
+            total[bound] = total.get(bound, 0.0) + count - b.get(name, {}).get(bound, 0.0)
+    return dict(sorted(total.items()))
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """The `q` quantile of a cumulative histogram (upper bound -> count), linear within
+    its bucket as Prometheus' histogram_quantile is; NaN when it is empty, the largest
+    finite bound when the quantile lies in the +Inf bucket."""
+    total = buckets.get(math.inf, 0.0)
+    if total <= 0:
+        return math.nan
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets.items():
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def share_within(buckets: dict[float, float], bound: float) -> float:
+    """The share of observations at most `bound` (a bucket bound: exact)."""
+    total = buckets.get(math.inf, 0.0)
+    return math.nan if total <= 0 else buckets.get(bound, math.nan) / total
+
+
+# -- Redis ----------------------------------------------------------------------------
+
+
+def _redis_totals(cluster: RunningCluster) -> tuple[float, float]:
+    """used_memory over the masters, and CPU seconds over every node."""
+    memory = sum(float(node.info("memory")["used_memory"]) for node in cluster.masters())
+    cpu = 0.0
+    for node in cluster.nodes:
+        if node.alive:
+            info = node.info("cpu")
+            cpu += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return memory, cpu
+
+
+# -- the point's processes ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunningPoint:
+    cluster: RunningCluster
+    routers: list[RouterProbe]
+    grpc_addresses: list[str]
+    engine_url: str
+
+
+@contextmanager
+def _point(workdir: Path, routers: int) -> Iterator[RunningPoint]:
+    quiet = ("--log-level", "WARNING")
+    with ExitStack() as stack:
+        cluster = stack.enter_context(redis_cluster(workdir, masters=3, replicas=1))
+        engine = stack.enter_context(spawn_engine_sim("--time-scale", "0", *quiet))
+        probes, addresses = [], []
+        for _ in range(routers):
+            grpc_port, http_port = free_port(), free_port()
+            url = f"http://127.0.0.1:{http_port}"
+            process = stack.enter_context(
+                spawn_kvplane(
+                    ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                     "--index", "redis-cluster", "--redis-url", cluster.url, *quiet],
+                    url + "/healthz",
+                    env={
+                        TOKEN_VARIABLE: ADMIN_TOKEN,
+                        "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET": WORKER_SECRET,
+                    },
+                )
+            )  # fmt: skip
+            probes.append(RouterProbe(url, process.pid))
+            addresses.append(f"127.0.0.1:{grpc_port}")
+        yield RunningPoint(cluster, probes, addresses, engine.base_url)
+
+
+@contextmanager
+def _fleet_process(shape: FleetShape, addresses: Sequence[str]) -> Iterator[Connection]:
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=run_fleet_process, args=(shape, addresses, theirs))
+    process.start()
+    try:
+        yield ours
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _await_message(conn: Connection, expected: str, timeout_s: float) -> None:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"the synthetic fleet did not say {expected!r} in {timeout_s:g} s")
+    message = conn.recv()
+    if message != expected:
+        raise RuntimeError(f"the synthetic fleet said {message!r}, not {expected!r}")
+
+
+def _require_in_play(point: RunningPoint, shape: FleetShape) -> None:
+    """Every router lists every worker, and finds a system prompt's holders in the index
+    (a lookup that matches nothing measures nothing)."""
+    headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    holders = len(range(0, shape.workers, shape.system_prompts))
+    query = {"model": MODEL, "token_ids": shape.system_prompt(0)}
+    deadline = time.monotonic() + 30
+    for router in point.routers:
+        while True:
+            workers = httpx.get(router.url + "/fleet/workers", headers=headers, timeout=30).json()
+            answer = httpx.post(
+                router.url + "/fleet/locality", headers=headers, json=query, timeout=30
+            ).json()
+            matched = sum(1 for row in answer.get("workers", []) if row["cached_tokens"] > 0)
+            if len(workers.get("workers", [])) == shape.workers and matched >= holders:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"router {router.url} lists {len(workers.get('workers', []))} of "
+                    f"{shape.workers} workers and finds {matched} of {holders} holders of a "
+                    "system prompt: the index is not in play"
+                )
+            time.sleep(0.5)
+
+
+# -- the request load -----------------------------------------------------------------
+
+
+async def _open_loop(
+    urls: Sequence[str], shape: FleetShape, rate_per_s: float, duration_s: float
+) -> tuple[int, int]:
+    """Requests arriving at `rate_per_s` (Poisson) for `duration_s`, round robin over
+    the routers, each sent as it arrives whatever is still in flight (a closed loop
+    would measure the machine's saturation, not the index): (answered, failed)."""
+    prompts = [shape.system_prompt(index) for index in range(shape.system_prompts)]
+    rng = random.Random("requests")
+    targets = itertools.cycle(urls)
+    outcomes: list[bool] = []
+
+    async def send(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+        try:
+            response = await http.post(url + "/v1/completions", json=body)
+            outcomes.append(response.status_code == 200)
+        except httpx.TransportError:
+            outcomes.append(False)
+
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=256)) as http:
+        tasks = []
+        start = time.monotonic()
+        arrival = 0.0
+        while True:
+            arrival += rng.expovariate(rate_per_s)
+            if arrival >= duration_s:
+                break
+            await asyncio.sleep(max(0.0, start + arrival - time.monotonic()))
+            question = [rng.randrange(1, TOKEN_IDS) for _ in range(QUESTION_TOKENS)]
+            body = {"model": MODEL, "prompt": rng.choice(prompts) + question, "max_tokens": 1}
+            tasks.append(asyncio.ensure_future(send(http, next(targets), body)))
+        await asyncio.gather(*tasks)
+    answered = sum(outcomes)
+    return answered, len(outcomes) - answered
+
+
+# -- one point ------------------------------------------------------------------------
+
+
+def measure_point(
+    workdir: Path,
+    shape: FleetShape,
+    routers: int,
+    *,
+    duration_s: float,
+    request_rate: float,
+) -> ScaleFigures:
+    with _point(workdir, routers) as point:
+        shape = dataclasses.replace(shape, base_url=point.engine_url)
+        memory_before, _ = _redis_totals(point.cluster)
+        with _fleet_process(shape, point.grpc_addresses) as fleet:
+            started = time.monotonic()
+            _await_message(fleet, FILLED, FILL_TIMEOUT_S)
+            fill_s = time.monotonic() - started
+            _require_in_play(point, shape)
+            memory_after, redis_cpu_0 = _redis_totals(point.cluster)
+            fleet.send(STEADY)
+            scrape_0 = [router.scrape() for router in point.routers]
+            time.sleep(duration_s)
+            scrape_1 = [router.scrape() for router in point.routers]
+            _, redis_cpu_1 = _redis_totals(point.cluster)
+            urls = [router.url for router in point.routers]
+            answered, failed = asyncio.run(_open_loop(urls, shape, request_rate, duration_s))
+            scrape_2 = [router.scrape() for router in point.routers]
+            index_entries, stats_s = point.routers[0].index_statistics()
+            fleet.send(STOP)
+            if not fleet.poll(60):
+                raise TimeoutError("the synthetic fleet sent no report")
+            report: FleetReport = fleet.recv()
+    for failure in report.failed:
+        print(f"  a synthetic worker failed: {failure}", flush=True)
+    return _figures(
+        shape, routers, report, fill_s, memory_after - memory_before,
+        (scrape_0, scrape_1, scrape_2), redis_cpu_1 - redis_cpu_0,
+        duration_s, answered, failed, index_entries, stats_s,
+    )  # fmt: skip
+
+
+def _figures(
+    shape: FleetShape,
+    routers: int,
+    report: FleetReport,
+    fill_s: float,
+    redis_bytes: float,
+    scrapes: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]],
+    redis_cpu_s: float,
+    duration_s: float,
+    answered: int,
+    failed: int,
+    index_entries: int,
+    stats_s: float,
+) -> ScaleFigures:
+    ingest_0, ingest_1, mixed_1 = scrapes
+    events = _delta(ingest_0, ingest_1, "kvplane_events_applied_total")
+    blocks = _delta(ingest_0, ingest_1, "kvplane_blocks_applied_total")
+    cpu_per_event = _delta(ingest_0, ingest_1, "cpu_s") / events if events else math.nan
+    mixed_events = _delta(ingest_1, mixed_1, "kvplane_events_applied_total")
+    mixed_cpu = _delta(ingest_1, mixed_1, "cpu_s")
+    decisions = _bucket_delta(ingest_1, mixed_1, "kvplane_decision_seconds_bucket")
+    lookups = _bucket_delta(ingest_1, mixed_1, "kvplane_lookup_seconds_bucket")
+    lags = sorted(report.ack_seconds)
+    entries = report.held_blocks
+    return ScaleFigures(
+        workers=shape.workers,
+        routers=routers,
+        entries=entries,
+        index_entries=index_entries,
+        stats_s=round(stats_s, 2),
+        fill_s=round(fill_s, 1),
+        redis_bytes_per_entry=round(redis_bytes / entries, 1) if entries else math.nan,
+        redis_bytes_per_worker=round(redis_bytes / shape.workers),
+        events_per_s=round(events / duration_s, 1),
+        events_per_s_per_router=round(events / duration_s / routers, 1),
+        blocks_per_s=round(blocks / duration_s),
+        apply_lag_p50_ms=round(_quantile(lags, 0.5) * 1000, 2),
+        apply_lag_p99_ms=round(_quantile(lags, 0.99) * 1000, 2),
+        router_cpu_ms_per_event=round(cpu_per_event * 1000, 3),
+        redis_cpu_ms_per_event=round(redis_cpu_s / events * 1000, 3) if events else math.nan,
+        requests=answered,
+        requests_per_s=round(answered / duration_s, 1),
+        decision_p50_ms=round(bucket_quantile(decisions, 0.5) * 1000, 3),
+        decision_p99_ms=round(bucket_quantile(decisions, 0.99) * 1000, 3),
+        decisions_within_5ms=round(share_within(decisions, DECISION_TARGET_S), 4),
+        lookup_p50_ms=round(bucket_quantile(lookups, 0.5) * 1000, 3),
+        lookup_p99_ms=round(bucket_quantile(lookups, 0.99) * 1000, 3),
+        router_cpu_ms_per_request=(
+            round((mixed_cpu - cpu_per_event * mixed_events) / answered * 1000, 3)
+            if answered and events
+            else math.nan
+        ),
+        failed_requests=failed,
+        failed_workers=report.failures,
+    )
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
+
+
+# -- the command ----------------------------------------------------------------------
+
+COLUMNS = (
+    ("workers", "workers"),
+    ("routers", "routers"),
+    ("entries", "entries"),
+    ("index_entries", "in index"),
+    ("stats_s", "stats s"),
+    ("fill_s", "fill s"),
+    ("redis_bytes_per_entry", "Redis B/entry"),
+    ("events_per_s", "events/s"),
+    ("events_per_s_per_router", "per router"),
+    ("apply_lag_p50_ms", "lag p50 ms"),
+    ("apply_lag_p99_ms", "lag p99 ms"),
+    ("router_cpu_ms_per_event", "CPU ms/event"),
+    ("redis_cpu_ms_per_event", "Redis ms/event"),
+    ("requests_per_s", "req/s"),
+    ("decision_p50_ms", "decide p50 ms"),
+    ("decision_p99_ms", "decide p99 ms"),
+    ("decisions_within_5ms", "<=5 ms"),
+    ("lookup_p99_ms", "lookup p99 ms"),
+    ("router_cpu_ms_per_request", "CPU ms/req"),
+    ("failed_requests", "failed req"),
+    ("failed_workers", "failed workers"),
+)
+
+
+def _table(results: Sequence[ScaleFigures]) -> str:
+    from simulations.reporting import format_table
+
+    rows = [[str(getattr(figures, name)) for name, _ in COLUMNS] for figures in results]
+    return format_table([[label for _, label in COLUMNS], *rows])
+
+
+def run_scale_benchmark(
+    *,
+    json_path: Path | None,
+    workers: Sequence[int],
+    routers: Sequence[int],
+    duration_s: float,
+    batches_per_s: float,
+    capacity_blocks: int,
+    request_blocks: int,
+    request_rate: float,
+    plot: Path | None = None,
+) -> int:
+    results: list[ScaleFigures] = []
+    for count, replicas in itertools.product(workers, routers):
+        shape = FleetShape(
+            workers=count,
+            model=MODEL,
+            base_url="",  # the point's engine simulator's (measure_point)
+            capacity_blocks=capacity_blocks,
+            request_blocks=request_blocks,
+            batches_per_s=batches_per_s,
+            worker_secret=WORKER_SECRET,
+        )
+        with tempfile.TemporaryDirectory(prefix="kvplane-bench-scale-") as workdir:
+            print(f"{count} workers, {replicas} routers ...", flush=True)
+            figures = measure_point(
+                Path(workdir), shape, replicas, duration_s=duration_s, request_rate=request_rate
+            )
+        results.append(figures)
+        print(_table([figures]), flush=True)
+    print()
+    print(_table(results))
+    document = {
+        "benchmark": "scale",
+        "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()},
+        "shape": {
+            "duration_s": duration_s,
+            "batches_per_s_per_worker": batches_per_s,
+            "capacity_blocks": capacity_blocks,
+            "request_blocks": request_blocks,
+            "requests_per_s": request_rate,
+        },
+        "points": [asdict(figures) for figures in results],
+    }
+    if json_path is not None:
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+    if plot is not None:
+        _plot(results, plot)
+    return 0
+
+
+def _plot(results: Sequence[ScaleFigures], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("events_per_s", "events applied /s"),
+        ("apply_lag_p99_ms", "apply lag p99 (ms)"),
+        ("decision_p99_ms", "decision p99 (ms)"),
+        ("redis_bytes_per_entry", "Redis bytes / entry"),
+        ("router_cpu_ms_per_event", "router CPU ms / event"),
+        ("router_cpu_ms_per_request", "router CPU ms / request"),
+    )
+    figure, axes = plt.subplots(2, 3, figsize=(14, 8))
+    for axis, (name, label) in zip(axes.flat, panels, strict=True):
+        for replicas in sorted({r.routers for r in results}):
+            points = sorted((r.workers, getattr(r, name)) for r in results if r.routers == replicas)
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                      label=f"{replicas} router(s)")  # fmt: skip
+        axis.set_xscale("log")
+        axis.set_xlabel("workers")
+        axis.set_title(label)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)

@@ -1,0 +1,312 @@
+"""Many worker agents without their engines: each speaks the real wire contract to a
+router's control plane (registration with its own credentials, KV event batches with
+sequence numbers, load reports with a wiring report that says its events flow), so a
+control plane and its index can be driven at a fleet's scale from one process.
+
+What each worker caches, in kvplane's block keys (the keys the router computes for a
+prompt of token ids in the shared scope):
+- one of `system_prompts` shared system prompts (worker w holds prompt w % count), as
+  real chained keys of its token ids (`system_prompt_tokens`), so that a request that
+  opens with it matches every worker holding it;
+- requests after it: `request_blocks` blocks each, chained under the system prompt's
+  last block. Their keys are drawn at random (no request repeats one), so no hashing
+  is spent on text nobody asks for again.
+
+A worker fills its cache to `capacity_blocks`, then at `batches_per_s` (Poisson) sends
+one batch as an engine step would announce a finished request: the request's blocks
+stored and, at capacity, its oldest request's blocks removed. Each batch waits for its
+acknowledgement (the control plane acknowledges once the index applied it): the time
+from sending to the acknowledgement is the batch's apply lag as the agent sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import grpc.aio
+
+from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
+from kvplane.core.types import (
+    BlocksRemoved,
+    BlocksStored,
+    EventsState,
+    ReplayState,
+    Tier,
+    WiringReport,
+    WorkerInfo,
+)
+from kvplane.core.worker_credentials import worker_token
+from kvplane.wire.codec import events_message, load_message, register_message
+from kvplane.wire.stream import AgentStream
+
+BLOCK_SIZE = 16
+TOKEN_IDS = 500  # token ids drawn below this: within the engine simulator's vocabulary
+STREAMS_PER_CHANNEL = 100  # gRPC multiplexes streams; a few connections spread the load
+FLOWING = WiringReport(EventsState.FLOWING, ReplayState.OK, BLOCK_SIZE)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetShape:
+    workers: int
+    model: str
+    base_url: str  # where each worker says its engine answers
+    system_prompts: int = 8
+    system_prompt_tokens: int = 1024
+    request_blocks: int = 64
+    capacity_blocks: int = 2048
+    batches_per_s: float = 1.0  # per worker, once its cache is full
+    load_interval_s: float = 1.0
+    worker_secret: str | None = None  # the router's worker credential secret
+    seed: int = 0
+
+    def system_prompt(self, index: int) -> list[int]:
+        """The token ids of shared system prompt `index` (the requests' start too)."""
+        rng = random.Random(f"system-{self.seed}-{index}")
+        return [rng.randrange(1, TOKEN_IDS) for _ in range(self.system_prompt_tokens)]
+
+
+@dataclass(slots=True)
+class WorkerFigures:
+    """What one synthetic worker did and saw."""
+
+    registered: bool = False
+    batches: int = 0  # acknowledged
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    held_blocks: int = 0
+    ack_seconds: list[float] = field(default_factory=list)  # in the steady phase
+    failure: str = ""
+
+
+class SyntheticWorker:
+    def __init__(self, shape: FleetShape, number: int, system_keys: Sequence[BlockKey]) -> None:
+        self.shape = shape
+        self.worker_id = f"synthetic-{number:05d}"
+        self.system_keys = system_keys
+        self.rng = random.Random(f"worker-{shape.seed}-{number}")
+        self.requests: deque[list[BlockKey]] = deque()
+        self.figures = WorkerFigures()
+        self.sequence = 0
+        self.writing = asyncio.Lock()  # a gRPC call takes one write at a time
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            incarnation=time.time_ns(),
+            base_url=self.shape.base_url,
+            model=self.shape.model,
+            block_size=BLOCK_SIZE,
+            kv_capacity_blocks=self.shape.capacity_blocks,
+            engine_kind="synthetic",
+        )
+
+    def token(self) -> str | None:
+        secret = self.shape.worker_secret
+        return None if secret is None else worker_token(secret, self.worker_id)
+
+    async def run(self, stream: AgentStream, steady: asyncio.Event, stop: asyncio.Event) -> None:
+        """Register, fill the cache (as fast as batches are acknowledged), then send at
+        the shape's rate, timing acknowledgements once `steady` is set, until `stop`."""
+        figures, shape = self.figures, self.shape
+        try:
+            reply = await stream.request(register_message(self.info))
+            if reply.WhichOneof("body") != "ack":
+                raise RuntimeError(f"registration answered {reply.WhichOneof('body')}")
+            figures.registered = True
+            await self._send(stream, self._stored(self.system_keys, None), timed=False)
+            reporter = asyncio.ensure_future(self._report_load(stream, stop))
+            try:
+                while self._held() + shape.request_blocks <= shape.capacity_blocks:
+                    await self._send(stream, self._next_request(), timed=False)
+                    if stop.is_set():
+                        return
+                while not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        gap = self.rng.expovariate(shape.batches_per_s)
+                        await asyncio.wait_for(stop.wait(), gap)
+                        return
+                    await self._send(stream, self._next_request(), timed=steady.is_set())
+            finally:
+                reporter.cancel()
+        except Exception as error:  # counted, reported: the run goes on without it
+            reject = await stream.unread_reject(0.5)
+            why = f"{type(error).__name__}: {error}" if reject is None else str(reject).strip()
+            figures.failure = f"after {figures.batches} batches: {why}"[:200]
+
+    def _held(self) -> int:
+        return len(self.system_keys) + sum(len(keys) for keys in self.requests)
+
+    def _stored(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> BlocksStored:
+        first = 0 if parent is None else len(self.system_keys)
+        return BlocksStored(keys=list(keys), tier=Tier.DEVICE, first_position=first,
+                            parent_key=parent)  # fmt: skip
+
+    def _next_request(self) -> list[BlocksStored | BlocksRemoved]:
+        keys = [BlockKey(self.rng.getrandbits(64)) for _ in range(self.shape.request_blocks)]
+        events: list[BlocksStored | BlocksRemoved] = [self._stored(keys, self.system_keys[-1])]
+        self.requests.append(keys)
+        self.figures.blocks_stored += len(keys)
+        if self._held() > self.shape.capacity_blocks:
+            oldest = self.requests.popleft()
+            events.append(BlocksRemoved(keys=oldest, tier=Tier.DEVICE))
+            self.figures.blocks_removed += len(oldest)
+        return events
+
+    async def _send(
+        self, stream: AgentStream, events: BlocksStored | list[BlocksStored | BlocksRemoved],
+        *, timed: bool,
+    ) -> None:  # fmt: skip
+        self.sequence += 1
+        batch = events if isinstance(events, list) else [events]
+        started = time.perf_counter()
+        async with self.writing:
+            await stream.send(events_message(self.sequence, batch))
+        reply = await stream.reply()
+        if reply.WhichOneof("body") != "ack" or reply.ack.sequence != self.sequence:
+            raise RuntimeError(f"batch {self.sequence} answered {reply.WhichOneof('body')}")
+        if timed:
+            self.figures.ack_seconds.append(time.perf_counter() - started)
+        self.figures.batches += 1
+        self.figures.held_blocks = self._held()
+
+    async def _report_load(self, stream: AgentStream, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            usage = self._held() / self.shape.capacity_blocks
+            running = self.rng.randrange(0, 16)
+            async with self.writing:
+                await stream.send(load_message(running, 0, usage, wiring=FLOWING))
+            await asyncio.sleep(self.shape.load_interval_s)
+
+
+def system_prompt_keys(shape: FleetShape) -> list[list[BlockKey]]:
+    """Each shared system prompt's block keys, as the router keys a prompt of its token
+    ids in the shared scope."""
+    namespace = KeyNamespace(model=shape.model, block_size=BLOCK_SIZE)
+    return [
+        block_keys(shape.system_prompt(index), namespace) for index in range(shape.system_prompts)
+    ]
+
+
+class SyntheticFleet:
+    """`shape.workers` synthetic workers, spread over the control planes at
+    `grpc_addresses` in turn."""
+
+    def __init__(self, shape: FleetShape, grpc_addresses: Sequence[str]) -> None:
+        prompts = system_prompt_keys(shape)
+        self.shape = shape
+        self.workers = [
+            SyntheticWorker(shape, number, prompts[number % len(prompts)])
+            for number in range(shape.workers)
+        ]
+        self.addresses = list(grpc_addresses)
+        self.steady = asyncio.Event()
+        self.stop = asyncio.Event()
+        self._channels: list[grpc.aio.Channel] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        for number, worker in enumerate(self.workers):
+            address = self.addresses[number % len(self.addresses)]
+            slot = (address, number // (STREAMS_PER_CHANNEL * len(self.addresses)))
+            channel = channels.get(slot)
+            if channel is None:
+                channel = channels[slot] = grpc.aio.insecure_channel(address)
+                self._channels.append(channel)
+            stream = AgentStream(channel, token=worker.token())
+            self._tasks.append(asyncio.ensure_future(self._run(worker, stream)))
+
+    async def _run(self, worker: SyntheticWorker, stream: AgentStream) -> None:
+        try:
+            await worker.run(stream, self.steady, self.stop)
+        finally:
+            stream.call.cancel()
+
+    def full(self) -> int:
+        """Workers whose cache is full (or that failed: they will not fill)."""
+        return sum(
+            1
+            for worker in self.workers
+            if worker.figures.failure
+            or worker.figures.held_blocks + self.shape.request_blocks > self.shape.capacity_blocks
+        )
+
+    def held_blocks(self) -> int:
+        return sum(worker.figures.held_blocks for worker in self.workers)
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for channel in self._channels:
+            await channel.close()
+
+
+# -- in a process of its own ----------------------------------------------------------
+
+FILLED = "filled"  # child -> parent: every worker's cache is full (or it failed)
+STEADY = "steady"  # parent -> child: time acknowledgements from now on
+STOP = "stop"  # parent -> child: stop, and send the figures
+
+
+@dataclass(frozen=True, slots=True)
+class FleetReport:
+    registered: int
+    failed: list[str]  # each failed worker's id and why (the first few)
+    failures: int
+    batches: int
+    blocks_stored: int
+    blocks_removed: int
+    held_blocks: int  # the entries the index should hold: what every worker holds now
+    ack_seconds: list[float]  # every batch acknowledged in the steady phase
+
+
+def run_fleet_process(shape: FleetShape, grpc_addresses: Sequence[str], conn: Connection) -> None:
+    """A child process's body: runs the fleet, says FILLED once every cache is full,
+    starts timing at STEADY, and at STOP sends a FleetReport and returns."""
+    asyncio.run(_serve_parent(shape, grpc_addresses, conn))
+
+
+async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: Connection) -> None:
+    fleet = SyntheticFleet(shape, grpc_addresses)
+    fleet.start()
+    loop = asyncio.get_running_loop()
+    said_filled = False
+    while True:
+        if not said_filled and fleet.full() == shape.workers:
+            conn.send(FILLED)
+            said_filled = True
+        readable = await loop.run_in_executor(None, conn.poll, 0.2)
+        if not readable:
+            continue
+        command = conn.recv()
+        if command == STEADY:
+            fleet.steady.set()
+        elif command == STOP:
+            break
+    await fleet.close()
+    figures = [worker.figures for worker in fleet.workers]
+    failed = [
+        f"{worker.worker_id}: {worker.figures.failure}"
+        for worker in fleet.workers
+        if worker.figures.failure
+    ]
+    conn.send(
+        FleetReport(
+            registered=sum(f.registered for f in figures),
+            failed=failed[:5],
+            failures=len(failed),
+            batches=sum(f.batches for f in figures),
+            blocks_stored=sum(f.blocks_stored for f in figures),
+            blocks_removed=sum(f.blocks_removed for f in figures),
+            held_blocks=fleet.held_blocks(),
+            ack_seconds=[s for f in figures for s in f.ack_seconds],
+        )
+    )

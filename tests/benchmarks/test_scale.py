@@ -1,0 +1,58 @@
+"""`kvplane bench scale` end to end at its smallest (four synthetic workers, two
+routers, a Redis Cluster with replicas): every figure measured on an index that was in
+play; and the histogram readings it rests on."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.scale import bucket_quantile, share_within
+from kvplane.cli import main
+
+pytestmark = pytest.mark.slow
+
+CAPACITY, REQUEST, SYSTEM = 256, 32, 64  # blocks: a worker holds 64 + 6 x 32 = 256
+
+
+def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report_path = tmp_path / "scale.json"
+    status = main(
+        ["bench", "scale", "--workers", "4", "--routers", "2", "--duration", "2",
+         "--capacity-blocks", str(CAPACITY), "--request-blocks", str(REQUEST),
+         "--batches-per-s", "5", "--request-rate", "20", "--json", str(report_path)]
+    )  # fmt: skip
+    assert status == 0
+    (point,) = json.loads(report_path.read_text())["points"]
+    assert (point["workers"], point["routers"]) == (4, 2)
+    assert point["failed_workers"] == 0
+    assert point["entries"] == 4 * CAPACITY  # full: each batch stores one and evicts one
+    assert point["index_entries"] == point["entries"]
+    assert point["events_per_s"] > 0
+    assert point["events_per_s_per_router"] == pytest.approx(point["events_per_s"] / 2, abs=0.1)
+    assert point["apply_lag_p99_ms"] >= point["apply_lag_p50_ms"] > 0
+    assert point["redis_bytes_per_entry"] > 0
+    assert point["requests"] > 0
+    assert point["failed_requests"] == 0
+    assert 0 < point["decision_p50_ms"] <= point["decision_p99_ms"]
+    assert 0 < point["decisions_within_5ms"] <= 1
+    assert "4 workers, 2 routers" in capsys.readouterr().out
+
+
+def test_a_quantile_read_off_cumulative_buckets_is_linear_within_its_bucket() -> None:
+    buckets = {0.001: 50.0, 0.005: 90.0, 0.01: 100.0, math.inf: 100.0}
+    assert bucket_quantile(buckets, 0.5) == pytest.approx(0.001)
+    assert bucket_quantile(buckets, 0.7) == pytest.approx(0.003)
+    assert bucket_quantile(buckets, 0.99) == pytest.approx(0.0095)
+    assert share_within(buckets, 0.005) == pytest.approx(0.9)
+
+
+def test_a_quantile_beyond_the_last_bound_is_the_last_bound_and_none_is_nan() -> None:
+    assert bucket_quantile({0.001: 1.0, math.inf: 10.0}, 0.99) == pytest.approx(0.001)
+    assert math.isnan(bucket_quantile({0.001: 0.0, math.inf: 0.0}, 0.5))
+    assert math.isnan(share_within({math.inf: 0.0}, 0.005))

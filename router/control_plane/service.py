@@ -208,9 +208,10 @@ class ControlPlaneService:
             # Nothing of the failed message was applied (apply is all or nothing), so
             # the agent reconnects later and resumes from the Ack it gets then.
             log.warning(
-                "worker %s: location index failed (%s); closing the stream",
+                "worker %s: location index failed (%s: %s); closing the stream",
                 stream.worker_id,
                 type(error).__name__,
+                error,
             )
             context.set_code(grpc.StatusCode.UNAVAILABLE)
             context.set_details("the location index is unavailable; reconnect later")

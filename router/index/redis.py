@@ -93,6 +93,7 @@ workers hold this many blocks or fewer in all, and estimates from samples above.
 
 CONNECT_TIMEOUT_S = 1.0
 ROUND_TRIP_TIMEOUT_S = 2.0
+ROUND_TRIPS_IN_FLIGHT = 64  # per index (router), below redis-py's 100 connections a pool
 """The most one round trip may take, connecting included; then IndexUnavailable."""
 
 _EVICT_HEADROOM = 0.9  # evict down to this share of the cap, so eviction is rare
@@ -228,6 +229,13 @@ class RedisLocationIndex:
         self._workers: dict[str, _WorkerKey] = {}
         self._registry_read_at: float | None = None
         self._registry_reading = False  # so that concurrent calls send one SMEMBERS
+        # redis-py refuses a call (MaxConnectionsError, no wait) once a pool has 100
+        # connections to a server in use: a fleet's registrations and batches at once
+        # would fail. Round trips past this many wait for one to end, within their
+        # deadline; each holds at most one connection per server.
+        self._round_trips = asyncio.Semaphore(ROUND_TRIPS_IN_FLIGHT)
+        self._loading_scripts = asyncio.Lock()
+        self._script_loads = 0  # completed: a call that waited for one need not repeat it
 
     @classmethod
     def from_url(
@@ -648,7 +656,7 @@ class RedisLocationIndex:
         self, commands: Sequence[Command], nodes: Sequence[ClusterNode | None]
     ) -> list[Any]:
         with self._mapped_errors():
-            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self._round_trips:
                 if len(commands) == 1:
                     # Alone, a command skips the pipeline's bookkeeping (~0.1 ms a call).
                     return [await self._send_one(commands[0], nodes[0] if nodes else None)]
@@ -671,10 +679,18 @@ class RedisLocationIndex:
             return error
 
     async def _load_scripts(self) -> None:
-        with self._mapped_errors():
-            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
-                for script in _SCRIPTS:
-                    await self._client.script_load(script.source)
+        """Load every script (on every primary). Once for all the calls that found
+        them gone at the same time: a fleet's worth of loads at once would take more
+        connections than a pool has."""
+        loaded = self._script_loads
+        async with self._loading_scripts:
+            if self._script_loads != loaded:
+                return  # loaded while this call waited
+            with self._mapped_errors():
+                async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                    for script in _SCRIPTS:
+                        await self._client.script_load(script.source)
+            self._script_loads += 1
 
     @contextlib.contextmanager
     def _mapped_errors(self) -> Iterator[None]:

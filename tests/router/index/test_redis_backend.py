@@ -253,6 +253,21 @@ async def test_routers_sharing_a_redis_see_one_fleet(redises: Redises) -> None:
     assert await second.workers() == []
 
 
+async def test_a_fleet_registering_at_once_is_served_not_refused(redises: Redises) -> None:
+    # A router restarted under a big fleet takes every agent's registration and first
+    # batch at once: more calls than redis-py's cluster client keeps connections to a
+    # node (it refuses the rest with MaxConnectionsError, no wait): they queue instead.
+    index = redises.index()
+    prompt = chain(7, 4)
+
+    async def join(number: int) -> None:
+        await index.register(info(f"w{number}"), LEASE)
+        await index.apply(f"w{number}", 1, [run(prompt)])
+
+    await asyncio.gather(*(join(number) for number in range(300)))
+    assert len(await index.lookup(prompt)) == 300
+
+
 async def test_a_worker_registered_elsewhere_is_scored_within_a_second(redises: Redises) -> None:
     clock = ManualClock()  # ages the second router's copy of the registry
     first, second = redises.index(), redises.index(clock=clock)

@@ -21,14 +21,16 @@ Phases:
    and Redis' per event.
 3. mixed: the same events, and requests arriving at `request_rate` a second (Poisson;
    an open loop: a closed one measures the machine's saturation), round robin over the
-   routers: `/v1/completions` with a system prompt and 64 new
-   tokens, max_tokens 1. Decision and lookup latency from the routers' own histograms
+   routers: `/v1/completions` with a system prompt and 64 new tokens, max_tokens 1.
+   Decision and lookup latency from the routers' own histograms
    (`kvplane_decision_seconds`: key, look up, score; the share of decisions within
-   5 ms is read off its bucket exactly, p50/p99 interpolated within a bucket); the
-   routers' CPU per request, less what the phase's events cost at the ingest phase's
-   rate.
+   5 ms is read off its bucket exactly, p50/p99 interpolated within a bucket).
+4. quiet: the fleet sends no more batches (load reports go on), the same requests:
+   the decision latency of the index alone, and the routers' and Redis' CPU per
+   request.
 Apply lag: from a batch's sending to its acknowledgement, which the control plane sends
-once the index applied it, over both steady phases.
+once the index applied it, over the ingest and mixed phases. The index's own entry
+count (`GET /fleet/index`) is read after the mixed phase, with how long it took.
 
 Everything shares the machine's cores: on a small machine the figures are the whole
 system's, the fleet's and the load's own work included.
@@ -65,6 +67,7 @@ from simulations.processes import spawn_kvplane
 from simulations.redis_servers import RunningCluster, redis_cluster
 from simulations.synthetic_fleet import (
     FILLED,
+    PAUSE,
     STEADY,
     STOP,
     TOKEN_IDS,
@@ -106,7 +109,11 @@ class ScaleFigures:
     decisions_within_5ms: float  # share of the routers' decisions
     lookup_p50_ms: float
     lookup_p99_ms: float
+    # With the fleet's batches paused: requests alone.
+    quiet_decision_p50_ms: float
+    quiet_decision_p99_ms: float
     router_cpu_ms_per_request: float
+    redis_cpu_ms_per_request: float
     failed_requests: int
     failed_workers: int
 
@@ -338,6 +345,43 @@ async def _open_loop(
 # -- one point ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """What the routers and Redis did over one phase, and the requests' outcome."""
+
+    before: list[dict[str, Any]]  # each router's scrape
+    after: list[dict[str, Any]]
+    redis_cpu_s: float
+    seconds: float
+    answered: int = 0
+    failed: int = 0
+
+    def delta(self, name: str) -> float:
+        return _delta(self.before, self.after, name)
+
+    def buckets(self, name: str) -> dict[float, float]:
+        return _bucket_delta(self.before, self.after, name)
+
+
+def _phase(
+    point: RunningPoint, shape: FleetShape, duration_s: float, request_rate: float | None
+) -> Phase:
+    """`duration_s` of what the fleet sends, with requests at `request_rate` if given."""
+    before = [router.scrape() for router in point.routers]
+    _, redis_cpu = _redis_totals(point.cluster)
+    started = time.monotonic()
+    answered = failed = 0
+    if request_rate is None:
+        time.sleep(duration_s)
+    else:
+        urls = [router.url for router in point.routers]
+        answered, failed = asyncio.run(_open_loop(urls, shape, request_rate, duration_s))
+    seconds = time.monotonic() - started
+    after = [router.scrape() for router in point.routers]
+    _, redis_cpu_after = _redis_totals(point.cluster)
+    return Phase(before, after, redis_cpu_after - redis_cpu, seconds, answered, failed)
+
+
 def measure_point(
     workdir: Path,
     shape: FleetShape,
@@ -354,16 +398,14 @@ def measure_point(
             _await_message(fleet, FILLED, FILL_TIMEOUT_S)
             fill_s = time.monotonic() - started
             _require_in_play(point, shape)
-            memory_after, redis_cpu_0 = _redis_totals(point.cluster)
+            memory_after, _ = _redis_totals(point.cluster)
             fleet.send(STEADY)
-            scrape_0 = [router.scrape() for router in point.routers]
-            time.sleep(duration_s)
-            scrape_1 = [router.scrape() for router in point.routers]
-            _, redis_cpu_1 = _redis_totals(point.cluster)
-            urls = [router.url for router in point.routers]
-            answered, failed = asyncio.run(_open_loop(urls, shape, request_rate, duration_s))
-            scrape_2 = [router.scrape() for router in point.routers]
+            ingest = _phase(point, shape, duration_s, None)
+            mixed = _phase(point, shape, duration_s, request_rate)
             index_entries, stats_s = point.routers[0].index_statistics()
+            fleet.send(PAUSE)
+            time.sleep(1.0)  # the batches in flight are acknowledged
+            quiet = _phase(point, shape, duration_s, request_rate)
             fleet.send(STOP)
             if not fleet.poll(60):
                 raise TimeoutError("the synthetic fleet sent no report")
@@ -371,9 +413,8 @@ def measure_point(
     for failure in report.failed:
         print(f"  a synthetic worker failed: {failure}", flush=True)
     return _figures(
-        shape, routers, report, fill_s, memory_after - memory_before,
-        (scrape_0, scrape_1, scrape_2), redis_cpu_1 - redis_cpu_0,
-        duration_s, answered, failed, index_entries, stats_s,
+        shape, routers, report, fill_s, memory_after - memory_before, (ingest, mixed, quiet),
+        index_entries, stats_s,
     )  # fmt: skip
 
 
@@ -383,24 +424,20 @@ def _figures(
     report: FleetReport,
     fill_s: float,
     redis_bytes: float,
-    scrapes: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]],
-    redis_cpu_s: float,
-    duration_s: float,
-    answered: int,
-    failed: int,
+    phases: tuple[Phase, Phase, Phase],
     index_entries: int,
     stats_s: float,
 ) -> ScaleFigures:
-    ingest_0, ingest_1, mixed_1 = scrapes
-    events = _delta(ingest_0, ingest_1, "kvplane_events_applied_total")
-    blocks = _delta(ingest_0, ingest_1, "kvplane_blocks_applied_total")
-    cpu_per_event = _delta(ingest_0, ingest_1, "cpu_s") / events if events else math.nan
-    mixed_events = _delta(ingest_1, mixed_1, "kvplane_events_applied_total")
-    mixed_cpu = _delta(ingest_1, mixed_1, "cpu_s")
-    decisions = _bucket_delta(ingest_1, mixed_1, "kvplane_decision_seconds_bucket")
-    lookups = _bucket_delta(ingest_1, mixed_1, "kvplane_lookup_seconds_bucket")
+    ingest, mixed, quiet = phases
+    events = ingest.delta("kvplane_events_applied_total")
+    decisions = mixed.buckets("kvplane_decision_seconds_bucket")
+    quiet_decisions = quiet.buckets("kvplane_decision_seconds_bucket")
     lags = sorted(report.ack_seconds)
     entries = report.held_blocks
+
+    def ms(seconds: float, digits: int = 3) -> float:
+        return round(seconds * 1000, digits)
+
     return ScaleFigures(
         workers=shape.workers,
         routers=routers,
@@ -410,26 +447,29 @@ def _figures(
         fill_s=round(fill_s, 1),
         redis_bytes_per_entry=round(redis_bytes / entries, 1) if entries else math.nan,
         redis_bytes_per_worker=round(redis_bytes / shape.workers),
-        events_per_s=round(events / duration_s, 1),
-        events_per_s_per_router=round(events / duration_s / routers, 1),
-        blocks_per_s=round(blocks / duration_s),
-        apply_lag_p50_ms=round(_quantile(lags, 0.5) * 1000, 2),
-        apply_lag_p99_ms=round(_quantile(lags, 0.99) * 1000, 2),
-        router_cpu_ms_per_event=round(cpu_per_event * 1000, 3),
-        redis_cpu_ms_per_event=round(redis_cpu_s / events * 1000, 3) if events else math.nan,
-        requests=answered,
-        requests_per_s=round(answered / duration_s, 1),
-        decision_p50_ms=round(bucket_quantile(decisions, 0.5) * 1000, 3),
-        decision_p99_ms=round(bucket_quantile(decisions, 0.99) * 1000, 3),
+        events_per_s=round(events / ingest.seconds, 1),
+        events_per_s_per_router=round(events / ingest.seconds / routers, 1),
+        blocks_per_s=round(ingest.delta("kvplane_blocks_applied_total") / ingest.seconds),
+        apply_lag_p50_ms=ms(_quantile(lags, 0.5), 2),
+        apply_lag_p99_ms=ms(_quantile(lags, 0.99), 2),
+        router_cpu_ms_per_event=ms(ingest.delta("cpu_s") / events) if events else math.nan,
+        redis_cpu_ms_per_event=ms(ingest.redis_cpu_s / events) if events else math.nan,
+        requests=mixed.answered,
+        requests_per_s=round(mixed.answered / mixed.seconds, 1),
+        decision_p50_ms=ms(bucket_quantile(decisions, 0.5)),
+        decision_p99_ms=ms(bucket_quantile(decisions, 0.99)),
         decisions_within_5ms=round(share_within(decisions, DECISION_TARGET_S), 4),
-        lookup_p50_ms=round(bucket_quantile(lookups, 0.5) * 1000, 3),
-        lookup_p99_ms=round(bucket_quantile(lookups, 0.99) * 1000, 3),
+        lookup_p50_ms=ms(bucket_quantile(mixed.buckets("kvplane_lookup_seconds_bucket"), 0.5)),
+        lookup_p99_ms=ms(bucket_quantile(mixed.buckets("kvplane_lookup_seconds_bucket"), 0.99)),
+        quiet_decision_p50_ms=ms(bucket_quantile(quiet_decisions, 0.5)),
+        quiet_decision_p99_ms=ms(bucket_quantile(quiet_decisions, 0.99)),
         router_cpu_ms_per_request=(
-            round((mixed_cpu - cpu_per_event * mixed_events) / answered * 1000, 3)
-            if answered and events
-            else math.nan
+            ms(quiet.delta("cpu_s") / quiet.answered) if quiet.answered else math.nan
         ),
-        failed_requests=failed,
+        redis_cpu_ms_per_request=(
+            ms(quiet.redis_cpu_s / quiet.answered) if quiet.answered else math.nan
+        ),
+        failed_requests=mixed.failed + quiet.failed,
         failed_workers=report.failures,
     )
 
@@ -463,7 +503,10 @@ COLUMNS = (
     ("decision_p99_ms", "decide p99 ms"),
     ("decisions_within_5ms", "<=5 ms"),
     ("lookup_p99_ms", "lookup p99 ms"),
+    ("quiet_decision_p50_ms", "quiet p50 ms"),
+    ("quiet_decision_p99_ms", "quiet p99 ms"),
     ("router_cpu_ms_per_request", "CPU ms/req"),
+    ("redis_cpu_ms_per_request", "Redis ms/req"),
     ("failed_requests", "failed req"),
     ("failed_workers", "failed workers"),
 )

@@ -63,6 +63,8 @@ _DECISION_BUCKETS = (
     0.05,
     0.1,
     0.25,
+    0.5,
+    1,
 )
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # A wait in flow control's queue: up to flow_control.max_wait_s, which may be minutes.

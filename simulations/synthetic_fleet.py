@@ -112,9 +112,12 @@ class SyntheticWorker:
         secret = self.shape.worker_secret
         return None if secret is None else worker_token(secret, self.worker_id)
 
-    async def run(self, stream: AgentStream, steady: asyncio.Event, stop: asyncio.Event) -> None:
+    async def run(
+        self, stream: AgentStream, steady: asyncio.Event, paused: asyncio.Event, stop: asyncio.Event
+    ) -> None:
         """Register, fill the cache (as fast as batches are acknowledged), then send at
-        the shape's rate, timing acknowledgements once `steady` is set, until `stop`."""
+        the shape's rate (none while `paused`: load reports only), timing
+        acknowledgements once `steady` is set, until `stop`."""
         figures, shape = self.figures, self.shape
         try:
             reply = await stream.request(register_message(self.info))
@@ -133,7 +136,8 @@ class SyntheticWorker:
                         gap = self.rng.expovariate(shape.batches_per_s)
                         await asyncio.wait_for(stop.wait(), gap)
                         return
-                    await self._send(stream, self._next_request(), timed=steady.is_set())
+                    if not paused.is_set():
+                        await self._send(stream, self._next_request(), timed=steady.is_set())
             finally:
                 reporter.cancel()
         except Exception as error:  # counted, reported: the run goes on without it
@@ -208,6 +212,7 @@ class SyntheticFleet:
         ]
         self.addresses = list(grpc_addresses)
         self.steady = asyncio.Event()
+        self.paused = asyncio.Event()
         self.stop = asyncio.Event()
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -226,7 +231,7 @@ class SyntheticFleet:
 
     async def _run(self, worker: SyntheticWorker, stream: AgentStream) -> None:
         try:
-            await worker.run(stream, self.steady, self.stop)
+            await worker.run(stream, self.steady, self.paused, self.stop)
         finally:
             stream.call.cancel()
 
@@ -253,6 +258,7 @@ class SyntheticFleet:
 
 FILLED = "filled"  # child -> parent: every worker's cache is full (or it failed)
 STEADY = "steady"  # parent -> child: time acknowledgements from now on
+PAUSE = "pause"  # parent -> child: no more batches (load reports go on)
 STOP = "stop"  # parent -> child: stop, and send the figures
 
 
@@ -270,7 +276,8 @@ class FleetReport:
 
 def run_fleet_process(shape: FleetShape, grpc_addresses: Sequence[str], conn: Connection) -> None:
     """A child process's body: runs the fleet, says FILLED once every cache is full,
-    starts timing at STEADY, and at STOP sends a FleetReport and returns."""
+    starts timing at STEADY, stops sending batches at PAUSE, and at STOP sends a
+    FleetReport and returns."""
     asyncio.run(_serve_parent(shape, grpc_addresses, conn))
 
 
@@ -289,6 +296,8 @@ async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: 
         command = conn.recv()
         if command == STEADY:
             fleet.steady.set()
+        elif command == PAUSE:
+            fleet.paused.set()
         elif command == STOP:
             break
     await fleet.close()

@@ -41,6 +41,7 @@ def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
     assert point["failed_requests"] == 0
     assert 0 < point["decision_p50_ms"] <= point["decision_p99_ms"]
     assert 0 < point["decisions_within_5ms"] <= 1
+    assert 0 < point["quiet_decision_p50_ms"] <= point["quiet_decision_p99_ms"]
     assert "4 workers, 2 routers" in capsys.readouterr().out
 
 

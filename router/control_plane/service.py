@@ -421,7 +421,9 @@ class _Stream:
                 if failed is not None:
                     return _ending(failed)
                 log.info("worker %s reports its engine down", record.info.worker_id)
-        else:
+        elif needs_renewal(record, self.clock(), self.service.lease_s):
+            # Not every report: each renewal is an index write (a Redis round trip), and
+            # a fleet's agents report every second.
             failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
             if failed is not None:
                 return _ending(failed)

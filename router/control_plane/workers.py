@@ -67,8 +67,9 @@ def classify_register(record: WorkerRecord | None, incarnation: int, now: float)
 
 
 def needs_renewal(record: WorkerRecord, now: float, lease_s: float) -> bool:
-    """Whether a KvEvents batch should also renew the lease: event traffic counts as
-    liveness, but renewing on every batch would double the index writes."""
+    """Whether a KvEvents batch or a Load should also renew the lease: either counts as
+    liveness, but renewing on every one would double the index writes (a quarter lease
+    apart leaves three reports' margin at the agent's default interval)."""
     return now - record.renewed_at >= lease_s / 4
 
 

@@ -496,6 +496,30 @@ async def test_a_load_after_the_lease_ran_out_ends_the_stream() -> None:
         )
 
 
+async def test_loads_renew_the_lease_a_quarter_lease_apart() -> None:
+    # A fleet's agents report every second: a renewal (an index write) each would be
+    # a thousand Redis round trips a second for a thousand workers.
+    clock = ManualClock()
+    async with router_with_channel(make_settings(lease_s=4.0), clock=clock) as (router, channel):
+        stream = await registered(channel)
+
+        async def lease_left() -> float:
+            (status,) = await router.index.workers()
+            return status.lease_remaining_s
+
+        clock.advance(0.5)
+        await stream.send(load_message(1, 0, 0.5))
+        # Load gets no reply: an empty batch's Ack says it was handled (the batch
+        # renews nothing this early, and its repeat nothing at all: a duplicate).
+        await stream.request(events_message(1, []))
+        assert await lease_left() == pytest.approx(3.5)  # not renewed
+        clock.advance(0.5)  # a quarter lease since the registration
+        await stream.send(load_message(1, 0, 0.5))
+        await stream.request(events_message(1, []))
+        assert await lease_left() == pytest.approx(4.0)  # renewed
+        assert router.workers.get("w1").last_load is not None
+
+
 async def test_kv_events_keep_the_lease_alive() -> None:
     clock = ManualClock()
     async with router_with_channel(make_settings(lease_s=0.5), clock=clock) as (router, channel):

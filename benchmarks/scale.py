@@ -15,19 +15,21 @@ Phases:
    masters, less what it used before) per entry and per worker is read after it.
    Before measuring, every router must list every worker and find a system prompt's
    holders in the index: figures of an index nobody fills are not figures.
-2. ingest: every worker sends `batches_per_s` batches a second (Poisson), each one
+2. rest: the fleet's batches paused, its load reports going on: the routers' and
+   Redis' CPU a second at rest, taken out of the per-event and per-request figures.
+3. ingest: every worker sends `batches_per_s` batches a second (Poisson), each one
    finished request's blocks stored and its oldest request's removed. Events and
    blocks applied a second (the routers' counters), the routers' CPU (user + system)
-   and Redis' per event.
-3. mixed: the same events, and requests arriving at `request_rate` a second (Poisson;
+   and Redis' per event, less their CPU at rest.
+4. mixed: the same events, and requests arriving at `request_rate` a second (Poisson;
    an open loop: a closed one measures the machine's saturation), round robin over the
    routers: `/v1/completions` with a system prompt and 64 new tokens, max_tokens 1.
    Decision and lookup latency from the routers' own histograms
    (`kvplane_decision_seconds`: key, look up, score; the share of decisions within
    5 ms is read off its bucket exactly, p50/p99 interpolated within a bucket).
-4. quiet: the fleet sends no more batches (load reports go on), the same requests:
+5. quiet: the fleet paused again, the same requests:
    the decision latency of the index alone, and the routers' and Redis' CPU per
-   request.
+   request, less their CPU at rest.
 Apply lag: from a batch's sending to its acknowledgement, which the control plane sends
 once the index applied it, over the ingest and mixed phases. The index's own entry
 count (`GET /fleet/index`) is read after the mixed phase, with how long it took.
@@ -68,6 +70,7 @@ from simulations.redis_servers import RunningCluster, redis_cluster
 from simulations.synthetic_fleet import (
     FILLED,
     PAUSE,
+    RESUME,
     STEADY,
     STOP,
     TOKEN_IDS,
@@ -100,6 +103,10 @@ class ScaleFigures:
     blocks_per_s: float
     apply_lag_p50_ms: float
     apply_lag_p99_ms: float
+    # CPU a second with nothing but the workers' load reports and upkeep (all routers;
+    # every Redis node), taken out of the per-event and per-request figures.
+    router_cpu_ms_per_s_at_rest: float
+    redis_cpu_ms_per_s_at_rest: float
     router_cpu_ms_per_event: float
     redis_cpu_ms_per_event: float
     requests: int
@@ -399,6 +406,10 @@ def measure_point(
             fill_s = time.monotonic() - started
             _require_in_play(point, shape)
             memory_after, _ = _redis_totals(point.cluster)
+            fleet.send(PAUSE)
+            time.sleep(1.0)  # the batches in flight are acknowledged
+            rest = _phase(point, shape, duration_s, None)
+            fleet.send(RESUME)
             fleet.send(STEADY)
             ingest = _phase(point, shape, duration_s, None)
             mixed = _phase(point, shape, duration_s, request_rate)
@@ -413,8 +424,8 @@ def measure_point(
     for failure in report.failed:
         print(f"  a synthetic worker failed: {failure}", flush=True)
     return _figures(
-        shape, routers, report, fill_s, memory_after - memory_before, (ingest, mixed, quiet),
-        index_entries, stats_s,
+        shape, routers, report, fill_s, memory_after - memory_before,
+        (rest, ingest, mixed, quiet), index_entries, stats_s,
     )  # fmt: skip
 
 
@@ -424,12 +435,23 @@ def _figures(
     report: FleetReport,
     fill_s: float,
     redis_bytes: float,
-    phases: tuple[Phase, Phase, Phase],
+    phases: tuple[Phase, Phase, Phase, Phase],
     index_entries: int,
     stats_s: float,
 ) -> ScaleFigures:
-    ingest, mixed, quiet = phases
+    rest, ingest, mixed, quiet = phases
     events = ingest.delta("kvplane_events_applied_total")
+    # Each router's upkeep and the workers' load reports go on in every phase: what
+    # the rest phase cost a second is taken out of the others'.
+    router_rest = rest.delta("cpu_s") / rest.seconds
+    redis_rest = rest.redis_cpu_s / rest.seconds
+
+    def router_cpu(phase: Phase) -> float:
+        return phase.delta("cpu_s") - router_rest * phase.seconds
+
+    def redis_cpu(phase: Phase) -> float:
+        return phase.redis_cpu_s - redis_rest * phase.seconds
+
     decisions = mixed.buckets("kvplane_decision_seconds_bucket")
     quiet_decisions = quiet.buckets("kvplane_decision_seconds_bucket")
     lags = sorted(report.ack_seconds)
@@ -452,8 +474,10 @@ def _figures(
         blocks_per_s=round(ingest.delta("kvplane_blocks_applied_total") / ingest.seconds),
         apply_lag_p50_ms=ms(_quantile(lags, 0.5), 2),
         apply_lag_p99_ms=ms(_quantile(lags, 0.99), 2),
-        router_cpu_ms_per_event=ms(ingest.delta("cpu_s") / events) if events else math.nan,
-        redis_cpu_ms_per_event=ms(ingest.redis_cpu_s / events) if events else math.nan,
+        router_cpu_ms_per_s_at_rest=ms(router_rest, 1),
+        redis_cpu_ms_per_s_at_rest=ms(redis_rest, 1),
+        router_cpu_ms_per_event=ms(router_cpu(ingest) / events) if events else math.nan,
+        redis_cpu_ms_per_event=ms(redis_cpu(ingest) / events) if events else math.nan,
         requests=mixed.answered,
         requests_per_s=round(mixed.answered / mixed.seconds, 1),
         decision_p50_ms=ms(bucket_quantile(decisions, 0.5)),
@@ -464,10 +488,10 @@ def _figures(
         quiet_decision_p50_ms=ms(bucket_quantile(quiet_decisions, 0.5)),
         quiet_decision_p99_ms=ms(bucket_quantile(quiet_decisions, 0.99)),
         router_cpu_ms_per_request=(
-            ms(quiet.delta("cpu_s") / quiet.answered) if quiet.answered else math.nan
+            ms(router_cpu(quiet) / quiet.answered) if quiet.answered else math.nan
         ),
         redis_cpu_ms_per_request=(
-            ms(quiet.redis_cpu_s / quiet.answered) if quiet.answered else math.nan
+            ms(redis_cpu(quiet) / quiet.answered) if quiet.answered else math.nan
         ),
         failed_requests=mixed.failed + quiet.failed,
         failed_workers=report.failures,
@@ -496,6 +520,7 @@ COLUMNS = (
     ("events_per_s_per_router", "per router"),
     ("apply_lag_p50_ms", "lag p50 ms"),
     ("apply_lag_p99_ms", "lag p99 ms"),
+    ("router_cpu_ms_per_s_at_rest", "rest CPU ms/s"),
     ("router_cpu_ms_per_event", "CPU ms/event"),
     ("redis_cpu_ms_per_event", "Redis ms/event"),
     ("requests_per_s", "req/s"),

@@ -259,6 +259,7 @@ class SyntheticFleet:
 FILLED = "filled"  # child -> parent: every worker's cache is full (or it failed)
 STEADY = "steady"  # parent -> child: time acknowledgements from now on
 PAUSE = "pause"  # parent -> child: no more batches (load reports go on)
+RESUME = "resume"  # parent -> child: batches again
 STOP = "stop"  # parent -> child: stop, and send the figures
 
 
@@ -276,8 +277,8 @@ class FleetReport:
 
 def run_fleet_process(shape: FleetShape, grpc_addresses: Sequence[str], conn: Connection) -> None:
     """A child process's body: runs the fleet, says FILLED once every cache is full,
-    starts timing at STEADY, stops sending batches at PAUSE, and at STOP sends a
-    FleetReport and returns."""
+    starts timing at STEADY, stops sending batches at PAUSE (until RESUME), and at STOP
+    sends a FleetReport and returns."""
     asyncio.run(_serve_parent(shape, grpc_addresses, conn))
 
 
@@ -298,6 +299,8 @@ async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: 
             fleet.steady.set()
         elif command == PAUSE:
             fleet.paused.set()
+        elif command == RESUME:
+            fleet.paused.clear()
         elif command == STOP:
             break
     await fleet.close()

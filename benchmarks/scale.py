@@ -138,7 +138,9 @@ class RouterProbe:
         text = httpx.get(
             self.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
         ).text
-        figures: dict[str, Any] = {"cpu_s": _cpu_seconds(self.pid)}
+        # When the counters were read: a phase's rates run between its two scrapes (at
+        # 1,000 workers a scrape takes a router a second or more: its stats() call).
+        figures: dict[str, Any] = {"cpu_s": _cpu_seconds(self.pid), "at": time.monotonic()}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in ("kvplane_events_applied_total", "kvplane_blocks_applied_total"):
@@ -366,6 +368,12 @@ class Phase:
     def delta(self, name: str) -> float:
         return _delta(self.before, self.after, name)
 
+    @property
+    def span_s(self) -> float:
+        """The routers' counters' time between the phase's scrapes (the mean over the
+        routers): what their rates are over."""
+        return _delta(self.before, self.after, "at") / len(self.before)
+
     def buckets(self, name: str) -> dict[float, float]:
         return _bucket_delta(self.before, self.after, name)
 
@@ -443,14 +451,14 @@ def _figures(
     events = ingest.delta("kvplane_events_applied_total")
     # Each router's upkeep and the workers' load reports go on in every phase: what
     # the rest phase cost a second is taken out of the others'.
-    router_rest = rest.delta("cpu_s") / rest.seconds
-    redis_rest = rest.redis_cpu_s / rest.seconds
+    router_rest = rest.delta("cpu_s") / rest.span_s
+    redis_rest = rest.redis_cpu_s / rest.span_s
 
     def router_cpu(phase: Phase) -> float:
-        return phase.delta("cpu_s") - router_rest * phase.seconds
+        return phase.delta("cpu_s") - router_rest * phase.span_s
 
     def redis_cpu(phase: Phase) -> float:
-        return phase.redis_cpu_s - redis_rest * phase.seconds
+        return phase.redis_cpu_s - redis_rest * phase.span_s
 
     decisions = mixed.buckets("kvplane_decision_seconds_bucket")
     quiet_decisions = quiet.buckets("kvplane_decision_seconds_bucket")
@@ -469,9 +477,9 @@ def _figures(
         fill_s=round(fill_s, 1),
         redis_bytes_per_entry=round(redis_bytes / entries, 1) if entries else math.nan,
         redis_bytes_per_worker=round(redis_bytes / shape.workers),
-        events_per_s=round(events / ingest.seconds, 1),
-        events_per_s_per_router=round(events / ingest.seconds / routers, 1),
-        blocks_per_s=round(ingest.delta("kvplane_blocks_applied_total") / ingest.seconds),
+        events_per_s=round(events / ingest.span_s, 1),
+        events_per_s_per_router=round(events / ingest.span_s / routers, 1),
+        blocks_per_s=round(ingest.delta("kvplane_blocks_applied_total") / ingest.span_s),
         apply_lag_p50_ms=ms(_quantile(lags, 0.5), 2),
         apply_lag_p99_ms=ms(_quantile(lags, 0.99), 2),
         router_cpu_ms_per_s_at_rest=ms(router_rest, 1),

@@ -123,6 +123,7 @@ class ScaleFigures:
     redis_cpu_ms_per_request: float
     failed_requests: int
     failed_workers: int
+    reconnects: int  # streams the workers opened again (the control plane ended one)
 
 
 # -- reading the routers --------------------------------------------------------------
@@ -503,6 +504,7 @@ def _figures(
         ),
         failed_requests=mixed.failed + quiet.failed,
         failed_workers=report.failures,
+        reconnects=report.reconnects,
     )
 
 
@@ -542,6 +544,7 @@ COLUMNS = (
     ("redis_cpu_ms_per_request", "Redis ms/req"),
     ("failed_requests", "failed req"),
     ("failed_workers", "failed workers"),
+    ("reconnects", "reconnects"),
 )
 
 

@@ -49,6 +49,8 @@ from kvplane.wire.stream import AgentStream
 BLOCK_SIZE = 16
 TOKEN_IDS = 500  # token ids drawn below this: within the engine simulator's vocabulary
 STREAMS_PER_CHANNEL = 100  # gRPC multiplexes streams; a few connections spread the load
+RECONNECTS = 5  # streams opened again before a worker counts as failed
+RECONNECT_BACKOFF_S = 0.5  # times the attempt
 FLOWING = WiringReport(EventsState.FLOWING, ReplayState.OK, BLOCK_SIZE)
 
 
@@ -82,6 +84,7 @@ class WorkerFigures:
     blocks_removed: int = 0
     held_blocks: int = 0
     ack_seconds: list[float] = field(default_factory=list)  # in the steady phase
+    reconnects: int = 0
     failure: str = ""
 
 
@@ -93,14 +96,16 @@ class SyntheticWorker:
         self.rng = random.Random(f"worker-{shape.seed}-{number}")
         self.requests: deque[list[BlockKey]] = deque()
         self.figures = WorkerFigures()
-        self.sequence = 0
+        self.sequence = 0  # of the last batch sent
+        self._pending: list[BlocksStored | BlocksRemoved] | None = None  # not acknowledged
+        self.incarnation = time.time_ns()
         self.writing = asyncio.Lock()  # a gRPC call takes one write at a time
 
     @property
     def info(self) -> WorkerInfo:
         return WorkerInfo(
             worker_id=self.worker_id,
-            incarnation=time.time_ns(),
+            incarnation=self.incarnation,
             base_url=self.shape.base_url,
             model=self.shape.model,
             block_size=BLOCK_SIZE,
@@ -113,37 +118,66 @@ class SyntheticWorker:
         return None if secret is None else worker_token(secret, self.worker_id)
 
     async def run(
-        self, stream: AgentStream, steady: asyncio.Event, paused: asyncio.Event, stop: asyncio.Event
+        self,
+        channel: grpc.aio.Channel,
+        steady: asyncio.Event,
+        paused: asyncio.Event,
+        stop: asyncio.Event,
     ) -> None:
         """Register, fill the cache (as fast as batches are acknowledged), then send at
         the shape's rate (none while `paused`: load reports only), timing
-        acknowledgements once `steady` is set, until `stop`."""
-        figures, shape = self.figures, self.shape
-        try:
-            reply = await stream.request(register_message(self.info))
-            if reply.WhichOneof("body") != "ack":
-                raise RuntimeError(f"registration answered {reply.WhichOneof('body')}")
-            figures.registered = True
-            await self._send(stream, self._stored(self.system_keys, None), timed=False)
-            reporter = asyncio.ensure_future(self._report_load(stream, stop))
+        acknowledgements once `steady` is set, until `stop`. A stream the control plane
+        ends without a Reject (its index did not answer in time) is opened again, under
+        the same incarnation, as the agent does: its entries stay, and the batch it
+        did not acknowledge is sent again."""
+        figures = self.figures
+        for attempt in range(RECONNECTS + 1):
+            stream = AgentStream(channel, token=self.token())
             try:
-                while self._held() + shape.request_blocks <= shape.capacity_blocks:
-                    await self._send(stream, self._next_request(), timed=False)
-                    if stop.is_set():
-                        return
-                while not stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        gap = self.rng.expovariate(shape.batches_per_s)
-                        await asyncio.wait_for(stop.wait(), gap)
-                        return
-                    if not paused.is_set():
-                        await self._send(stream, self._next_request(), timed=steady.is_set())
+                await self._session(stream, steady, paused, stop)
+                return
+            except Exception as error:  # counted, reported: the run goes on without it
+                reject = await stream.unread_reject(0.5)
+                if reject is None and attempt < RECONNECTS and not stop.is_set():
+                    figures.reconnects += 1
+                    await asyncio.sleep(RECONNECT_BACKOFF_S * (attempt + 1))
+                    continue
+                why = f"{type(error).__name__}: {error}" if reject is None else str(reject).strip()
+                figures.failure = f"after {figures.batches} batches: {why}"[:200]
+                return
             finally:
-                reporter.cancel()
-        except Exception as error:  # counted, reported: the run goes on without it
-            reject = await stream.unread_reject(0.5)
-            why = f"{type(error).__name__}: {error}" if reject is None else str(reject).strip()
-            figures.failure = f"after {figures.batches} batches: {why}"[:200]
+                stream.call.cancel()
+
+    async def _session(
+        self, stream: AgentStream, steady: asyncio.Event, paused: asyncio.Event, stop: asyncio.Event
+    ) -> None:
+        figures, shape = self.figures, self.shape
+        reply = await stream.request(register_message(self.info))
+        if reply.WhichOneof("body") != "ack":
+            raise RuntimeError(f"registration answered {reply.WhichOneof('body')}")
+        figures.registered = True
+        if self._pending is not None:
+            if reply.ack.sequence < self.sequence:
+                await self._deliver(stream, timed=False)
+            else:  # applied; only its acknowledgement was lost
+                self._acknowledged()
+        if self.sequence == 0:
+            await self._send(stream, [self._stored(self.system_keys, None)], timed=False)
+        reporter = asyncio.ensure_future(self._report_load(stream, stop))
+        try:
+            while self._held() + shape.request_blocks <= shape.capacity_blocks:
+                await self._send(stream, self._next_request(), timed=False)
+                if stop.is_set():
+                    return
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    gap = self.rng.expovariate(shape.batches_per_s)
+                    await asyncio.wait_for(stop.wait(), gap)
+                    return
+                if not paused.is_set():
+                    await self._send(stream, self._next_request(), timed=steady.is_set())
+        finally:
+            reporter.cancel()
 
     def _held(self) -> int:
         return len(self.system_keys) + sum(len(keys) for keys in self.requests)
@@ -165,19 +199,27 @@ class SyntheticWorker:
         return events
 
     async def _send(
-        self, stream: AgentStream, events: BlocksStored | list[BlocksStored | BlocksRemoved],
-        *, timed: bool,
-    ) -> None:  # fmt: skip
+        self, stream: AgentStream, events: list[BlocksStored | BlocksRemoved], *, timed: bool
+    ) -> None:
         self.sequence += 1
-        batch = events if isinstance(events, list) else [events]
+        self._pending = events
+        await self._deliver(stream, timed=timed)
+
+    async def _deliver(self, stream: AgentStream, *, timed: bool) -> None:
+        """Send the pending batch under the current sequence, and wait for its Ack."""
+        assert self._pending is not None
         started = time.perf_counter()
         async with self.writing:
-            await stream.send(events_message(self.sequence, batch))
+            await stream.send(events_message(self.sequence, self._pending))
         reply = await stream.reply()
         if reply.WhichOneof("body") != "ack" or reply.ack.sequence != self.sequence:
             raise RuntimeError(f"batch {self.sequence} answered {reply.WhichOneof('body')}")
         if timed:
             self.figures.ack_seconds.append(time.perf_counter() - started)
+        self._acknowledged()
+
+    def _acknowledged(self) -> None:
+        self._pending = None
         self.figures.batches += 1
         self.figures.held_blocks = self._held()
 
@@ -226,14 +268,8 @@ class SyntheticFleet:
             if channel is None:
                 channel = channels[slot] = grpc.aio.insecure_channel(address)
                 self._channels.append(channel)
-            stream = AgentStream(channel, token=worker.token())
-            self._tasks.append(asyncio.ensure_future(self._run(worker, stream)))
-
-    async def _run(self, worker: SyntheticWorker, stream: AgentStream) -> None:
-        try:
-            await worker.run(stream, self.steady, self.paused, self.stop)
-        finally:
-            stream.call.cancel()
+            run = worker.run(channel, self.steady, self.paused, self.stop)
+            self._tasks.append(asyncio.ensure_future(run))
 
     def full(self) -> int:
         """Workers whose cache is full (or that failed: they will not fill)."""
@@ -268,6 +304,7 @@ class FleetReport:
     registered: int
     failed: list[str]  # each failed worker's id and why (the first few)
     failures: int
+    reconnects: int
     batches: int
     blocks_stored: int
     blocks_removed: int
@@ -315,6 +352,7 @@ async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: 
             registered=sum(f.registered for f in figures),
             failed=failed[:5],
             failures=len(failed),
+            reconnects=sum(f.reconnects for f in figures),
             batches=sum(f.batches for f in figures),
             blocks_stored=sum(f.blocks_stored for f in figures),
             blocks_removed=sum(f.blocks_removed for f in figures),

@@ -31,6 +31,7 @@ def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
     (point,) = json.loads(report_path.read_text())["points"]
     assert (point["workers"], point["routers"]) == (4, 2)
     assert point["failed_workers"] == 0
+    assert point["reconnects"] == 0
     assert point["entries"] == 4 * CAPACITY  # full: each batch stores one and evicts one
     assert point["index_entries"] == point["entries"]
     assert point["events_per_s"] > 0

@@ -293,7 +293,7 @@ def _require_in_play(point: RunningPoint, shape: FleetShape) -> None:
     """Every router lists every worker, and finds a system prompt's holders in the index
     (a lookup that matches nothing measures nothing)."""
     headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-    holders = len(range(0, shape.workers, shape.system_prompts))
+    holders = math.ceil(shape.workers / shape.system_prompts)  # workers holding prompt 0
     query = {"model": MODEL, "token_ids": shape.system_prompt(0)}
     deadline = time.monotonic() + 30
     for router in point.routers:

@@ -261,17 +261,15 @@ class WorkerPool:
     def queue_model(self, model: str) -> str | None:
         """The model whose requests a request for `model` waits among in flow control
         (router/flow_control/gate.py): `model` where workers are registered under it;
-        else (an adapter, or a name the engines will judge) the one model that
-        serving_rows serves, or ANY_MODEL where they serve several (so a name a client
-        makes up never gets its own queue); None where no worker can take a request."""
-        rows = self.candidate_rows()
-        if not len(rows):
+        else (an adapter, or a name the engines will judge) the one model the workers
+        register, or ANY_MODEL where they register several (so a name a client makes
+        up never gets its own queue); None where no worker can take a request."""
+        if not len(self.candidate_rows()):
             return None
         if len(self.roster.rows(model)):
             return model
-        infos = self.roster.infos
-        served = {infos[row].model for row in rows}
-        return served.pop() if len(served) == 1 else ANY_MODEL
+        served = self.roster.models()
+        return served[0] if len(served) == 1 else ANY_MODEL
 
     def candidates(self, model: str | None = None) -> list[Candidate]:
         """The candidate_rows' workers, with their load and this router's traffic."""

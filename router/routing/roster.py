@@ -112,6 +112,10 @@ class Roster:
             return self._all_rows
         return self._rows_of_model.get(model, self._all_rows[:0])
 
+    def models(self) -> list[str]:
+        """The models the workers register, each once."""
+        return list(self._rows_of_model)
+
     def longest_model_len(self, model: str) -> int | None:
         """The longest prompt plus output, in tokens, that some worker serving `model`
         takes; None when one of them does not say, or none serves it under that name."""

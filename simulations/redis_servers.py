@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import redis
+from redis.crc import key_slot
 
 INSTALL_HINT = (
     "Install redis-server and redis-cli (Debian/Ubuntu: `apt-get install -y redis-server`)."
@@ -115,6 +116,25 @@ class ClusterNode:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def serves(self, slot: int) -> bool:
+        """Whether this node serves `slot` as a master now (by its own `CLUSTER NODES`)."""
+        client = redis.Redis(port=self.port, socket_timeout=2)
+        try:
+            raw = cast(Any, client).execute_command("CLUSTER", "NODES")
+        finally:
+            client.close()
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "myself" in fields[2].split(","):
+                for entry in fields[8:]:
+                    if entry.startswith("["):  # a slot being migrated: not served yet
+                        continue
+                    first, _, last = entry.partition("-")
+                    if int(first) <= slot <= int(last or first):
+                        return True
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class RunningCluster:
@@ -124,6 +144,24 @@ class RunningCluster:
     def masters(self) -> list[ClusterNode]:
         """The live nodes that serve slots now (a replica promoted by a failover too)."""
         return [node for node in self.nodes if node.alive and _role(node) == "master"]
+
+    def master_of(self, key: bytes) -> ClusterNode:
+        """The live master that serves `key`'s slot now."""
+        slot = key_slot(key)
+        for node in self.masters():
+            if node.serves(slot):
+                return node
+        raise RuntimeError(f"no live master serves slot {slot}")
+
+    def replicas_of(self, master: ClusterNode) -> list[ClusterNode]:
+        """The live replicas of `master`."""
+        return [
+            node
+            for node in self.nodes
+            if node.alive
+            and node is not master
+            and node.info("replication").get("master_port") == str(master.port)
+        ]
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Until every live node says cluster_state:ok."""
@@ -144,9 +182,11 @@ def _role(node: ClusterNode) -> str:
 
 
 @contextmanager
-def redis_cluster(workdir: Path, masters: int = 3, replicas: int = 0) -> Iterator[RunningCluster]:
-    """A cluster of `masters`, each with `replicas` replicas, on free ports; stopped on
-    exit."""
+def redis_cluster(
+    workdir: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = NODE_TIMEOUT_MS
+) -> Iterator[RunningCluster]:
+    """A cluster of `masters`, each with `replicas` replicas, on free ports, failing a
+    master over after `node_timeout_ms`; stopped on exit."""
     ports: list[int] = []
     while len(ports) < masters * (1 + replicas):
         port = free_cluster_port()
@@ -156,7 +196,7 @@ def redis_cluster(workdir: Path, masters: int = 3, replicas: int = 0) -> Iterato
     try:
         for port in ports:
             flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            flags += ["--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
+            flags += ["--cluster-node-timeout", str(node_timeout_ms)]
             processes.append(start_server(workdir / f"redis-cluster-{port}", port, *flags))
         subprocess.run(
             [binary("redis-cli"), "--cluster", "create"]

@@ -68,6 +68,7 @@ from router.control_plane.workers import (
 from router.index.base import (
     LocationIndex,
     LocationIndexError,
+    SequenceMismatch,
     StaleIncarnation,
     UnknownWorker,
     WorkerState,
@@ -97,6 +98,7 @@ Context = grpc.aio.ServicerContext[bytes, pb.ControlMessage]
 class ResyncCause(enum.Enum):
     SEQUENCE_GAP = "sequence_gap"
     LEASE_EXPIRED = "lease_expired"
+    INDEX_LOST_WRITES = "index_lost_writes"  # e.g. a Redis failover to a lagging replica
 
 
 def _ending(reply: pb.ControlMessage | Rejection) -> Rejection:
@@ -346,7 +348,9 @@ class _Stream:
                 ResyncCause.LEASE_EXPIRED, f"the lease of incarnation {info.incarnation} ran out"
             )
         try:
-            await self.index.register(info, self.service.lease_s)
+            # What the index recorded, not this view: another router may have applied
+            # this incarnation's batches (the agent moved), or the index lost some.
+            applied = await self.index.register(info, self.service.lease_s)
         except StaleIncarnation as error:  # a higher one registered through another router
             return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
         # Only now does this stream speak for the new incarnation: if the index refused
@@ -354,7 +358,9 @@ class _Stream:
         self.worker_id, self.incarnation = info.worker_id, info.incarnation
         if verdict is RegisterVerdict.NEW:
             self.service.on_removed(info.worker_id, None)
-        record = self.view.registered(info, stream=self.id, now=now, lease_s=self.service.lease_s)
+        record = self.view.registered(
+            info, stream=self.id, now=now, lease_s=self.service.lease_s, applied=applied
+        )
         self.registered = True
         log.info(
             "worker %s incarnation %d registered (%s), resuming after sequence %d",
@@ -385,11 +391,15 @@ class _Stream:
             failed = await self._renew(record, draining=record.state is WorkerState.DRAINING)
             if failed is not None:
                 return failed
-        if events:  # an empty batch only asks for the Ack of those before it
-            try:
-                await self.index.apply(record.info.worker_id, record.incarnation, events)
-            except (StaleIncarnation, UnknownWorker) as error:
-                return self._index_refused(error)
+        # An empty batch (it only asks for the Ack of those before it) goes too: the
+        # index records every sequence, so that any router resumes the agent after it.
+        try:
+            await self.index.apply(
+                record.info.worker_id, record.incarnation, events, sequence=message.sequence
+            )
+        except (StaleIncarnation, UnknownWorker, SequenceMismatch) as error:
+            return await self._index_refused(record, error)
+        if events:
             _tell_removals(self.service.on_removed, record.info.worker_id, events)
             if message.timestamp_ms:
                 lag = self.service.wall_clock() - message.timestamp_ms / 1000
@@ -446,10 +456,14 @@ class _Stream:
         renewed_at = self.clock()
         try:
             await self.index.renew(
-                record.info.worker_id, record.incarnation, self.service.lease_s, draining=draining
+                record.info.worker_id,
+                record.incarnation,
+                self.service.lease_s,
+                draining=draining,
+                applied=record.applied,
             )
-        except (StaleIncarnation, UnknownWorker) as error:
-            return self._index_refused(error)
+        except (StaleIncarnation, UnknownWorker, SequenceMismatch) as error:
+            return await self._index_refused(record, error)
         self.view.renewed(
             record.info.worker_id,
             record.incarnation,
@@ -459,11 +473,16 @@ class _Stream:
         )
         return None
 
-    def _index_refused(
-        self, error: StaleIncarnation | UnknownWorker
+    async def _index_refused(
+        self, record: WorkerRecord, error: StaleIncarnation | UnknownWorker | SequenceMismatch
     ) -> pb.ControlMessage | Rejection:
         if isinstance(error, StaleIncarnation):
             return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
+        if isinstance(error, SequenceMismatch):
+            # Entries no one can vouch for: none rather than a partial picture, until
+            # the agent's whole state arrives under its next incarnation.
+            await self.index.drop_worker(record.info.worker_id, record.incarnation)
+            return self._resync(ResyncCause.INDEX_LOST_WRITES, str(error))
         # Unknown to the index: the lease ran out and the entries went with it.
         return self._resync(ResyncCause.LEASE_EXPIRED, "the worker's lease ran out")
 

@@ -102,22 +102,24 @@ class WorkerView:
         return {state: counts[state] for state in WorkerState}
 
     def registered(
-        self, info: WorkerInfo, *, stream: int, now: float, lease_s: float
+        self, info: WorkerInfo, *, stream: int, now: float, lease_s: float, applied: int
     ) -> WorkerRecord:
-        """The index accepted `info`; `stream` now speaks for the worker."""
+        """The index accepted `info`, and records batches up to `applied` for it;
+        `stream` now speaks for the worker."""
         self._changed.add(info.worker_id)
         record = self._records.get(info.worker_id)
         if record is None or record.incarnation != info.incarnation:
             record = WorkerRecord(
                 info=info,
                 state=WorkerState.LIVE,
-                applied=0,
+                applied=applied,
                 lease_deadline=now + lease_s,
                 renewed_at=now,
                 stream=stream,
             )
             self._records[info.worker_id] = record
             return record
+        record.applied = applied
         record.info = info
         record.lease_deadline = now + lease_s
         record.renewed_at = now

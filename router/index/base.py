@@ -105,6 +105,22 @@ class UnknownWorker(LocationIndexError):
         self.worker_id = worker_id
 
 
+class SequenceMismatch(LocationIndexError):
+    """The index does not record the batch sequence this router applied for the
+    worker's incarnation: it lost writes (a Redis failover promoted a replica that had
+    not received them yet), or another router applied batches of it since. Either way
+    its entries cannot be vouched for: the worker must send its whole state again."""
+
+    def __init__(self, worker_id: str, expected: int, recorded: int) -> None:
+        super().__init__(
+            f"worker {worker_id!r}: the index records batches up to sequence {recorded}, "
+            f"this router applied up to {expected}"
+        )
+        self.worker_id = worker_id
+        self.expected = expected
+        self.recorded = recorded
+
+
 class IndexUnavailable(LocationIndexError):
     """The backend cannot be reached; callers degrade (e.g. to load-only routing)."""
 
@@ -173,29 +189,48 @@ class SharedFlowState(Protocol):
 
 
 class LocationIndex(Protocol):
-    async def register(self, info: WorkerInfo, lease_s: float) -> None:
-        """Record a worker's incarnation and start its lease.
+    async def register(self, info: WorkerInfo, lease_s: float) -> int:
+        """Record a worker's incarnation and start its lease; return the highest batch
+        sequence recorded for it (0 for a fresh one): where its agent resumes, through
+        whichever router it reconnects to.
 
-        The same incarnation again refreshes the lease and keeps the entries (a
-        reconnect); a higher one drops the old incarnation's entries first; a lower one
-        raises StaleIncarnation.
+        The same incarnation again refreshes the lease and keeps the entries and the
+        sequence (a reconnect); a higher one drops the old incarnation's entries first;
+        a lower one raises StaleIncarnation.
         """
 
     async def renew(
-        self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
+        self,
+        worker_id: str,
+        incarnation: int,
+        lease_s: float,
+        *,
+        draining: bool = False,
+        applied: int | None = None,
     ) -> None:
         """Extend the lease (the heartbeat); draining marks the worker as draining.
 
         Raises UnknownWorker when the worker is not registered or its lease already ran
-        out (it must register again), StaleIncarnation for an older incarnation. A
-        lease_s of 0 ends the lease now.
+        out (it must register again), StaleIncarnation for an older incarnation, and
+        SequenceMismatch when `applied` (the last sequence the caller applied) is given
+        and is not the one recorded. A lease_s of 0 ends the lease now.
         """
 
-    async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
+    async def apply(
+        self,
+        worker_id: str,
+        incarnation: int,
+        events: Sequence[KvEvent],
+        *,
+        sequence: int | None = None,
+    ) -> None:
         """Apply one batch in order, whole or not at all.
 
         Raises UnknownWorker or StaleIncarnation (applying nothing). Removing a key the
-        worker does not hold is a no-op; storing one it holds already is too.
+        worker does not hold is a no-op; storing one it holds already is too. With the
+        batch's `sequence` (an empty batch's too), the index records it, and raises
+        SequenceMismatch (applying nothing) unless the sequence recorded was the one
+        before; None writes without a sequence (tools that have no stream).
         """
 
     async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:

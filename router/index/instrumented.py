@@ -54,28 +54,42 @@ class InstrumentedIndex:
         self._metrics = metrics
         self._tracer = tracer
 
-    async def register(self, info: WorkerInfo, lease_s: float) -> None:
-        await self._observed(
+    async def register(self, info: WorkerInfo, lease_s: float) -> int:
+        return await self._observed(
             "register", self._index.register(info, lease_s), {"kvplane.worker": info.worker_id}
         )
 
     async def renew(
-        self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
+        self,
+        worker_id: str,
+        incarnation: int,
+        lease_s: float,
+        *,
+        draining: bool = False,
+        applied: int | None = None,
     ) -> None:
         await self._observed(
             "renew",
-            self._index.renew(worker_id, incarnation, lease_s, draining=draining),
+            self._index.renew(worker_id, incarnation, lease_s, draining=draining, applied=applied),
             {"kvplane.worker": worker_id},
         )
 
-    async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
+    async def apply(
+        self,
+        worker_id: str,
+        incarnation: int,
+        events: Sequence[KvEvent],
+        *,
+        sequence: int | None = None,
+    ) -> None:
         started = time.perf_counter()
         await self._observed(
             "apply",
-            self._index.apply(worker_id, incarnation, events),
+            self._index.apply(worker_id, incarnation, events, sequence=sequence),
             {"kvplane.worker": worker_id, "kvplane.events": len(events)},
         )
-        self._metrics.batch_applied(events, time.perf_counter() - started)
+        if events:  # an empty batch only records its sequence
+            self._metrics.batch_applied(events, time.perf_counter() - started)
 
     async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
         await self._observed(

@@ -29,6 +29,7 @@ from router.index.base import (
     IndexStats,
     LocationIndexError,
     PrefixMatch,
+    SequenceMismatch,
     StaleIncarnation,
     UnknownWorker,
     WorkerState,
@@ -46,6 +47,7 @@ class _Worker:
     slot: int
     lease_deadline: float
     draining: bool = False
+    applied: int = 0  # the last batch sequence applied for info.incarnation
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ class MemoryLocationIndex:
 
     # -- workers ---------------------------------------------------------------------
 
-    async def register(self, info: WorkerInfo, lease_s: float) -> None:
+    async def register(self, info: WorkerInfo, lease_s: float) -> int:
         current = self._workers.get(info.worker_id)
         if current is not None:
             if info.incarnation < current.info.incarnation:
@@ -104,7 +106,7 @@ class MemoryLocationIndex:
                 current.info = info
                 current.lease_deadline = self._clock() + lease_s
                 self._live = None
-                return
+                return current.applied
             self._drop(current)
         elif not self._free_slots and len(self._slot_owner) > MAX_SLOT:
             raise LocationIndexError(
@@ -115,11 +117,20 @@ class MemoryLocationIndex:
         self._slot_owner[worker.slot] = worker
         self._workers[info.worker_id] = worker
         self._live = None
+        return 0
 
     async def renew(
-        self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
+        self,
+        worker_id: str,
+        incarnation: int,
+        lease_s: float,
+        *,
+        draining: bool = False,
+        applied: int | None = None,
     ) -> None:
         worker = self._live_worker(worker_id, incarnation)
+        if applied is not None and applied != worker.applied:
+            raise SequenceMismatch(worker_id, applied, worker.applied)
         worker.lease_deadline = self._clock() + lease_s
         worker.draining = worker.draining or draining
         # A heartbeat leaves the live view as it is (in a large fleet, one arrives before
@@ -204,10 +215,21 @@ class MemoryLocationIndex:
 
     # -- events ----------------------------------------------------------------------
 
-    async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
+    async def apply(
+        self,
+        worker_id: str,
+        incarnation: int,
+        events: Sequence[KvEvent],
+        *,
+        sequence: int | None = None,
+    ) -> None:
         worker = self._live_worker(worker_id, incarnation)
+        if sequence is not None and sequence - 1 != worker.applied:
+            raise SequenceMismatch(worker_id, sequence - 1, worker.applied)
         # The table checks every run's keys before it applies the first: all or nothing.
         self._table.apply(worker.slot, self._runs(events))
+        if sequence is not None:
+            worker.applied = sequence
         if self._max_entries is not None and self._table.entries > self._max_entries:
             await self._evict(self._table.entries - int(self._max_entries * _EVICT_HEADROOM))
 

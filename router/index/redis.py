@@ -67,6 +67,7 @@ from router.index.base import (
     IndexUnavailable,
     LocationIndexError,
     PrefixMatch,
+    SequenceMismatch,
     StaleIncarnation,
     UnknownWorker,
     WorkerState,
@@ -277,7 +278,7 @@ class RedisLocationIndex:
 
     # -- workers ---------------------------------------------------------------------
 
-    async def register(self, info: WorkerInfo, lease_s: float) -> None:
+    async def register(self, info: WorkerInfo, lease_s: float) -> int:
         key = self._worker_key(info.worker_id)
         reply, _ = await self._run(
             [
@@ -291,11 +292,18 @@ class RedisLocationIndex:
                 self._enlist(info.worker_id, lease_s),
             ]
         )
-        _check(reply, info.worker_id, info.incarnation)
+        applied = int(_check(reply, info.worker_id, info.incarnation)[1])
         self._workers[info.worker_id] = key
+        return applied
 
     async def renew(
-        self, worker_id: str, incarnation: int, lease_s: float, *, draining: bool = False
+        self,
+        worker_id: str,
+        incarnation: int,
+        lease_s: float,
+        *,
+        draining: bool = False,
+        applied: int | None = None,
     ) -> None:
         # Enlisting again on every heartbeat heals the registry should a concurrent
         # drop or purge have taken the id out while this incarnation registered.
@@ -307,11 +315,12 @@ class RedisLocationIndex:
                     round(lease_s * 1_000_000),
                     self._grace_ms,
                     "1" if draining else "0",
+                    "" if applied is None else applied,
                 ),
                 self._enlist(worker_id, lease_s),
             ]
         )
-        _check(reply, worker_id, incarnation)
+        _check(reply, worker_id, incarnation, applied)
 
     async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
         expected = "" if incarnation is None else _incarnation(incarnation)
@@ -360,16 +369,28 @@ class RedisLocationIndex:
 
     # -- events ----------------------------------------------------------------------
 
-    async def apply(self, worker_id: str, incarnation: int, events: Sequence[KvEvent]) -> None:
+    async def apply(
+        self,
+        worker_id: str,
+        incarnation: int,
+        events: Sequence[KvEvent],
+        *,
+        sequence: int | None = None,
+    ) -> None:
         key = self._worker_key(worker_id)
         command = _APPLY.call(
-            (key.name,), _incarnation(incarnation), self._grace_ms, _encode_batch(events)
+            (key.name,),
+            _incarnation(incarnation),
+            self._grace_ms,
+            _encode_batch(events),
+            "" if sequence is None else sequence,
         )
         # The cap on a worker's entries depends on how many workers there are; keep that
         # count fresh without a round trip of its own.
         refresh = self._max_entries is not None and self._registry_read_due()
         (reply,) = await self._replies_reading_registry([command], (), refresh)
-        entries = int(_check(self._raise_failure(reply), worker_id, incarnation)[1])
+        expected = None if sequence is None else sequence - 1
+        entries = int(_check(self._raise_failure(reply), worker_id, incarnation, expected)[1])
         if self._max_entries is not None and entries > self._share(self._max_entries):
             await self._make_room(key, self._max_entries)
 
@@ -835,13 +856,19 @@ def _collect_matches(
         matches[worker_id] = PrefixMatch(worker_id, int(incarnation), blocks, by_tier)
 
 
-def _check(reply: list[Any], worker_id: str, incarnation: int) -> list[Any]:
-    """The reply of a fenced script, or the error it stands for."""
+def _check(
+    reply: list[Any], worker_id: str, incarnation: int, expected: int | None = None
+) -> list[Any]:
+    """The reply of a fenced script, or the error it stands for (`expected`: the
+    sequence the script checked the recorded one against)."""
     outcome = reply[0]
     if outcome == b"stale":
         raise StaleIncarnation(worker_id, incarnation, int(reply[1]))
     if outcome == b"unknown":
         raise UnknownWorker(worker_id)
+    if outcome == b"sequence":
+        assert expected is not None  # the scripts check only a sequence they were given
+        raise SequenceMismatch(worker_id, expected, int(reply[1]))
     return reply
 
 

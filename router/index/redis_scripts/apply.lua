@@ -1,18 +1,24 @@
 -- apply: one event batch of one worker, in order, all of it or none.
--- KEYS: the worker. ARGV: incarnation (20 digits), grace in milliseconds, the batch.
+-- KEYS: the worker. ARGV: incarnation (20 digits), grace in milliseconds, the batch,
+-- the batch's sequence ('': none, nothing recorded or checked).
 -- The batch is the events back to back, each a 9-byte header '<BBHI4B' (operation,
 -- tier, depth of its first key, key count, parent kind), then for a stored run whose
 -- parent kind is PARENT_KEY the parent's 8-byte key, then the 8-byte keys.
--- Returns {'ok', entries of the worker afterwards}, {'stale', current} or {'unknown'}.
--- Atomicity: the fence is the only check that refuses a batch and it runs before the
--- first write; the writes after it cannot fail (the script carries no allow-oom flag,
--- so an out-of-memory server refuses it before it starts).
+-- Returns {'ok', entries of the worker afterwards}, {'stale', current}, {'unknown'} or
+-- {'sequence', recorded} (the recorded sequence is not the one before this batch's).
+-- Atomicity: the fence and the sequence check are the only refusals, and both run
+-- before the first write; the writes after them cannot fail (the script carries no
+-- allow-oom flag, so an out-of-memory server refuses it before it starts).
 local STORE, REMOVE, CLEAR = 1, 2, 3
 local FIRST_BLOCK, PARENT_KEY = 0, 1 -- parent kinds; any other: parent unknown
 
 local worker = KEYS[1]
 local now = now_us()
+local sequence = ARGV[4]
 local refusal, deadline = fence(worker, ARGV[1], now)
+if not refusal and sequence ~= '' then
+  refusal = check_applied(worker, integer_string(tonumber(sequence) - 1))
+end
 if refusal then
   return refusal
 end
@@ -85,6 +91,9 @@ for _, event in ipairs(events) do
 end
 
 close_entries()
+if sequence ~= '' then
+  redis.call('HSET', worker, APPLIED, sequence)
+end
 -- After a clear too: that recreated the hash without a TTL.
 expire_worker(worker, deadline, now, tonumber(ARGV[2]))
 return {'ok', counters.entries}

@@ -11,6 +11,9 @@ local ENTRIES = 'meta.entries' -- (block, tier) entries held
 local ORPHANS = 'meta.orphans' -- held blocks whose parent is not held (entries.lua)
 local FASTEST = {'meta.tier1', 'meta.tier2', 'meta.tier3', 'meta.tier4'} -- blocks held,
 -- by fastest tier
+local APPLIED = 'meta.applied' -- decimal: the last batch sequence applied for the
+-- incarnation, where its agent resumes through any router (absent in a hash an older
+-- router wrote: then nothing is checked against it)
 -- The search tier is the tier all the worker's blocks are fastest on when they are
 -- closed under "parent of" (lookup.lua may then search them), else 0 (it walks them).
 -- The incarnation is a 20-digit zero-padded decimal (a uint64 has at most 20 digits).
@@ -71,6 +74,21 @@ local function fence(worker, incarnation, now)
     return {'unknown'}
   end
   return nil, deadline, search_tier
+end
+
+-- Whether the worker's recorded sequence is `expected` (a decimal; '' checks nothing):
+-- nil when it is (or none is recorded), else the refusal to return. A recorded
+-- sequence behind the caller's means the server lost writes (a failover promoted a
+-- replica that had not received them): the worker's entries cannot be vouched for.
+local function check_applied(worker, expected)
+  if expected == '' then
+    return nil
+  end
+  local recorded = redis.call('HGET', worker, APPLIED)
+  if recorded and tonumber(recorded) ~= tonumber(expected) then
+    return {'sequence', recorded}
+  end
+  return nil
 end
 
 -- Keep the worker's hash until its lease has run out plus the grace period, so data

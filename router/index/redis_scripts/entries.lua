@@ -170,9 +170,12 @@ end
 
 -- Forget every entry, keeping the worker's record.
 local function clear_entries()
-  local record = redis.call('HMGET', worker_key, LEASE, DRAINING, INFO)
+  local record = redis.call('HMGET', worker_key, LEASE, DRAINING, INFO, APPLIED)
   redis.call('DEL', worker_key)
   redis.call('HSET', worker_key, LEASE, record[1], DRAINING, record[2], INFO, record[3])
+  if record[4] then
+    redis.call('HSET', worker_key, APPLIED, record[4])
+  end
   entry_cache, dirty = {}, {}
   counters = {entries = 0, orphans = 0, fastest = {0, 0, 0, 0}}
 end

@@ -1,7 +1,8 @@
 -- register: record a worker's incarnation and start its lease.
 -- KEYS: the worker. ARGV: incarnation (20 digits), lease in microseconds, grace in
 -- milliseconds, the worker's info (JSON).
--- Returns {'ok'} or {'stale', current incarnation}.
+-- Returns {'ok', the sequence recorded for the incarnation ('0' when fresh)} or
+-- {'stale', current incarnation}.
 local worker = KEYS[1]
 local incarnation, lease_us, grace_ms, info = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local now = now_us()
@@ -17,14 +18,14 @@ if current then
     -- A reconnect of the live incarnation: keep its entries and its draining mark.
     redis.call('HSET', worker, LEASE, encode_lease(deadline, search_tier, incarnation), INFO, info)
     expire_worker(worker, deadline, now, grace_ms)
-    return {'ok'}
+    return {'ok', redis.call('HGET', worker, APPLIED) or '0'}
   end
 end
 
 -- New, newer, or the same incarnation after its lease ran out: start from nothing.
 redis.call('DEL', worker)
 redis.call('HSET', worker, LEASE, encode_lease(deadline, 0, incarnation), DRAINING, '0',
-  INFO, info, ENTRIES, '0', ORPHANS, '0',
+  INFO, info, ENTRIES, '0', ORPHANS, '0', APPLIED, '0',
   FASTEST[1], '0', FASTEST[2], '0', FASTEST[3], '0', FASTEST[4], '0')
 expire_worker(worker, deadline, now, grace_ms)
-return {'ok'}
+return {'ok', '0'}

@@ -1,11 +1,13 @@
 -- renew: the heartbeat; extend the lease to now + lease (0 ends it now) and optionally
 -- mark the worker as draining (a mark that stays until the next registration).
 -- KEYS: the worker. ARGV: incarnation (20 digits), lease in microseconds, grace in
--- milliseconds, '1' to mark draining else '0'.
--- Returns {'ok'}, {'stale', current incarnation} or {'unknown'}.
+-- milliseconds, '1' to mark draining else '0', the sequence the caller last applied
+-- ('' checks none).
+-- Returns {'ok'}, {'stale', current incarnation}, {'unknown'} or {'sequence', recorded}.
 local worker = KEYS[1]
 local now = now_us()
 local refusal, _, search_tier = fence(worker, ARGV[1], now)
+refusal = refusal or check_applied(worker, ARGV[5])
 if refusal then
   return refusal
 end

@@ -69,6 +69,56 @@ async def test_stream_semantics_over_redis(redis_index: IndexSettings) -> None:
         assert (await router.index.stats()).entries == 0
 
 
+async def test_an_agent_resumes_on_another_router_where_the_first_left_it(
+    redis_index: IndexSettings,
+) -> None:
+    """A router that restarts, or a sibling the agent moves to, reads the sequence the
+    shared index recorded: the agent resumes instead of sending its whole state again."""
+    async with router_with_channel(make_settings(redis_index)) as (_, first_channel):
+        first = AgentStream(first_channel)
+        await first.request(register_message(worker("w1", 3)))
+        await first.send(events_message(1, [stored(KEYS_A)], ack_deferred=True))
+        assert (await first.request(events_message(2, []))).ack.sequence == 2
+    async with router_with_channel(make_settings(redis_index)) as (router, channel):
+        stream = AgentStream(channel)
+        assert (await stream.request(register_message(worker("w1", 3)))).ack.sequence == 2
+        assert (await stream.request(events_message(3, [stored(KEYS_B)]))).ack.sequence == 3
+        assert {w: m.blocks for w, m in (await router.index.lookup(KEYS_A)).items()} == {
+            "w1": len(KEYS_A)
+        }
+        assert set(await router.index.lookup(KEYS_B)) == {"w1"}
+
+
+async def test_writes_the_index_lost_make_the_worker_resync(redis_index: IndexSettings) -> None:
+    """A Redis failover to a replica that had not received the last batches (as
+    tests/router/index/test_redis_failover.py makes happen) leaves the worker's hash a
+    sequence behind this router: the next batch finds it, and the worker resyncs."""
+    async with router_with_channel(make_settings(redis_index)) as (router, channel):
+        stream = AgentStream(channel)
+        await stream.request(register_message(worker("w1", 3)))
+        await stream.request(events_message(1, [stored(KEYS_A)]))
+        await stream.request(events_message(2, [stored(KEYS_B)]))
+        client = aioredis.Redis.from_url(redis_index.redis_url)
+        try:  # what the promoted replica holds: batch 1 recorded, batch 2 never seen
+            await client.hset(f"{redis_index.redis_prefix}:{{w1}}", "meta.applied", "1")
+        finally:
+            await client.aclose()
+
+        reply = await stream.request(events_message(3, []))
+
+        assert body(reply) == "resync"
+        assert "index_lost_writes" in reply.resync.reason
+        assert await router.index.lookup(KEYS_A) == {}
+        resyncs = router.metrics.registry.get_sample_value(
+            "kvplane_resyncs_total", {"reason": "index_lost_writes"}
+        )
+        assert resyncs == 1
+        reply = await stream.request(register_message(worker("w1", 4)))
+        assert reply.ack.sequence == 0
+        assert (await stream.request(events_message(1, [stored(KEYS_A)]))).ack.sequence == 1
+        assert set(await router.index.lookup(KEYS_A)) == {"w1"}
+
+
 async def test_expired_worker_is_purged_from_redis(redis_index: IndexSettings) -> None:
     settings = make_settings(redis_index, lease_s=0.4)
     async with router_with_channel(settings) as (router, channel):

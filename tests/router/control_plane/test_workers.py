@@ -22,7 +22,9 @@ LEASE_S = 2.0
 
 def _view_with(incarnation: int = 5, now: float = 100.0) -> tuple[WorkerView, WorkerRecord]:
     view = WorkerView()
-    record = view.registered(worker("w1", incarnation), stream=1, now=now, lease_s=LEASE_S)
+    record = view.registered(
+        worker("w1", incarnation), stream=1, now=now, lease_s=LEASE_S, applied=0
+    )
     return view, record
 
 
@@ -62,12 +64,13 @@ def test_renewal_is_due_after_a_quarter_lease() -> None:
     assert needs_renewal(record, 100.5, LEASE_S)
 
 
-def test_reconnect_keeps_the_applied_sequence_and_a_new_incarnation_resets_it() -> None:
+def test_a_registration_takes_the_sequence_the_index_recorded() -> None:
     view, _ = _view_with()
     view.applied("w1", 5, 7, events_at=100.1)
-    record = view.registered(worker("w1", 5), stream=2, now=100.2, lease_s=LEASE_S)
-    assert (record.applied, record.stream) == (7, 2)
-    record = view.registered(worker("w1", 6), stream=3, now=100.3, lease_s=LEASE_S)
+    # A reconnect: the index is the judge (it may have lost batches 6 and 7).
+    record = view.registered(worker("w1", 5), stream=2, now=100.2, lease_s=LEASE_S, applied=5)
+    assert (record.applied, record.stream) == (5, 2)
+    record = view.registered(worker("w1", 6), stream=3, now=100.3, lease_s=LEASE_S, applied=0)
     assert (record.applied, record.incarnation, record.stream) == (0, 6, 3)
 
 
@@ -102,9 +105,9 @@ def test_only_the_owning_stream_disconnects_the_worker() -> None:
 
 def test_sweep_marks_purged_and_expired_dead_then_forgets_them() -> None:
     view = WorkerView()
-    view.registered(worker("purged"), stream=1, now=100.0, lease_s=LEASE_S)
-    view.registered(worker("expired"), stream=2, now=100.0, lease_s=LEASE_S)
-    view.registered(worker("alive"), stream=3, now=101.0, lease_s=LEASE_S)
+    view.registered(worker("purged"), stream=1, now=100.0, lease_s=LEASE_S, applied=0)
+    view.registered(worker("expired"), stream=2, now=100.0, lease_s=LEASE_S, applied=0)
+    view.registered(worker("alive"), stream=3, now=101.0, lease_s=LEASE_S, applied=0)
 
     view.sweep(["purged"], now=102.5, lease_s=LEASE_S)
 

@@ -12,7 +12,7 @@ from kvplane.core.types import (
     Tier,
     WorkerInfo,
 )
-from router.index.base import StaleIncarnation, UnknownWorker, WorkerState
+from router.index.base import SequenceMismatch, StaleIncarnation, UnknownWorker, WorkerState
 from tests.router.index.conftest import IndexFactory, PassTime
 
 LEASE = 30.0
@@ -248,6 +248,56 @@ async def test_same_incarnation_registers_again_without_losing_entries(
     await index.register(info("a", 3), LEASE)
 
     assert (await index.lookup(prompt))["a"].blocks == 3
+
+
+async def test_the_index_records_where_a_reconnecting_agent_resumes(make_index: IndexFactory):
+    index = await make_index()
+    assert await index.register(info("a"), LEASE) == 0
+    await index.apply("a", 1, [stored(chain(30, 4))], sequence=1)
+    await index.apply("a", 1, [], sequence=2)  # an empty batch is recorded too
+
+    assert await index.register(info("a"), LEASE) == 2  # a reconnect, through any router
+    await index.apply("a", 1, [stored(chain(31, 2))], sequence=3)
+    assert await index.register(info("a", incarnation=2), LEASE) == 0  # a new life
+
+
+async def test_a_batch_out_of_sequence_is_refused_whole(make_index: IndexFactory):
+    index = await make_index()
+    prompt = chain(32, 6)
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [stored(prompt[:3])], sequence=1)
+
+    for sequence in (1, 3):  # one already recorded, one past a batch the index never saw
+        with pytest.raises(SequenceMismatch) as refused:
+            await index.apply("a", 1, [stored(prompt[3:], first_position=3)], sequence=sequence)
+        assert (refused.value.expected, refused.value.recorded) == (sequence - 1, 1)
+
+    assert (await index.lookup(prompt))["a"].blocks == 3
+    await index.apply("a", 1, [stored(prompt[3:], first_position=3)], sequence=2)
+    assert (await index.lookup(prompt))["a"].blocks == 6
+
+
+async def test_a_renewal_is_refused_unless_the_index_holds_what_the_caller_applied(
+    make_index: IndexFactory,
+):
+    index = await make_index()
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [stored(chain(33, 2))], sequence=1)
+
+    with pytest.raises(SequenceMismatch) as refused:
+        await index.renew("a", 1, LEASE, applied=2)
+    assert (refused.value.expected, refused.value.recorded) == (2, 1)
+    await index.renew("a", 1, LEASE, applied=1)
+    await index.renew("a", 1, LEASE)  # a caller without a stream checks nothing
+
+
+async def test_writes_without_a_sequence_leave_the_recorded_one(make_index: IndexFactory):
+    index = await make_index()
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [stored(chain(34, 2))], sequence=1)
+    await index.apply("a", 1, [AllBlocksCleared(), stored(chain(35, 2))])
+
+    assert await index.register(info("a"), LEASE) == 1
 
 
 async def test_expired_lease_scores_nothing_and_is_purged(make_index: IndexFactory):

@@ -48,7 +48,7 @@ async def parts() -> AsyncIterator[RouterParts]:
     for worker_id in WORKERS:
         info = WorkerInfo(worker_id, 1, f"http://{worker_id}.invalid:8000", MODEL, 4)
         await backend.register(info, 60.0)
-        router.workers.registered(info, stream=1, now=0.0, lease_s=60.0)
+        router.workers.registered(info, stream=1, now=0.0, lease_s=60.0, applied=0)
     await router.pool.refresh()
     try:
         yield router

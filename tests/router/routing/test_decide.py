@@ -91,7 +91,7 @@ async def make_planner(
             kv_capacity_blocks=CAPACITY_BLOCKS,
         )
         await index.register(info, lease_s=60.0)
-        view.registered(info, stream=1, now=clock(), lease_s=60.0)
+        view.registered(info, stream=1, now=clock(), lease_s=60.0, applied=0)
     pool = WorkerPool(
         index,
         view,

@@ -67,7 +67,7 @@ async def make_planner(
     index = MemoryLocationIndex()
     for info in workers:
         await index.register(info, lease_s=60.0)
-        view.registered(info, stream=1, now=0.0, lease_s=60.0)
+        view.registered(info, stream=1, now=0.0, lease_s=60.0, applied=0)
     pool = WorkerPool(
         index,
         view,

@@ -56,7 +56,7 @@ class Setup:
     async def register(self, worker_id: str, incarnation: int = 1, **fields: Any) -> None:
         info = worker(worker_id, incarnation, **fields)
         await self.index.register(info, LEASE_S)
-        self.view.registered(info, stream=1, now=self.clock.now, lease_s=LEASE_S)
+        self.view.registered(info, stream=1, now=self.clock.now, lease_s=LEASE_S, applied=0)
 
     def ids(self, model: str | None = None) -> list[str]:
         return sorted(c.worker_id for c in self.pool.candidates(model))
@@ -278,7 +278,7 @@ async def test_a_registry_read_that_fails_makes_the_views_deaths_guesses_at_once
         )
         info = worker("w1")
         await index.register(info, LEASE_S)
-        view.registered(info, stream=1, now=clock.now, lease_s=LEASE_S)
+        view.registered(info, stream=1, now=clock.now, lease_s=LEASE_S, applied=0)
         await pool.refresh()
         view.dead("w1", clock.now)  # its lease ran out in this router's view
         assert [c.worker_id for c in pool.candidates()] == []

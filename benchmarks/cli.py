@@ -125,6 +125,7 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
         request_blocks=args.request_blocks,
         request_rate=args.request_rate,
         plot=args.plot,
+        faults=args.faults,
     )
 
 
@@ -332,6 +333,13 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
     scale.add_argument("--request-blocks", type=int, default=64, help="blocks per request")
     scale.add_argument(
         "--request-rate", type=_positive, default=50.0, help="requests a second, all routers"
+    )
+    scale.add_argument(
+        "--faults",
+        action="store_true",
+        help="at each point, kill the busiest Redis master, then restart a router, each "
+        "under --duration seconds of load: failover and recovery timings, and an audit of "
+        "the index against the workers' caches (instead of the steady phases)",
     )
     scale.set_defaults(handler=_run_bench_scale)
     return parser

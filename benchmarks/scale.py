@@ -49,6 +49,7 @@ import multiprocessing
 import platform
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -65,7 +66,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvplane.core.serving import free_port
 from router.check import TOKEN_VARIABLE
 from simulations.engine_sim.process import spawn_engine_sim
-from simulations.processes import spawn_kvplane
+from simulations.processes import start_kvplane
 from simulations.redis_servers import RunningCluster, redis_cluster
 from simulations.synthetic_fleet import (
     FILLED,
@@ -182,7 +183,7 @@ def _delta(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], na
     )
 
 
-def _bucket_delta(
+def bucket_delta(
     before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], name: str
 ) -> dict[float, float]:
     total: dict[float, float] = {}
@@ -232,42 +233,73 @@ def _redis_totals(cluster: RunningCluster) -> tuple[float, float]:
 # -- the point's processes ------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class RouterReplica:
+    """One `kvplane router` process, which a fault sitting may kill and start again on
+    the same ports."""
+
+    args: list[str]
+    url: str
+    grpc_address: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, redis_url: str) -> None:
+        """Start it on the cluster `redis_url` names (a live node: it learns the rest)."""
+        env = {
+            TOKEN_VARIABLE: ADMIN_TOKEN,
+            "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET": WORKER_SECRET,
+        }
+        args = [*self.args, "--index", "redis-cluster", "--redis-url", redis_url]
+        self.process = start_kvplane(args, self.url + "/healthz", env=env)
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+    @property
+    def probe(self) -> RouterProbe:
+        assert self.process is not None
+        return RouterProbe(self.url, self.process.pid)
+
+
 @dataclass(frozen=True, slots=True)
 class RunningPoint:
     cluster: RunningCluster
-    routers: list[RouterProbe]
-    grpc_addresses: list[str]
+    replicas: list[RouterReplica]
     engine_url: str
+
+    @property
+    def routers(self) -> list[RouterProbe]:
+        return [replica.probe for replica in self.replicas]
+
+    @property
+    def grpc_addresses(self) -> list[str]:
+        return [replica.grpc_address for replica in self.replicas]
 
 
 @contextmanager
-def _point(workdir: Path, routers: int) -> Iterator[RunningPoint]:
+def running_point(workdir: Path, routers: int) -> Iterator[RunningPoint]:
     quiet = ("--log-level", "WARNING")
     with ExitStack() as stack:
         cluster = stack.enter_context(redis_cluster(workdir, masters=3, replicas=1))
         engine = stack.enter_context(spawn_engine_sim("--time-scale", "0", *quiet))
-        probes, addresses = [], []
+        replicas = []
         for _ in range(routers):
             grpc_port, http_port = free_port(), free_port()
-            url = f"http://127.0.0.1:{http_port}"
-            process = stack.enter_context(
-                spawn_kvplane(
-                    ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                     "--index", "redis-cluster", "--redis-url", cluster.url, *quiet],
-                    url + "/healthz",
-                    env={
-                        TOKEN_VARIABLE: ADMIN_TOKEN,
-                        "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET": WORKER_SECRET,
-                    },
-                )
+            replica = RouterReplica(
+                ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port), *quiet],
+                f"http://127.0.0.1:{http_port}",
+                f"127.0.0.1:{grpc_port}",
             )  # fmt: skip
-            probes.append(RouterProbe(url, process.pid))
-            addresses.append(f"127.0.0.1:{grpc_port}")
-        yield RunningPoint(cluster, probes, addresses, engine.base_url)
+            stack.callback(replica.kill)
+            replica.start(cluster.url)
+            replicas.append(replica)
+        yield RunningPoint(cluster, replicas, engine.base_url)
 
 
 @contextmanager
-def _fleet_process(shape: FleetShape, addresses: Sequence[str]) -> Iterator[Connection]:
+def fleet_process(shape: FleetShape, addresses: Sequence[str]) -> Iterator[Connection]:
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     process = context.Process(target=run_fleet_process, args=(shape, addresses, theirs))
@@ -281,7 +313,7 @@ def _fleet_process(shape: FleetShape, addresses: Sequence[str]) -> Iterator[Conn
             process.join()
 
 
-def _await_message(conn: Connection, expected: str, timeout_s: float) -> None:
+def await_message(conn: Connection, expected: str, timeout_s: float) -> None:
     if not conn.poll(timeout_s):
         raise TimeoutError(f"the synthetic fleet did not say {expected!r} in {timeout_s:g} s")
     message = conn.recv()
@@ -289,7 +321,7 @@ def _await_message(conn: Connection, expected: str, timeout_s: float) -> None:
         raise RuntimeError(f"the synthetic fleet said {message!r}, not {expected!r}")
 
 
-def _require_in_play(point: RunningPoint, shape: FleetShape) -> None:
+def require_in_play(point: RunningPoint, shape: FleetShape) -> None:
     """Every router lists every worker, and finds a system prompt's holders in the index
     (a lookup that matches nothing measures nothing)."""
     headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -317,7 +349,7 @@ def _require_in_play(point: RunningPoint, shape: FleetShape) -> None:
 # -- the request load -----------------------------------------------------------------
 
 
-async def _open_loop(
+async def open_loop(
     urls: Sequence[str], shape: FleetShape, rate_per_s: float, duration_s: float
 ) -> tuple[int, int]:
     """Requests arriving at `rate_per_s` (Poisson) for `duration_s`, round robin over
@@ -376,7 +408,7 @@ class Phase:
         return _delta(self.before, self.after, "at") / len(self.before)
 
     def buckets(self, name: str) -> dict[float, float]:
-        return _bucket_delta(self.before, self.after, name)
+        return bucket_delta(self.before, self.after, name)
 
 
 def _phase(
@@ -391,7 +423,7 @@ def _phase(
         time.sleep(duration_s)
     else:
         urls = [router.url for router in point.routers]
-        answered, failed = asyncio.run(_open_loop(urls, shape, request_rate, duration_s))
+        answered, failed = asyncio.run(open_loop(urls, shape, request_rate, duration_s))
     seconds = time.monotonic() - started
     after = [router.scrape() for router in point.routers]
     _, redis_cpu_after = _redis_totals(point.cluster)
@@ -406,14 +438,14 @@ def measure_point(
     duration_s: float,
     request_rate: float,
 ) -> ScaleFigures:
-    with _point(workdir, routers) as point:
+    with running_point(workdir, routers) as point:
         shape = dataclasses.replace(shape, base_url=point.engine_url)
         memory_before, _ = _redis_totals(point.cluster)
-        with _fleet_process(shape, point.grpc_addresses) as fleet:
+        with fleet_process(shape, point.grpc_addresses) as fleet:
             started = time.monotonic()
-            _await_message(fleet, FILLED, FILL_TIMEOUT_S)
+            await_message(fleet, FILLED, FILL_TIMEOUT_S)
             fill_s = time.monotonic() - started
-            _require_in_play(point, shape)
+            require_in_play(point, shape)
             memory_after, _ = _redis_totals(point.cluster)
             fleet.send(PAUSE)
             time.sleep(1.0)  # the batches in flight are acknowledged
@@ -555,6 +587,20 @@ def _table(results: Sequence[ScaleFigures]) -> str:
     return format_table([[label for _, label in COLUMNS], *rows])
 
 
+def fleet_shape(
+    workers: int, capacity_blocks: int, request_blocks: int, batches_per_s: float
+) -> FleetShape:
+    return FleetShape(
+        workers=workers,
+        model=MODEL,
+        base_url="",  # the point's engine simulator's (measure_point)
+        capacity_blocks=capacity_blocks,
+        request_blocks=request_blocks,
+        batches_per_s=batches_per_s,
+        worker_secret=WORKER_SECRET,
+    )
+
+
 def run_scale_benchmark(
     *,
     json_path: Path | None,
@@ -566,18 +612,24 @@ def run_scale_benchmark(
     request_blocks: int,
     request_rate: float,
     plot: Path | None = None,
+    faults: bool = False,
 ) -> int:
-    results: list[ScaleFigures] = []
-    for count, replicas in itertools.product(workers, routers):
-        shape = FleetShape(
-            workers=count,
-            model=MODEL,
-            base_url="",  # the point's engine simulator's (measure_point)
-            capacity_blocks=capacity_blocks,
-            request_blocks=request_blocks,
-            batches_per_s=batches_per_s,
-            worker_secret=WORKER_SECRET,
+    shapes = [
+        fleet_shape(count, capacity_blocks, request_blocks, batches_per_s) for count in workers
+    ]
+    if faults:
+        from benchmarks.scale_faults import run_fault_benchmark
+
+        return run_fault_benchmark(
+            json_path=json_path,
+            shapes=shapes,
+            routers=routers,
+            request_rate=request_rate,
+            window_s=duration_s,
         )
+    results: list[ScaleFigures] = []
+    for shape, replicas in itertools.product(shapes, routers):
+        count = shape.workers
         with tempfile.TemporaryDirectory(prefix="kvplane-bench-scale-") as workdir:
             print(f"{count} workers, {replicas} routers ...", flush=True)
             figures = measure_point(

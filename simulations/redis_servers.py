@@ -145,6 +145,10 @@ class RunningCluster:
         """The live nodes that serve slots now (a replica promoted by a failover too)."""
         return [node for node in self.nodes if node.alive and _role(node) == "master"]
 
+    def live_url(self) -> str:
+        """A live master's URL: the seed's may be a master a fault killed."""
+        return f"redis://127.0.0.1:{self.masters()[0].port}/0"
+
     def master_of(self, key: bytes) -> ClusterNode:
         """The live master that serves `key`'s slot now."""
         slot = key_slot(key)

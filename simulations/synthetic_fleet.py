@@ -17,20 +17,31 @@ one batch as an engine step would announce a finished request: the request's blo
 stored and, at capacity, its oldest request's blocks removed. Each batch waits for its
 acknowledgement (the control plane acknowledges once the index applied it): the time
 from sending to the acknowledgement is the batch's apply lag as the agent sees it.
+
+Through faults it behaves as worker_agent/publisher.py does: a stream that ends is
+opened again (backing off, through the next router in turn, as a load balancer in front
+of the replicas would send it), under the same incarnation, resuming after the sequence
+the control plane says it applied; a Resync, a Reject (but for bad credentials or an
+incompatible worker, which fail it), or an Ack of a sequence the worker never sent or
+one behind what was acknowledged, starts a new incarnation that sends the whole cache
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import cast
 
 import grpc.aio
+from redis.asyncio.cluster import RedisCluster
 
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import (
@@ -45,12 +56,15 @@ from kvplane.core.types import (
 from kvplane.core.worker_credentials import worker_token
 from kvplane.wire.codec import events_message, load_message, register_message
 from kvplane.wire.stream import AgentStream
+from kvplane.wire.v1 import control_plane_pb2 as pb
 
 BLOCK_SIZE = 16
 TOKEN_IDS = 500  # token ids drawn below this: within the engine simulator's vocabulary
 STREAMS_PER_CHANNEL = 100  # gRPC multiplexes streams; a few connections spread the load
-RECONNECTS = 5  # streams opened again before a worker counts as failed
-RECONNECT_BACKOFF_S = 0.5  # times the attempt
+RECONNECT_BACKOFF_S = 0.25  # doubled each failed attempt in a row, up to the cap
+RECONNECT_BACKOFF_CAP_S = 4.0
+FATAL_REJECTS = (pb.REJECT_CODE_INCOMPATIBLE, pb.REJECT_CODE_UNAUTHENTICATED)  # as the agent's
+SNAPSHOT_REQUESTS_PER_BATCH = 16  # a new incarnation's whole cache, in batches of these
 FLOWING = WiringReport(EventsState.FLOWING, ReplayState.OK, BLOCK_SIZE)
 
 
@@ -84,8 +98,14 @@ class WorkerFigures:
     blocks_removed: int = 0
     held_blocks: int = 0
     ack_seconds: list[float] = field(default_factory=list)  # in the steady phase
-    reconnects: int = 0
+    reconnects: int = 0  # streams opened again after one ended
+    resumed: int = 0  # of those, the ones that went on under the same incarnation
+    incarnations: int = 0  # new ones after the first (a Resync, or a resume refused)
     failure: str = ""
+
+
+class NewIncarnation(Exception):
+    """The control plane does not hold what this incarnation sent: start another."""
 
 
 class SyntheticWorker:
@@ -100,6 +120,8 @@ class SyntheticWorker:
         self._pending: list[BlocksStored | BlocksRemoved] | None = None  # not acknowledged
         self.incarnation = time.time_ns()
         self.writing = asyncio.Lock()  # a gRPC call takes one write at a time
+        self.acked = 0  # the last sequence acknowledged
+        self.streaming = False  # registered on a stream that is open now
 
     @property
     def info(self) -> WorkerInfo:
@@ -119,50 +141,74 @@ class SyntheticWorker:
 
     async def run(
         self,
-        channel: grpc.aio.Channel,
+        channels: Sequence[grpc.aio.Channel],
         steady: asyncio.Event,
         paused: asyncio.Event,
         stop: asyncio.Event,
     ) -> None:
         """Register, fill the cache (as fast as batches are acknowledged), then send at
         the shape's rate (none while `paused`: load reports only), timing
-        acknowledgements once `steady` is set, until `stop`. A stream the control plane
-        ends without a Reject (its index did not answer in time) is opened again, under
-        the same incarnation, as the agent does: its entries stay, and the batch it
-        did not acknowledge is sent again."""
+        acknowledgements once `steady` is set, until `stop`. Streams go to `channels[0]`
+        first, then to the next one each time a stream ends (see the module's doc)."""
         figures = self.figures
-        for attempt in range(RECONNECTS + 1):
+        failures_in_a_row = 0
+        for channel in itertools.cycle(channels):
             stream = AgentStream(channel, token=self.token())
+            self.streaming = False
             try:
                 await self._session(stream, steady, paused, stop)
                 return
-            except Exception as error:  # counted, reported: the run goes on without it
+            except NewIncarnation:
+                self._start_new_incarnation()
+                failures_in_a_row = 0
+                continue
+            except Exception:  # the stream ended: opened again, as the agent does
                 reject = await stream.unread_reject(0.5)
-                if reject is None and attempt < RECONNECTS and not stop.is_set():
-                    figures.reconnects += 1
-                    await asyncio.sleep(RECONNECT_BACKOFF_S * (attempt + 1))
-                    continue
-                why = f"{type(error).__name__}: {error}" if reject is None else str(reject).strip()
-                figures.failure = f"after {figures.batches} batches: {why}"[:200]
-                return
+                if reject is not None and reject.code in FATAL_REJECTS:
+                    figures.failure = f"after {figures.batches} batches: {str(reject).strip()}"
+                    return
+                if stop.is_set():
+                    return
+                if reject is not None:  # any other: a new incarnation is always safe
+                    self._start_new_incarnation()
+                figures.reconnects += 1
+                failures_in_a_row += 1
+                backoff = RECONNECT_BACKOFF_S * 2 ** min(failures_in_a_row - 1, 8)
+                await asyncio.sleep(
+                    min(backoff, RECONNECT_BACKOFF_CAP_S) * self.rng.uniform(0.5, 1)
+                )
             finally:
                 stream.call.cancel()
+
+    def _start_new_incarnation(self) -> None:
+        self.incarnation = max(self.incarnation + 1, time.time_ns())
+        self.sequence = self.acked = 0
+        self._pending = None
+        self.figures.incarnations += 1
 
     async def _session(
         self, stream: AgentStream, steady: asyncio.Event, paused: asyncio.Event, stop: asyncio.Event
     ) -> None:
         figures, shape = self.figures, self.shape
         reply = await stream.request(register_message(self.info))
+        if reply.WhichOneof("body") == "resync":
+            raise NewIncarnation
         if reply.WhichOneof("body") != "ack":
             raise RuntimeError(f"registration answered {reply.WhichOneof('body')}")
         figures.registered = True
+        self.streaming = True
+        applied = reply.ack.sequence
+        if not self.acked <= applied <= self.sequence:
+            raise NewIncarnation  # it lost batches it acknowledged, or names unsent ones
+        if self.sequence:
+            figures.resumed += 1
         if self._pending is not None:
-            if reply.ack.sequence < self.sequence:
+            if applied < self.sequence:
                 await self._deliver(stream, timed=False)
             else:  # applied; only its acknowledgement was lost
                 self._acknowledged()
         if self.sequence == 0:
-            await self._send(stream, [self._stored(self.system_keys, None)], timed=False)
+            await self._send_snapshot(stream)
         reporter = asyncio.ensure_future(self._report_load(stream, stop))
         try:
             while self._held() + shape.request_blocks <= shape.capacity_blocks:
@@ -179,8 +225,30 @@ class SyntheticWorker:
         finally:
             reporter.cancel()
 
+    async def _send_snapshot(self, stream: AgentStream) -> None:
+        """What a new incarnation starts with: everything cached (the system prompt,
+        then each request held, under it)."""
+        await self._send(stream, [self._stored(self.system_keys, None)], timed=False)
+        held = list(self.requests)
+        for start in range(0, len(held), SNAPSHOT_REQUESTS_PER_BATCH):
+            chunk = held[start : start + SNAPSHOT_REQUESTS_PER_BATCH]
+            events: list[BlocksStored | BlocksRemoved] = [
+                self._stored(keys, self.system_keys[-1]) for keys in chunk
+            ]
+            await self._send(stream, events, timed=False)
+
     def _held(self) -> int:
         return len(self.system_keys) + sum(len(keys) for keys in self.requests)
+
+    def held_keys(self) -> set[BlockKey]:
+        return set(self.system_keys).union(*self.requests)
+
+    def settled(self) -> bool:
+        """Streaming, full, and with nothing unacknowledged (or failed for good)."""
+        if self.figures.failure:
+            return True
+        full = self._held() + self.shape.request_blocks > self.shape.capacity_blocks
+        return self.streaming and full and self._pending is None
 
     def _stored(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> BlocksStored:
         first = 0 if parent is None else len(self.system_keys)
@@ -212,6 +280,8 @@ class SyntheticWorker:
         async with self.writing:
             await stream.send(events_message(self.sequence, self._pending))
         reply = await stream.reply()
+        if reply.WhichOneof("body") == "resync":
+            raise NewIncarnation
         if reply.WhichOneof("body") != "ack" or reply.ack.sequence != self.sequence:
             raise RuntimeError(f"batch {self.sequence} answered {reply.WhichOneof('body')}")
         if timed:
@@ -220,6 +290,7 @@ class SyntheticWorker:
 
     def _acknowledged(self) -> None:
         self._pending = None
+        self.acked = self.sequence
         self.figures.batches += 1
         self.figures.held_blocks = self._held()
 
@@ -260,15 +331,21 @@ class SyntheticFleet:
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
+        """Each worker streams to the router after the last one's first (in turn), and
+        to the next ones after a stream ends."""
         channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        count = len(self.addresses)
         for number, worker in enumerate(self.workers):
-            address = self.addresses[number % len(self.addresses)]
-            slot = (address, number // (STREAMS_PER_CHANNEL * len(self.addresses)))
-            channel = channels.get(slot)
-            if channel is None:
-                channel = channels[slot] = grpc.aio.insecure_channel(address)
-                self._channels.append(channel)
-            run = worker.run(channel, self.steady, self.paused, self.stop)
+            group = number // (STREAMS_PER_CHANNEL * count)
+            mine = []
+            for turn in range(count):
+                address = self.addresses[(number + turn) % count]
+                channel = channels.get((address, group))
+                if channel is None:
+                    channel = channels[address, group] = grpc.aio.insecure_channel(address)
+                    self._channels.append(channel)
+                mine.append(channel)
+            run = worker.run(mine, self.steady, self.paused, self.stop)
             self._tasks.append(asyncio.ensure_future(run))
 
     def full(self) -> int:
@@ -282,6 +359,27 @@ class SyntheticFleet:
 
     def held_blocks(self) -> int:
         return sum(worker.figures.held_blocks for worker in self.workers)
+
+    def report(self) -> FleetReport:
+        figures = [worker.figures for worker in self.workers]
+        failed = [
+            f"{worker.worker_id}: {worker.figures.failure}"
+            for worker in self.workers
+            if worker.figures.failure
+        ]
+        return FleetReport(
+            registered=sum(f.registered for f in figures),
+            failed=failed[:5],
+            failures=len(failed),
+            reconnects=sum(f.reconnects for f in figures),
+            resumed=sum(f.resumed for f in figures),
+            incarnations=sum(f.incarnations for f in figures),
+            batches=sum(f.batches for f in figures),
+            blocks_stored=sum(f.blocks_stored for f in figures),
+            blocks_removed=sum(f.blocks_removed for f in figures),
+            held_blocks=self.held_blocks(),
+            ack_seconds=[s for f in figures for s in f.ack_seconds],
+        )
 
     async def close(self) -> None:
         self.stop.set()
@@ -297,6 +395,22 @@ STEADY = "steady"  # parent -> child: time acknowledgements from now on
 PAUSE = "pause"  # parent -> child: no more batches (load reports go on)
 RESUME = "resume"  # parent -> child: batches again
 STOP = "stop"  # parent -> child: stop, and send the figures
+REPORT = "report"  # parent -> child: send the figures so far
+AUDIT = "audit"  # parent -> child, with the index's Redis: compare it with the caches
+SETTLE_TIMEOUT_S = 120.0  # an audit waits this long for every worker to settle
+
+
+@dataclass(frozen=True, slots=True)
+class Audit:
+    """The index against what the workers cache, block by block, once every worker is
+    settled (the fleet paused first): what an index that lost nothing must match."""
+
+    settled: bool  # every worker settled before the audit (else it compares a moving fleet)
+    workers: int
+    missing: int  # blocks a worker holds that its hash does not
+    extra: int  # blocks its hash holds that it does not
+    wrong_incarnation: int  # workers whose hash records another incarnation than theirs
+    mismatched_workers: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +419,8 @@ class FleetReport:
     failed: list[str]  # each failed worker's id and why (the first few)
     failures: int
     reconnects: int
+    resumed: int
+    incarnations: int
     batches: int
     blocks_stored: int
     blocks_removed: int
@@ -314,7 +430,8 @@ class FleetReport:
 
 def run_fleet_process(shape: FleetShape, grpc_addresses: Sequence[str], conn: Connection) -> None:
     """A child process's body: runs the fleet, says FILLED once every cache is full,
-    starts timing at STEADY, stops sending batches at PAUSE (until RESUME), and at STOP
+    starts timing at STEADY, stops sending batches at PAUSE (until RESUME), answers
+    REPORT with a FleetReport and (AUDIT, Redis URL, prefix) with an Audit, and at STOP
     sends a FleetReport and returns."""
     asyncio.run(_serve_parent(shape, grpc_addresses, conn))
 
@@ -332,7 +449,11 @@ async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: 
         if not readable:
             continue
         command = conn.recv()
-        if command == STEADY:
+        if isinstance(command, tuple) and command[0] == AUDIT:
+            conn.send(await audit(fleet, *command[1:]))
+        elif command == REPORT:
+            conn.send(fleet.report())
+        elif command == STEADY:
             fleet.steady.set()
         elif command == PAUSE:
             fleet.paused.set()
@@ -341,22 +462,36 @@ async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: 
         elif command == STOP:
             break
     await fleet.close()
-    figures = [worker.figures for worker in fleet.workers]
-    failed = [
-        f"{worker.worker_id}: {worker.figures.failure}"
-        for worker in fleet.workers
-        if worker.figures.failure
-    ]
-    conn.send(
-        FleetReport(
-            registered=sum(f.registered for f in figures),
-            failed=failed[:5],
-            failures=len(failed),
-            reconnects=sum(f.reconnects for f in figures),
-            batches=sum(f.batches for f in figures),
-            blocks_stored=sum(f.blocks_stored for f in figures),
-            blocks_removed=sum(f.blocks_removed for f in figures),
-            held_blocks=fleet.held_blocks(),
-            ack_seconds=[s for f in figures for s in f.ack_seconds],
-        )
-    )
+    conn.send(fleet.report())
+
+
+async def audit(fleet: SyntheticFleet, redis_url: str, prefix: str) -> Audit:
+    """Every worker's hash in the index (`prefix`, a Redis Cluster at `redis_url`) against
+    the blocks the worker holds (docs/redis-layout.md: a held block is an 8-byte field,
+    its key little-endian, whose tier mask, the value's first byte, is not 0)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not all(worker.settled() for worker in fleet.workers):
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    settled = all(worker.settled() for worker in fleet.workers)
+    client = RedisCluster.from_url(redis_url)
+    missing = extra = wrong = mismatched = 0
+    try:
+        for worker in fleet.workers:
+            name = f"{prefix}:{{{worker.worker_id}}}".encode()
+            stored = cast(dict[bytes, bytes], await client.hgetall(name))
+            indexed = {
+                BlockKey(int.from_bytes(field, "little"))
+                for field, value in stored.items()
+                if len(field) == 8 and value[0] != 0
+            }
+            lease = stored.get(b"meta.lease", b"")
+            held = worker.held_keys()
+            lost, surplus = len(held - indexed), len(indexed - held)
+            other = lease[9:] != b"%020d" % worker.incarnation
+            missing, extra, wrong = missing + lost, extra + surplus, wrong + other
+            mismatched += bool(lost or surplus or other)
+    finally:
+        await client.aclose()
+    return Audit(settled, len(fleet.workers), missing, extra, wrong, mismatched)

@@ -333,19 +333,12 @@ class _Stream:
             )
         now = self.clock()
         record = self.view.get(info.worker_id)
-        verdict = classify_register(record, info.incarnation, now)
+        verdict = classify_register(record, info.incarnation)
         if verdict is RegisterVerdict.STALE:
             assert record is not None
             return Rejection(
                 pb.REJECT_CODE_STALE_INCARNATION,
                 f"incarnation {info.incarnation} is older than {record.incarnation}",
-            )
-        if verdict is RegisterVerdict.LOST:
-            # The index dropped (or is about to drop) this incarnation's entries; the
-            # agent must send its whole state again under a new incarnation.
-            self.worker_id, self.incarnation = info.worker_id, info.incarnation
-            return self._resync(
-                ResyncCause.LEASE_EXPIRED, f"the lease of incarnation {info.incarnation} ran out"
             )
         try:
             # What the index recorded, not this view: another router may have applied

@@ -44,25 +44,19 @@ class WorkerRecord:
 
 
 class RegisterVerdict(enum.Enum):
-    NEW = "new"  # an incarnation this router holds nothing for: Ack 0
-    RECONNECT = "reconnect"  # the same live incarnation: Ack what was applied
+    NEW = "new"  # an incarnation this router holds nothing for
+    RECONNECT = "reconnect"  # the incarnation this router knows
     STALE = "stale"  # a higher incarnation is known: Reject
-    LOST = "lost"  # the same incarnation, but its lease ran out: its entries are gone
 
 
-RECONNECT_MARGIN_S = 0.5
-"""A reconnect needs at least this much of its lease left: the index checks the lease
-a round trip later than this view does, and a lease that ran out in between would
-have its entries dropped under an Ack that claims they were kept."""
-
-
-def classify_register(record: WorkerRecord | None, incarnation: int, now: float) -> RegisterVerdict:
+def classify_register(record: WorkerRecord | None, incarnation: int) -> RegisterVerdict:
+    """Whether a reconnect kept its entries is the index's to say, not this view's (the
+    sequence its register returns: 0 when its lease ran out and they went): the worker
+    may have renewed its lease through another router since this one last saw it."""
     if record is None or incarnation > record.incarnation:
         return RegisterVerdict.NEW
     if incarnation < record.incarnation:
         return RegisterVerdict.STALE
-    if record.state is WorkerState.DEAD or record.lease_deadline <= now + RECONNECT_MARGIN_S:
-        return RegisterVerdict.LOST
     return RegisterVerdict.RECONNECT
 
 
@@ -121,6 +115,8 @@ class WorkerView:
             return record
         record.applied = applied
         record.info = info
+        if record.state is WorkerState.DEAD:  # the index holds it again, from `applied`
+            record.state, record.dead_since = WorkerState.LIVE, None
         record.lease_deadline = now + lease_s
         record.renewed_at = now
         record.stream = stream

@@ -46,6 +46,29 @@ def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
     assert "4 workers, 2 routers" in capsys.readouterr().out
 
 
+def test_bench_scale_faults_lose_nothing_the_agents_hold(tmp_path: Path) -> None:
+    report_path = tmp_path / "faults.json"
+    status = main(
+        ["bench", "scale", "--faults", "--workers", "4", "--routers", "2", "--duration", "4",
+         "--capacity-blocks", str(CAPACITY), "--request-blocks", str(REQUEST),
+         "--batches-per-s", "5", "--request-rate", "20", "--json", str(report_path)]
+    )  # fmt: skip
+    assert status == 0
+    (point,) = json.loads(report_path.read_text())["points"]
+    clean = {"settled": True, "workers": 4, "missing": 0, "extra": 0, "wrong_incarnation": 0,
+             "mismatched_workers": 0}  # fmt: skip
+    failover, restart = point["failover"], point["restart"]
+    assert point["audit_before"] == failover["audit"] == restart["audit"] == clean
+    assert failover["cluster_ok_s"] >= failover["promoted_s"] > 0
+    assert failover["requests"] > 0
+    assert failover["failed_requests"] == 0  # load-only meanwhile, never refused
+    # The restarted router's agents went on through the other under their incarnations
+    # (the shared index records where each left off), and it found them in the index.
+    assert restart["resumed"] >= 1
+    assert restart["new_incarnations"] == 0
+    assert restart["on_index_s"] >= restart["healthy_s"] > 0
+
+
 def test_a_quantile_read_off_cumulative_buckets_is_linear_within_its_bucket() -> None:
     buckets = {0.001: 50.0, 0.005: 90.0, 0.01: 100.0, math.inf: 100.0}
     assert bucket_quantile(buckets, 0.5) == pytest.approx(0.001)

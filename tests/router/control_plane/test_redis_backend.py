@@ -18,6 +18,8 @@ from kvplane.wire.codec import events_message, register_message
 from kvplane.wire.stream import AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import running_router
+from router.index.base import WorkerState
+from tests.clock import ManualClock
 from tests.router.conftest import (
     body,
     make_settings,
@@ -87,6 +89,41 @@ async def test_an_agent_resumes_on_another_router_where_the_first_left_it(
             "w1": len(KEYS_A)
         }
         assert set(await router.index.lookup(KEYS_B)) == {"w1"}
+
+
+async def test_an_agent_back_on_a_router_whose_view_of_it_went_stale_resumes(
+    redis_index: IndexSettings,
+) -> None:
+    """Router A last saw the worker before it moved to router B, which kept its lease:
+    A's own view says the lease ran out, the shared index says it did not, and the index
+    is the judge."""
+    clock = ManualClock()
+    async with (
+        router_with_channel(make_settings(redis_index), clock=clock) as (a, a_channel),
+        router_with_channel(make_settings(redis_index)) as (_, b_channel),
+    ):
+        first = AgentStream(a_channel)
+        await first.request(register_message(worker("w1", 3)))
+        await first.request(events_message(1, [stored(KEYS_A)]))
+        await first.close()
+        second = AgentStream(b_channel)
+        assert (await second.request(register_message(worker("w1", 3)))).ack.sequence == 1
+        assert (await second.request(events_message(2, [stored(KEYS_B)]))).ack.sequence == 2
+        await second.close()
+        clock.advance(make_settings(redis_index).control_plane.lease_s + 1)
+
+        def dead_in_a() -> bool:
+            record = a.workers.get("w1")
+            return record is not None and record.state is WorkerState.DEAD
+
+        await wait_until("router A's view to give up on the worker", dead_in_a)
+        third = AgentStream(a_channel)
+        reply = await third.request(register_message(worker("w1", 3)))
+
+        assert body(reply) == "ack"
+        assert reply.ack.sequence == 2
+        assert (await third.request(events_message(3, []))).ack.sequence == 3
+        assert set(await a.index.lookup(KEYS_B)) == {"w1"}
 
 
 async def test_writes_the_index_lost_make_the_worker_resync(redis_index: IndexSettings) -> None:

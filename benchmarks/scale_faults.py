@@ -1,0 +1,397 @@
+"""`kvplane bench scale --faults`: what a fleet at scale goes through when a part of its
+shared index fails, at each point (workers x routers) of `kvplane bench scale`, on the
+same processes (benchmarks/scale.py starts them) and under the same load: the fleet's
+batches at their rate, and requests through every router at the request rate.
+
+1. Failover: the Redis Cluster master that serves the most workers is killed
+   (SIGKILL). Measured from its death: when its replica serves as master (the
+   cluster's own failover) and the cluster says ok; when each router went load-only
+   and when it routed on the index again (its `/readyz`, polled every 0.2 s); the
+   requests' outcome and decision latency meanwhile; the resyncs the routers asked for
+   because the promoted replica lacked writes (`index_lost_writes`).
+2. Router restart: the first router replica is killed and started again on its ports
+   after `RESTART_DOWN_S`. Its agents stream to the next replica meanwhile, resuming
+   under their incarnations where the index says they left off (or starting new ones
+   where it cannot). Measured: how long the restarted router takes to answer, and to
+   find a system prompt's holders in the index (`/fleet/locality`), from its start.
+
+After each, with the fleet's batches paused and every worker settled, an audit compares
+the index with what every worker caches, block by block: nothing an agent holds may be
+missing, nothing it does not hold may be left, and every worker's hash must record the
+incarnation it streams under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from redis.crc import key_slot
+
+from benchmarks.scale import (
+    ADMIN_TOKEN,
+    FILL_TIMEOUT_S,
+    MODEL,
+    RunningPoint,
+    await_message,
+    bucket_delta,
+    bucket_quantile,
+    fleet_process,
+    open_loop,
+    require_in_play,
+    running_point,
+)
+from simulations.redis_servers import ClusterNode
+from simulations.synthetic_fleet import (
+    AUDIT,
+    FILLED,
+    PAUSE,
+    REPORT,
+    RESUME,
+    STEADY,
+    STOP,
+    Audit,
+    FleetReport,
+    FleetShape,
+)
+
+REDIS_PREFIX = "kvp"  # the routers' default index.redis_prefix
+WARM_S = 3.0  # of load before each fault
+FAILOVER_TIMEOUT_S = 60.0
+RESTART_DOWN_S = 3.0
+POLL_S = 0.2
+SETTLE_S = 1.0  # batches in flight acknowledged after a pause
+HEADERS = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverFigures:
+    promoted_s: float  # from the master's death to its replica serving as master
+    cluster_ok_s: float  # ... to every live node saying cluster_state:ok
+    routers_load_only: int  # routers whose /readyz said load-only meanwhile
+    load_only_s: float  # from the death to the first router saying load-only
+    index_back_s: float  # ... to the last of them routing on the index again
+    back_after_failover_s: float  # index_back_s - promoted_s
+    requests: int
+    failed_requests: int
+    decision_p99_ms: float  # over the window
+    lost_write_resyncs: int  # kvplane_resyncs_total{reason="index_lost_writes"}
+    new_incarnations: int  # the fleet's, over the window
+    reconnects: int
+    audit: Audit
+
+
+@dataclass(frozen=True, slots=True)
+class RestartFigures:
+    healthy_s: float  # from the start of the restarted router to its /healthz
+    on_index_s: float  # ... to its /fleet/locality finding a system prompt's holders
+    resumed: int  # streams that went on under the same incarnation (another router's)
+    new_incarnations: int
+    reconnects: int
+    requests: int
+    failed_requests: int  # those sent to the dead router included
+    audit: Audit
+
+
+@dataclass(frozen=True, slots=True)
+class FaultFigures:
+    workers: int
+    routers: int
+    audit_before: Audit
+    failover: FailoverFigures
+    restart: RestartFigures
+
+
+class _Load:
+    """Requests at `rate` a second through every router for `window_s`, in a thread."""
+
+    def __init__(self, urls: Sequence[str], shape: FleetShape, rate: float, window_s: float):
+        self.outcome: tuple[int, int] = (0, 0)
+        self._thread = threading.Thread(
+            target=self._run, args=(list(urls), shape, rate, window_s), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, urls: list[str], shape: FleetShape, rate: float, window_s: float) -> None:
+        self.outcome = asyncio.run(open_loop(urls, shape, rate, window_s))
+
+    def join(self) -> tuple[int, int]:
+        self._thread.join()
+        return self.outcome
+
+
+class _RoutingWatch:
+    """Each router's `/readyz` routing every POLL_S, in a thread, as (seconds since
+    `started`, url, routing)."""
+
+    def __init__(self, urls: Sequence[str], started: float) -> None:
+        self.samples: list[tuple[float, str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(urls), started), daemon=True)
+        self._thread.start()
+
+    def _run(self, urls: list[str], started: float) -> None:
+        with httpx.Client(timeout=5) as http:
+            while not self._stop.is_set():
+                for url in urls:
+                    try:
+                        routing = http.get(url + "/readyz").json().get("routing", "?")
+                    except (httpx.HTTPError, ValueError):
+                        routing = "unanswered"
+                    self.samples.append((time.monotonic() - started, url, routing))
+                self._stop.wait(POLL_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def load_only_spans(self) -> dict[str, tuple[float, float]]:
+        """Per router that went load-only: when it first did, and when it first routed
+        on the index after that (NaN if it never did)."""
+        spans: dict[str, tuple[float, float]] = {}
+        for at, url, routing in self.samples:
+            if routing == "load-only" and url not in spans:
+                spans[url] = (at, math.nan)
+            elif routing == "cache-aware" and url in spans and math.isnan(spans[url][1]):
+                spans[url] = (spans[url][0], at)
+        return spans
+
+
+def _resyncs(point: RunningPoint, reason: str) -> float:
+    total = 0.0
+    for replica in point.replicas:
+        text = httpx.get(replica.url + "/metrics", headers=HEADERS, timeout=30).text
+        for line in text.splitlines():
+            if line.startswith(f'kvplane_resyncs_total{{reason="{reason}"}}'):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _decision_buckets(point: RunningPoint) -> list[dict[str, Any]]:
+    return [router.scrape() for router in point.routers]
+
+
+def _ask(fleet: Connection, message: object, timeout_s: float = 180.0) -> Any:
+    fleet.send(message)
+    if not fleet.poll(timeout_s):
+        raise TimeoutError(f"the synthetic fleet did not answer {message!r}")
+    return fleet.recv()
+
+
+def _audit(fleet: Connection, point: RunningPoint) -> Audit:
+    """Pause the fleet's batches, audit the index against its caches, resume."""
+    fleet.send(PAUSE)
+    time.sleep(SETTLE_S)
+    audit: Audit = _ask(fleet, (AUDIT, point.cluster.live_url(), REDIS_PREFIX))
+    fleet.send(RESUME)
+    return audit
+
+
+def _busiest_master(point: RunningPoint, shape: FleetShape) -> ClusterNode:
+    """The master serving the most workers' hashes."""
+    counts: dict[int, int] = {}
+    masters = point.cluster.masters()
+    for number in range(shape.workers):
+        slot = key_slot(f"{REDIS_PREFIX}:{{synthetic-{number:05d}}}".encode())
+        for index, master in enumerate(masters):
+            if master.serves(slot):
+                counts[index] = counts.get(index, 0) + 1
+                break
+    return masters[max(counts, key=lambda index: counts[index])]
+
+
+def _wait(what: str, done: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(POLL_S)
+
+
+def _failover(
+    point: RunningPoint, fleet: Connection, shape: FleetShape, request_rate: float, window_s: float
+) -> FailoverFigures:
+    victim = _busiest_master(point, shape)
+    (replica,) = point.cluster.replicas_of(victim)
+    urls = [r.url for r in point.replicas]
+    before_report: FleetReport = _ask(fleet, REPORT)
+    lost_before = _resyncs(point, "index_lost_writes")
+    load = _Load(urls, shape, request_rate, WARM_S + window_s)
+    time.sleep(WARM_S)
+    scrapes_before = _decision_buckets(point)
+    killed = time.monotonic()
+    watch = _RoutingWatch(urls, killed)
+    victim.process.kill()
+    victim.process.wait()
+    _wait(
+        "the replica serves as master",
+        lambda: replica.info("replication").get("role") == "master",
+        FAILOVER_TIMEOUT_S,
+    )
+    promoted_s = time.monotonic() - killed
+    point.cluster.wait_ok(FAILOVER_TIMEOUT_S)
+    cluster_ok_s = time.monotonic() - killed
+    answered, failed = load.join()
+    watch.stop()
+    scrapes_after = _decision_buckets(point)
+    spans = watch.load_only_spans()
+    index_back_s = max((back for _, back in spans.values()), default=0.0)
+    after_report: FleetReport = _ask(fleet, REPORT)
+    decisions = bucket_delta(scrapes_before, scrapes_after, "kvplane_decision_seconds_bucket")
+    return FailoverFigures(
+        promoted_s=round(promoted_s, 2),
+        cluster_ok_s=round(cluster_ok_s, 2),
+        routers_load_only=len(spans),
+        load_only_s=round(min((went for went, _ in spans.values()), default=math.nan), 2),
+        index_back_s=round(index_back_s, 2),
+        back_after_failover_s=round(index_back_s - promoted_s, 2) if spans else 0.0,
+        requests=answered,
+        failed_requests=failed,
+        decision_p99_ms=round(bucket_quantile(decisions, 0.99) * 1000, 1),
+        lost_write_resyncs=round(_resyncs(point, "index_lost_writes") - lost_before),
+        new_incarnations=after_report.incarnations - before_report.incarnations,
+        reconnects=after_report.reconnects - before_report.reconnects,
+        audit=_audit(fleet, point),
+    )
+
+
+def _restart(
+    point: RunningPoint, fleet: Connection, shape: FleetShape, request_rate: float, window_s: float
+) -> RestartFigures:
+    victim = point.replicas[0]
+    before_report: FleetReport = _ask(fleet, REPORT)
+    load = _Load([r.url for r in point.replicas], shape, request_rate, WARM_S + window_s)
+    time.sleep(WARM_S)
+    victim.kill()
+    time.sleep(RESTART_DOWN_S)
+    started = time.monotonic()
+    victim.start(point.cluster.live_url())  # returns once /healthz answers
+    healthy_s = time.monotonic() - started
+    holders = math.ceil(shape.workers / shape.system_prompts)
+    query = {"model": MODEL, "token_ids": shape.system_prompt(0)}
+
+    def finds_holders() -> bool:
+        try:
+            answer = httpx.post(
+                victim.url + "/fleet/locality", headers=HEADERS, json=query, timeout=10
+            ).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        matched = sum(1 for row in answer.get("workers", []) if row["cached_tokens"] > 0)
+        return matched >= holders
+
+    _wait("the restarted router finds a system prompt's holders", finds_holders, 60)
+    on_index_s = time.monotonic() - started
+    answered, failed = load.join()
+    after_report: FleetReport = _ask(fleet, REPORT)
+    return RestartFigures(
+        healthy_s=round(healthy_s, 2),
+        on_index_s=round(on_index_s, 2),
+        resumed=after_report.resumed - before_report.resumed,
+        new_incarnations=after_report.incarnations - before_report.incarnations,
+        reconnects=after_report.reconnects - before_report.reconnects,
+        requests=answered,
+        failed_requests=failed,
+        audit=_audit(fleet, point),
+    )
+
+
+def measure_faults(
+    workdir: Path, shape: FleetShape, routers: int, *, request_rate: float, window_s: float
+) -> FaultFigures:
+    """Both faults at one point; `window_s`: the load's length from each fault on."""
+    with running_point(workdir, routers) as point:
+        shape = dataclasses.replace(shape, base_url=point.engine_url)
+        with fleet_process(shape, point.grpc_addresses) as fleet:
+            await_message(fleet, FILLED, FILL_TIMEOUT_S)
+            require_in_play(point, shape)
+            fleet.send(STEADY)
+            audit_before = _audit(fleet, point)
+            failover = _failover(point, fleet, shape, request_rate, window_s)
+            restart = _restart(point, fleet, shape, request_rate, window_s)
+            report: FleetReport = _ask(fleet, STOP)
+    for failure in report.failed:
+        print(f"  a synthetic worker failed: {failure}", flush=True)
+    return FaultFigures(shape.workers, routers, audit_before, failover, restart)
+
+
+def _row(f: FaultFigures) -> dict[str, object]:
+    failover, restart = f.failover, f.restart
+    return {
+        "workers": f.workers,
+        "routers": f.routers,
+        "promoted s": failover.promoted_s,
+        "cluster ok s": failover.cluster_ok_s,
+        "load-only routers": failover.routers_load_only,
+        "index back s": failover.index_back_s,
+        "back after failover s": failover.back_after_failover_s,
+        "req ok/failed": f"{failover.requests}/{failover.failed_requests}",
+        "decide p99 ms": failover.decision_p99_ms,
+        "lost-write resyncs": failover.lost_write_resyncs,
+        "new inc": failover.new_incarnations,
+        "audit missing/extra": f"{failover.audit.missing}/{failover.audit.extra}",
+        "restart healthy s": restart.healthy_s,
+        "on index s": restart.on_index_s,
+        "resumed/new inc": f"{restart.resumed}/{restart.new_incarnations}",
+        "restart req ok/failed": f"{restart.requests}/{restart.failed_requests}",
+        "restart audit missing/extra": f"{restart.audit.missing}/{restart.audit.extra}",
+    }
+
+
+def fault_table(results: Sequence[FaultFigures]) -> str:
+    from simulations.reporting import format_table
+
+    rows = [_row(figures) for figures in results]
+    header = list(rows[0]) if rows else []
+    return format_table([header, *[[str(row[name]) for name in header] for row in rows]])
+
+
+def run_fault_benchmark(
+    *,
+    json_path: Path | None,
+    shapes: Sequence[FleetShape],
+    routers: Sequence[int],
+    request_rate: float,
+    window_s: float,
+) -> int:
+    results: list[FaultFigures] = []
+    for shape, replicas in itertools.product(shapes, routers):
+        with tempfile.TemporaryDirectory(prefix="kvplane-bench-faults-") as workdir:
+            print(f"{shape.workers} workers, {replicas} routers: faults ...", flush=True)
+            figures = measure_faults(
+                Path(workdir), shape, replicas, request_rate=request_rate, window_s=window_s
+            )
+        results.append(figures)
+        print(fault_table([figures]), flush=True)
+    print()
+    print(fault_table(results))
+    document = {
+        "benchmark": "scale-faults",
+        "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()},
+        "shape": {
+            "batches_per_s_per_worker": shapes[0].batches_per_s,
+            "capacity_blocks": shapes[0].capacity_blocks,
+            "request_blocks": shapes[0].request_blocks,
+            "requests_per_s": request_rate,
+            "restart_down_s": RESTART_DOWN_S,
+            "window_s": window_s,
+        },
+        "points": [asdict(figures) for figures in results],
+    }
+    if json_path is not None:
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+    return 0

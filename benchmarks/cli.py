@@ -112,6 +112,22 @@ def _run_bench_live(args: argparse.Namespace) -> int:
     )
 
 
+def _run_bench_event_rate(args: argparse.Namespace) -> int:
+    from benchmarks.event_rate import run_event_rate_benchmark
+
+    return run_event_rate_benchmark(
+        json_path=args.json,
+        seconds=args.seconds,
+        warm_up_s=args.warm_up,
+        concurrency=args.concurrency,
+        prompt_tokens=args.prompt_tokens,
+        system_prompt_tokens=args.system_prompt_tokens,
+        system_prompts=args.system_prompts,
+        max_tokens=args.max_tokens,
+        fleet_engines=args.fleet_engines,
+    )
+
+
 def _run_bench_scale(args: argparse.Namespace) -> int:
     from benchmarks.scale import run_scale_benchmark
 
@@ -301,6 +317,26 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
                       "and each cell's requests (requests.jsonl: turn, TTFT, e2e latency, "
                       "inter-token gaps, tokens; no text)")  # fmt: skip
     live.set_defaults(handler=_run_bench_live)
+    rate = bench_kinds.add_parser(
+        "event-rate",
+        help="the KV events one busy engine (the simulator's default timing) announces",
+        description="One engine simulator with its default timing model and KV events on, "
+        "a closed loop of clients; its events decoded as the agent decodes them: batches, "
+        "events and blocks a second and per request, and what a fleet of such engines "
+        "sends its control plane.",
+    )
+    rate.add_argument("--json", type=Path, help="also write the figures here")
+    rate.add_argument("--seconds", type=_positive, default=30.0, help="measured window")
+    rate.add_argument("--warm-up", type=_positive, default=20.0, help="seconds before it")
+    rate.add_argument("--concurrency", type=int, default=64, help="clients in the loop")
+    rate.add_argument("--prompt-tokens", type=int, default=2048)
+    rate.add_argument("--system-prompt-tokens", type=int, default=1024)
+    rate.add_argument("--system-prompts", type=int, default=8, help="shared system prompts")
+    rate.add_argument("--max-tokens", type=int, default=128)
+    rate.add_argument(
+        "--fleet-engines", type=int, default=1000, help="engines the fleet figures are for"
+    )
+    rate.set_defaults(handler=_run_bench_event_rate)
     scale = bench_kinds.add_parser(
         "scale",
         help="many synthetic workers and several routers on one Redis Cluster",

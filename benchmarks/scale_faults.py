@@ -91,6 +91,7 @@ class FailoverFigures:
     decision_p99_ms: float  # over the window
     lost_write_resyncs: int  # kvplane_resyncs_total{reason="index_lost_writes"}
     new_incarnations: int  # the fleet's, over the window
+    incarnation_causes: dict[str, int]
     reconnects: int
     audit: Audit
 
@@ -101,6 +102,7 @@ class RestartFigures:
     on_index_s: float  # ... to its /fleet/locality finding a system prompt's holders
     resumed: int  # streams that went on under the same incarnation (another router's)
     new_incarnations: int
+    incarnation_causes: dict[str, int]
     reconnects: int
     requests: int
     failed_requests: int  # those sent to the dead router included
@@ -160,12 +162,13 @@ class _RoutingWatch:
         self._thread.join()
 
     def load_only_spans(self) -> dict[str, tuple[float, float]]:
-        """Per router that went load-only: when it first did, and when it first routed
-        on the index after that (NaN if it never did)."""
+        """Per router that went load-only: when it first did, and when it routed on the
+        index for good (the first cache-aware sample after its last load-only one; NaN
+        if the window ended load-only)."""
         spans: dict[str, tuple[float, float]] = {}
         for at, url, routing in self.samples:
-            if routing == "load-only" and url not in spans:
-                spans[url] = (at, math.nan)
+            if routing == "load-only":
+                spans[url] = (spans.get(url, (at, math.nan))[0], math.nan)
             elif routing == "cache-aware" and url in spans and math.isnan(spans[url][1]):
                 spans[url] = (spans[url][0], at)
         return spans
@@ -264,9 +267,19 @@ def _failover(
         decision_p99_ms=round(bucket_quantile(decisions, 0.99) * 1000, 1),
         lost_write_resyncs=round(_resyncs(point, "index_lost_writes") - lost_before),
         new_incarnations=after_report.incarnations - before_report.incarnations,
+        incarnation_causes=_causes(before_report, after_report),
         reconnects=after_report.reconnects - before_report.reconnects,
         audit=_audit(fleet, point),
     )
+
+
+def _causes(before: FleetReport, after: FleetReport) -> dict[str, int]:
+    """Why the fleet started new incarnations between two reports, and how often."""
+    causes = {
+        cause: count - before.incarnation_causes.get(cause, 0)
+        for cause, count in after.incarnation_causes.items()
+    }
+    return {cause: count for cause, count in causes.items() if count}
 
 
 def _restart(
@@ -303,6 +316,7 @@ def _restart(
         on_index_s=round(on_index_s, 2),
         resumed=after_report.resumed - before_report.resumed,
         new_incarnations=after_report.incarnations - before_report.incarnations,
+        incarnation_causes=_causes(before_report, after_report),
         reconnects=after_report.reconnects - before_report.reconnects,
         requests=answered,
         failed_requests=failed,

@@ -39,24 +39,52 @@ async def reap_forever(
 ) -> None:
     """Purge expired workers about four times per lease, so a dead worker's entries
     outlive its lease by a quarter of one at most; then `after_sweep()`."""
+    reaper = Reaper(index, view, lease_s, clock)
     while True:
         await asyncio.sleep(lease_s / 4)
         try:
-            await reap_once(index, view, lease_s, clock)
+            await reaper.reap_once()
             after_sweep()
         except Exception:  # a task's edge: a bug raised further is never seen, so log it
             log.exception("reaping expired workers failed")
 
 
-async def reap_once(index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock) -> None:
-    try:
-        purged = await index.purge_expired()
-    except LocationIndexError as error:  # the reaper outlives index outages and tries again
-        # No sweep either: while the index is down no agent can renew its lease, and
-        # expiring them all here would stop routing to a healthy fleet. A worker that
-        # really died meanwhile costs a failover, not a failed request.
-        log.warning("purging expired workers failed (%s)", type(error).__name__)
-        return
-    view.sweep(purged, clock(), lease_s)
-    if purged:
-        log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))
+class Reaper:
+    """Purges expired workers, sparing those whose leases ran out while the index could
+    not be reached: no agent could renew through it then (a Redis failover takes longer
+    than a lease), and a worker spared until its agent reconnects resumes with its
+    entries (the index keeps an incarnation until it is purged) instead of sending its
+    whole cache again. They are spared for a lease after the index answers again."""
+
+    def __init__(self, index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock):
+        self.index, self.view, self.lease_s, self.clock = index, view, lease_s, clock
+        self._outage_since: float | None = None  # before the first purge that failed
+        self._sparing_until: float | None = None  # a lease after the index answered again
+
+    def grace_s(self, now: float) -> float:
+        """How long ago a lease must have run out to be purged now."""
+        if self._outage_since is None:
+            return 0.0
+        if self._sparing_until is None:  # the first round since the outage
+            self._sparing_until = now + self.lease_s
+        elif now >= self._sparing_until:
+            self._outage_since = self._sparing_until = None
+            return 0.0
+        return now - self._outage_since
+
+    async def reap_once(self) -> None:
+        now = self.clock()
+        try:
+            purged = await self.index.purge_expired(self.grace_s(now))
+        except LocationIndexError as error:  # the reaper outlives index outages
+            # No sweep either: while the index is down no agent can renew its lease, and
+            # expiring them all here would stop routing to a healthy fleet. A worker
+            # that really died meanwhile costs a failover, not a failed request.
+            log.warning("purging expired workers failed (%s)", type(error).__name__)
+            if self._outage_since is None:  # it may have begun since the last round
+                self._outage_since = now - self.lease_s / 4
+            self._sparing_until = None
+            return
+        self.view.sweep(purged, self.clock(), self.lease_s)
+        if purged:
+            log.info("purged %d expired workers: %s", len(purged), ", ".join(purged))

@@ -34,7 +34,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -101,11 +101,13 @@ class WorkerFigures:
     reconnects: int = 0  # streams opened again after one ended
     resumed: int = 0  # of those, the ones that went on under the same incarnation
     incarnations: int = 0  # new ones after the first (a Resync, or a resume refused)
+    incarnation_causes: Counter[str] = field(default_factory=Counter)
     failure: str = ""
 
 
 class NewIncarnation(Exception):
-    """The control plane does not hold what this incarnation sent: start another."""
+    """The control plane does not hold what this incarnation sent: start another (the
+    message says why)."""
 
 
 class SyntheticWorker:
@@ -118,6 +120,10 @@ class SyntheticWorker:
         self.figures = WorkerFigures()
         self.sequence = 0  # of the last batch sent
         self._pending: list[BlocksStored | BlocksRemoved] | None = None  # not acknowledged
+        # Batches to send before any new one: a new incarnation's whole cache, which a
+        # stream that ends halfway through must not lose (the agent's outbox).
+        self._outbox: deque[list[BlocksStored | BlocksRemoved]] = deque()
+        self._queue_snapshot()
         self.incarnation = time.time_ns()
         self.writing = asyncio.Lock()  # a gRPC call takes one write at a time
         self.acked = 0  # the last sequence acknowledged
@@ -158,8 +164,8 @@ class SyntheticWorker:
             try:
                 await self._session(stream, steady, paused, stop)
                 return
-            except NewIncarnation:
-                self._start_new_incarnation()
+            except NewIncarnation as cause:
+                self._start_new_incarnation(str(cause))
                 failures_in_a_row = 0
                 continue
             except Exception:  # the stream ended: opened again, as the agent does
@@ -170,7 +176,7 @@ class SyntheticWorker:
                 if stop.is_set():
                     return
                 if reject is not None:  # any other: a new incarnation is always safe
-                    self._start_new_incarnation()
+                    self._start_new_incarnation(pb.RejectCode.Name(reject.code))
                 figures.reconnects += 1
                 failures_in_a_row += 1
                 backoff = RECONNECT_BACKOFF_S * 2 ** min(failures_in_a_row - 1, 8)
@@ -180,11 +186,23 @@ class SyntheticWorker:
             finally:
                 stream.call.cancel()
 
-    def _start_new_incarnation(self) -> None:
+    def _start_new_incarnation(self, cause: str) -> None:
         self.incarnation = max(self.incarnation + 1, time.time_ns())
         self.sequence = self.acked = 0
         self._pending = None
+        self._queue_snapshot()
         self.figures.incarnations += 1
+        self.figures.incarnation_causes[cause] += 1
+
+    def _queue_snapshot(self) -> None:
+        """A new incarnation starts with everything cached: the system prompt, then each
+        request held, under it."""
+        self._outbox.clear()
+        self._outbox.append([self._stored(self.system_keys, None)])
+        held = list(self.requests)
+        for start in range(0, len(held), SNAPSHOT_REQUESTS_PER_BATCH):
+            chunk = held[start : start + SNAPSHOT_REQUESTS_PER_BATCH]
+            self._outbox.append([self._stored(keys, self.system_keys[-1]) for keys in chunk])
 
     async def _session(
         self, stream: AgentStream, steady: asyncio.Event, paused: asyncio.Event, stop: asyncio.Event
@@ -192,14 +210,15 @@ class SyntheticWorker:
         figures, shape = self.figures, self.shape
         reply = await stream.request(register_message(self.info))
         if reply.WhichOneof("body") == "resync":
-            raise NewIncarnation
+            raise NewIncarnation(f"resync at registration: {reply.resync.reason.split(':')[0]}")
         if reply.WhichOneof("body") != "ack":
             raise RuntimeError(f"registration answered {reply.WhichOneof('body')}")
         figures.registered = True
         self.streaming = True
         applied = reply.ack.sequence
         if not self.acked <= applied <= self.sequence:
-            raise NewIncarnation  # it lost batches it acknowledged, or names unsent ones
+            # It lost batches it acknowledged, or names some never sent.
+            raise NewIncarnation(f"resume refused (acknowledged {self.acked}, index {applied})")
         if self.sequence:
             figures.resumed += 1
         if self._pending is not None:
@@ -207,8 +226,8 @@ class SyntheticWorker:
                 await self._deliver(stream, timed=False)
             else:  # applied; only its acknowledgement was lost
                 self._acknowledged()
-        if self.sequence == 0:
-            await self._send_snapshot(stream)
+        while self._outbox:
+            await self._send(stream, self._outbox.popleft(), timed=False)
         reporter = asyncio.ensure_future(self._report_load(stream, stop))
         try:
             while self._held() + shape.request_blocks <= shape.capacity_blocks:
@@ -225,18 +244,6 @@ class SyntheticWorker:
         finally:
             reporter.cancel()
 
-    async def _send_snapshot(self, stream: AgentStream) -> None:
-        """What a new incarnation starts with: everything cached (the system prompt,
-        then each request held, under it)."""
-        await self._send(stream, [self._stored(self.system_keys, None)], timed=False)
-        held = list(self.requests)
-        for start in range(0, len(held), SNAPSHOT_REQUESTS_PER_BATCH):
-            chunk = held[start : start + SNAPSHOT_REQUESTS_PER_BATCH]
-            events: list[BlocksStored | BlocksRemoved] = [
-                self._stored(keys, self.system_keys[-1]) for keys in chunk
-            ]
-            await self._send(stream, events, timed=False)
-
     def _held(self) -> int:
         return len(self.system_keys) + sum(len(keys) for keys in self.requests)
 
@@ -248,7 +255,7 @@ class SyntheticWorker:
         if self.figures.failure:
             return True
         full = self._held() + self.shape.request_blocks > self.shape.capacity_blocks
-        return self.streaming and full and self._pending is None
+        return self.streaming and full and self._pending is None and not self._outbox
 
     def _stored(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> BlocksStored:
         first = 0 if parent is None else len(self.system_keys)
@@ -281,7 +288,7 @@ class SyntheticWorker:
             await stream.send(events_message(self.sequence, self._pending))
         reply = await stream.reply()
         if reply.WhichOneof("body") == "resync":
-            raise NewIncarnation
+            raise NewIncarnation(f"resync: {reply.resync.reason.split(':')[0]}")
         if reply.WhichOneof("body") != "ack" or reply.ack.sequence != self.sequence:
             raise RuntimeError(f"batch {self.sequence} answered {reply.WhichOneof('body')}")
         if timed:
@@ -374,6 +381,7 @@ class SyntheticFleet:
             reconnects=sum(f.reconnects for f in figures),
             resumed=sum(f.resumed for f in figures),
             incarnations=sum(f.incarnations for f in figures),
+            incarnation_causes=dict(sum((f.incarnation_causes for f in figures), Counter())),
             batches=sum(f.batches for f in figures),
             blocks_stored=sum(f.blocks_stored for f in figures),
             blocks_removed=sum(f.blocks_removed for f in figures),
@@ -421,6 +429,7 @@ class FleetReport:
     reconnects: int
     resumed: int
     incarnations: int
+    incarnation_causes: dict[str, int]  # why, for how many
     batches: int
     blocks_stored: int
     blocks_removed: int

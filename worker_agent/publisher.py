@@ -13,8 +13,10 @@
   Unacknowledged batches are kept, sent again after a reconnect, and acknowledged a load
   interval after the last one at the latest (an empty batch asks).
 - Reconnects back off exponentially with jitter. Re-registering the same incarnation
-  resumes when the control plane's Ack matches what the agent sent; anything else (it
-  restarted, or another router replica took the stream) means a new incarnation.
+  resumes when the control plane's Ack matches what the agent sent (routers on a shared
+  index answer what the index recorded, so another replica, or a restarted one,
+  resumes it); anything else (a router with an index of its own restarted, or the index
+  lost batches) means a new incarnation.
 """
 
 from __future__ import annotations

@@ -195,8 +195,9 @@ class LocationIndex(Protocol):
         whichever router it reconnects to.
 
         The same incarnation again refreshes the lease and keeps the entries and the
-        sequence (a reconnect); a higher one drops the old incarnation's entries first;
-        a lower one raises StaleIncarnation.
+        sequence (a reconnect), its lease running or run out (nothing is lost until it
+        is purged: the sequence tells the agent so); a higher one drops the old
+        incarnation's entries first; a lower one raises StaleIncarnation.
         """
 
     async def renew(
@@ -241,8 +242,9 @@ class LocationIndex(Protocol):
         registered since.
         """
 
-    async def purge_expired(self) -> list[str]:
-        """Drop every worker whose lease ran out; return their ids."""
+    async def purge_expired(self, grace_s: float = 0.0) -> list[str]:
+        """Drop every worker whose lease ran out more than `grace_s` ago; return their
+        ids."""
 
     async def lookup(self, keys: Sequence[BlockKey]) -> dict[str, PrefixMatch]:
         """Longest consecutive prefix of `keys` per live worker that matched one block

@@ -98,8 +98,8 @@ class InstrumentedIndex:
             {"kvplane.worker": worker_id},
         )
 
-    async def purge_expired(self) -> list[str]:
-        return await self._observed("purge_expired", self._index.purge_expired())
+    async def purge_expired(self, grace_s: float = 0.0) -> list[str]:
+        return await self._observed("purge_expired", self._index.purge_expired(grace_s))
 
     async def lookup(self, keys: Sequence[BlockKey]) -> dict[str, PrefixMatch]:
         started = time.perf_counter()

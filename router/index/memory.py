@@ -102,7 +102,7 @@ class MemoryLocationIndex:
         if current is not None:
             if info.incarnation < current.info.incarnation:
                 raise StaleIncarnation(info.worker_id, info.incarnation, current.info.incarnation)
-            if info.incarnation == current.info.incarnation and self._is_live(current):
+            if info.incarnation == current.info.incarnation:  # until purged: see base.py
                 current.info = info
                 current.lease_deadline = self._clock() + lease_s
                 self._live = None
@@ -150,8 +150,9 @@ class MemoryLocationIndex:
         if worker is not None and incarnation in (None, worker.info.incarnation):
             self._drop(worker)
 
-    async def purge_expired(self) -> list[str]:
-        expired = [w for w in self._workers.values() if not self._is_live(w)]
+    async def purge_expired(self, grace_s: float = 0.0) -> list[str]:
+        now = self._clock()
+        expired = [w for w in self._workers.values() if w.lease_deadline + grace_s <= now]
         for worker in expired:
             self._drop(worker)
         return [w.info.worker_id for w in expired]

@@ -331,9 +331,10 @@ class RedisLocationIndex:
             await self._run([("SREM", self._registry, worker_id)])
             self._workers.pop(worker_id, None)
 
-    async def purge_expired(self) -> list[str]:
+    async def purge_expired(self, grace_s: float = 0.0) -> list[str]:
         workers = await self._read_registry()
-        outcomes = await self._run([_PURGE.call((key.name,)) for _, key in workers])
+        grace_us = round(grace_s * 1_000_000)
+        outcomes = await self._run([_PURGE.call((key.name,), grace_us) for _, key in workers])
         purged = [w for (w, _), outcome in zip(workers, outcomes, strict=True) if outcome == 1]
         # -1: an id without a record (its keys expired, or a drop raced a registration).
         unlisted = [w for (w, _), outcome in zip(workers, outcomes, strict=True) if outcome != 0]

@@ -14,8 +14,11 @@ if current then
   if order < 0 then
     return {'stale', current}
   end
-  if order == 0 and current_deadline > now then
-    -- A reconnect of the live incarnation: keep its entries and its draining mark.
+  if order == 0 then
+    -- A reconnect of the incarnation: keep its entries, its draining mark and its
+    -- sequence, whose answer tells the agent whether they are all it sent. Its lease
+    -- may have run out meanwhile (an index outage, a slow reconnect): until a router
+    -- purges it, it has lost nothing, and resumes.
     redis.call('HSET', worker, LEASE, encode_lease(deadline, search_tier, incarnation), INFO, info)
     expire_worker(worker, deadline, now, grace_ms)
     return {'ok', redis.call('HGET', worker, APPLIED) or '0'}

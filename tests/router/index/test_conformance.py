@@ -300,6 +300,37 @@ async def test_writes_without_a_sequence_leave_the_recorded_one(make_index: Inde
     assert await index.register(info("a"), LEASE) == 1
 
 
+async def test_an_incarnation_whose_lease_ran_out_resumes_until_it_is_purged(
+    make_index: IndexFactory,
+):
+    index = await make_index()
+    prompt = chain(36, 3)
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [stored(prompt)], sequence=1)
+    await index.renew("a", 1, 0)  # its lease ends (its agent could not renew)
+    assert await index.lookup(prompt) == {}
+
+    assert await index.register(info("a"), LEASE) == 1  # back before a purge: all kept
+    assert (await index.lookup(prompt))["a"].blocks == 3
+    await index.renew("a", 1, 0)
+    assert await index.purge_expired() == ["a"]
+    assert await index.register(info("a"), LEASE) == 0  # purged: nothing to resume
+    assert await index.lookup(prompt) == {}
+
+
+async def test_a_purge_spares_leases_that_ran_out_within_its_grace(
+    make_index: IndexFactory, pass_time: PassTime
+):
+    index = await make_index()
+    await index.register(info("a"), LEASE)
+    await index.renew("a", 1, 0)
+
+    assert await index.purge_expired(grace_s=LEASE) == []
+    assert [s.state for s in await index.workers()] == [WorkerState.DEAD]
+    await pass_time(0.3)
+    assert await index.purge_expired(grace_s=0.2) == ["a"]
+
+
 async def test_expired_lease_scores_nothing_and_is_purged(make_index: IndexFactory):
     index = await make_index()
     prompt = chain(17, 3)

@@ -105,7 +105,8 @@ class IndexModel(RuleBasedStateMachine):
             self.expect(StaleIncarnation, self.index.register(info, LEASE))
             return
         self.run(self.index.register(info, LEASE))
-        if current is not None and incarnation == current.incarnation and current.alive:
+        if current is not None and incarnation == current.incarnation:
+            current.alive = True  # a reconnect, its lease running or not: all kept
             return
         self.model[worker] = ModelWorker(incarnation)
 

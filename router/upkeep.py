@@ -15,6 +15,10 @@ from router.tenants import TenantDirectory
 log = logging.getLogger(__name__)
 
 SCOPE_REFRESH_S = 1.0
+SPARING_LEASES = 3
+"""How long, in leases, the reaper spares leases that ran out during an index outage
+once it answers again: an agent's reconnects back off up to a lease
+(agent.reconnect_max_s), and a fleet's registrations after an outage queue."""
 
 
 async def follow_scope_generations(index: LocationIndex, tenants: TenantDirectory) -> None:
@@ -54,19 +58,20 @@ class Reaper:
     not be reached: no agent could renew through it then (a Redis failover takes longer
     than a lease), and a worker spared until its agent reconnects resumes with its
     entries (the index keeps an incarnation until it is purged) instead of sending its
-    whole cache again. They are spared for a lease after the index answers again."""
+    whole cache again. They are spared for SPARING_LEASES leases after the index answers
+    again; lookups skip them meanwhile, as they skip every worker whose lease ran out."""
 
     def __init__(self, index: LocationIndex, view: WorkerView, lease_s: float, clock: Clock):
         self.index, self.view, self.lease_s, self.clock = index, view, lease_s, clock
         self._outage_since: float | None = None  # before the first purge that failed
-        self._sparing_until: float | None = None  # a lease after the index answered again
+        self._sparing_until: float | None = None  # once the index answered again
 
     def grace_s(self, now: float) -> float:
         """How long ago a lease must have run out to be purged now."""
         if self._outage_since is None:
             return 0.0
         if self._sparing_until is None:  # the first round since the outage
-            self._sparing_until = now + self.lease_s
+            self._sparing_until = now + SPARING_LEASES * self.lease_s
         elif now >= self._sparing_until:
             self._outage_since = self._sparing_until = None
             return 0.0

@@ -58,7 +58,8 @@ def test_bench_scale_faults_lose_nothing_the_agents_hold(tmp_path: Path) -> None
     clean = {"settled": True, "workers": 4, "missing": 0, "extra": 0, "wrong_incarnation": 0,
              "mismatched_workers": 0}  # fmt: skip
     failover, restart = point["failover"], point["restart"]
-    assert point["audit_before"] == failover["audit"] == restart["audit"] == clean
+    assert point["audit_before"] == failover["first_audit"] == failover["audit"] == clean
+    assert restart["first_audit"] == restart["audit"] == clean
     assert failover["cluster_ok_s"] >= failover["promoted_s"] > 0
     assert failover["requests"] > 0
     assert failover["failed_requests"] == 0  # load-only meanwhile, never refused

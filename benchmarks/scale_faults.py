@@ -74,6 +74,7 @@ WARM_S = 3.0  # of load before each fault
 FAILOVER_TIMEOUT_S = 60.0
 RESTART_DOWN_S = 3.0
 POLL_S = 0.2
+TAIL_S = 5.0
 SETTLE_S = 1.0  # batches in flight acknowledged after a pause
 HEADERS = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 AUDITS = 3
@@ -88,6 +89,10 @@ class FailoverFigures:
     load_only_s: float  # from the death to the first router saying load-only
     index_back_s: float  # ... to the last of them routing on the index again
     back_after_failover_s: float  # index_back_s - promoted_s
+    # The routers' /readyz samples that said cache-aware over the window's last
+    # TAIL_S (where the machine is saturated, lookups past proxy.index_timeout_s flip a
+    # router to load-only and back without any fault).
+    cache_aware_share_at_end: float
     requests: int
     failed_requests: int
     decision_p99_ms: float  # over the window
@@ -164,6 +169,10 @@ class _RoutingWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def cache_aware_share_after(self, start: float) -> float:
+        tail = [routing for at, _, routing in self.samples if at >= start]
+        return sum(r == "cache-aware" for r in tail) / len(tail) if tail else math.nan
 
     def load_only_spans(self) -> dict[str, tuple[float, float]]:
         """Per router that went load-only: when it first did, and when it routed on the
@@ -277,6 +286,7 @@ def _failover(
         load_only_s=round(min((went for went, _ in spans.values()), default=math.nan), 2),
         index_back_s=round(index_back_s, 2),
         back_after_failover_s=round(index_back_s - promoted_s, 2) if spans else 0.0,
+        cache_aware_share_at_end=round(watch.cache_aware_share_after(window_s - TAIL_S), 3),
         requests=answered,
         failed_requests=failed,
         decision_p99_ms=round(bucket_quantile(decisions, 0.99) * 1000, 1),
@@ -371,6 +381,7 @@ def _row(f: FaultFigures) -> dict[str, object]:
         "load-only routers": failover.routers_load_only,
         "index back s": failover.index_back_s,
         "back after failover s": failover.back_after_failover_s,
+        "cache-aware at end": failover.cache_aware_share_at_end,
         "req ok/failed": f"{failover.requests}/{failover.failed_requests}",
         "decide p99 ms": failover.decision_p99_ms,
         "lost-write resyncs": failover.lost_write_resyncs,

@@ -19,8 +19,8 @@ acknowledgement (the control plane acknowledges once the index applied it): the 
 from sending to the acknowledgement is the batch's apply lag as the agent sees it.
 
 Through faults it behaves as worker_agent/publisher.py does: a stream that ends is
-opened again (backing off, through the next router in turn, as a load balancer in front
-of the replicas would send it), under the same incarnation, resuming after the sequence
+opened again (through the next router at once, backing off once every router has been
+tried, with the agent's delays), under the same incarnation, resuming after the sequence
 the control plane says it applied; a Resync, a Reject (but for bad credentials or an
 incompatible worker, which fail it), or an Ack of a sequence the worker never sent or
 one behind what was acknowledged, starts a new incarnation that sends the whole cache
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import random
 import time
 from collections import Counter, deque
@@ -43,6 +42,7 @@ from typing import cast
 import grpc.aio
 from redis.asyncio.cluster import RedisCluster
 
+from kvplane.core.config import AgentSettings
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
 from kvplane.core.types import (
     BlocksRemoved,
@@ -61,8 +61,9 @@ from kvplane.wire.v1 import control_plane_pb2 as pb
 BLOCK_SIZE = 16
 TOKEN_IDS = 500  # token ids drawn below this: within the engine simulator's vocabulary
 STREAMS_PER_CHANNEL = 100  # gRPC multiplexes streams; a few connections spread the load
-RECONNECT_BACKOFF_S = 0.25  # doubled each failed attempt in a row, up to the cap
-RECONNECT_BACKOFF_CAP_S = 4.0
+# The agent's own reconnect delays (it doubles them, with jitter, up to the longest).
+RECONNECT_MIN_S = AgentSettings.model_fields["reconnect_min_s"].default
+RECONNECT_MAX_S = AgentSettings.model_fields["reconnect_max_s"].default
 FATAL_REJECTS = (pb.REJECT_CODE_INCOMPATIBLE, pb.REJECT_CODE_UNAUTHENTICATED)  # as the agent's
 SNAPSHOT_REQUESTS_PER_BATCH = 16  # a new incarnation's whole cache, in batches of these
 FLOWING = WiringReport(EventsState.FLOWING, ReplayState.OK, BLOCK_SIZE)
@@ -157,17 +158,15 @@ class SyntheticWorker:
         acknowledgements once `steady` is set, until `stop`. Streams go to `channels[0]`
         first, then to the next one each time a stream ends (see the module's doc)."""
         figures = self.figures
-        failures_in_a_row = 0
-        for channel in itertools.cycle(channels):
-            stream = AgentStream(channel, token=self.token())
+        delay, turn = RECONNECT_MIN_S, 0
+        while True:
+            stream = AgentStream(channels[turn % len(channels)], token=self.token())
             self.streaming = False
             try:
                 await self._session(stream, steady, paused, stop)
                 return
             except NewIncarnation as cause:
-                self._start_new_incarnation(str(cause))
-                failures_in_a_row = 0
-                continue
+                self._start_new_incarnation(str(cause))  # registered at once, same router
             except Exception:  # the stream ended: opened again, as the agent does
                 reject = await stream.unread_reject(0.5)
                 if reject is not None and reject.code in FATAL_REJECTS:
@@ -178,11 +177,13 @@ class SyntheticWorker:
                 if reject is not None:  # any other: a new incarnation is always safe
                     self._start_new_incarnation(pb.RejectCode.Name(reject.code))
                 figures.reconnects += 1
-                failures_in_a_row += 1
-                backoff = RECONNECT_BACKOFF_S * 2 ** min(failures_in_a_row - 1, 8)
-                await asyncio.sleep(
-                    min(backoff, RECONNECT_BACKOFF_CAP_S) * self.rng.uniform(0.5, 1)
-                )
+                if self.streaming:  # it worked: the next failure starts afresh
+                    delay = RECONNECT_MIN_S
+                # The next router at once; back off once every one has been tried.
+                turn += 1
+                if turn % len(channels) == 0:
+                    await asyncio.sleep(delay * self.rng.uniform(0.5, 1))
+                    delay = min(delay * 2, RECONNECT_MAX_S)
             finally:
                 stream.call.cancel()
 

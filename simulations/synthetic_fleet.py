@@ -240,6 +240,8 @@ class SyntheticWorker:
                     gap = self.rng.expovariate(shape.batches_per_s)
                     await asyncio.wait_for(stop.wait(), gap)
                     return
+                if stream.call.done():  # ended by the control plane (a Reject, or its end)
+                    raise RuntimeError("the control plane ended the stream")
                 if not paused.is_set():
                     await self._send(stream, self._next_request(), timed=steady.is_set())
         finally:

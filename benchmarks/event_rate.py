@@ -114,7 +114,9 @@ async def _measure(
     context = zmq.asyncio.Context()
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(endpoint)
+    # A concrete address: the engine connects its publisher to it, as vLLM does (it
+    # binds only a wildcard), and zmq retries until this end is bound.
+    subscriber.bind(endpoint)
     adapter, counts = VllmAdapter(), EventCounts()
     answered: list[float] = []
     started = time.monotonic()

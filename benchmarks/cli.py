@@ -129,8 +129,21 @@ def _run_bench_event_rate(args: argparse.Namespace) -> int:
 
 
 def _run_bench_scale(args: argparse.Namespace) -> int:
-    from benchmarks.scale import run_scale_benchmark
+    from benchmarks.scale import fleet_shape, run_scale_benchmark
 
+    if args.faults:
+        from benchmarks.scale_faults import run_fault_benchmark
+
+        return run_fault_benchmark(
+            json_path=args.json,
+            shapes=[
+                fleet_shape(count, args.capacity_blocks, args.request_blocks, args.batches_per_s)
+                for count in args.workers
+            ],
+            routers=args.routers,
+            request_rate=args.request_rate,
+            window_s=args.duration,
+        )
     return run_scale_benchmark(
         json_path=args.json,
         workers=args.workers,
@@ -141,7 +154,6 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
         request_blocks=args.request_blocks,
         request_rate=args.request_rate,
         plot=args.plot,
-        faults=args.faults,
     )
 
 

@@ -612,21 +612,10 @@ def run_scale_benchmark(
     request_blocks: int,
     request_rate: float,
     plot: Path | None = None,
-    faults: bool = False,
 ) -> int:
     shapes = [
         fleet_shape(count, capacity_blocks, request_blocks, batches_per_s) for count in workers
     ]
-    if faults:
-        from benchmarks.scale_faults import run_fault_benchmark
-
-        return run_fault_benchmark(
-            json_path=json_path,
-            shapes=shapes,
-            routers=routers,
-            request_rate=request_rate,
-            window_s=duration_s,
-        )
     results: list[ScaleFigures] = []
     for shape, replicas in itertools.product(shapes, routers):
         count = shape.workers

@@ -28,8 +28,8 @@ if _version_not_supported:
 class ControlPlaneStub:
     """One bidirectional stream per agent. The agent's first message must be Register;
     the control plane answers it with an Ack carrying the highest sequence it has
-    applied for that incarnation (0 for a new one), so a reconnecting agent knows
-    where to resume.
+    applied for that incarnation (0 for a new one; on an index shared by router
+    replicas, what any of them applied), so a reconnecting agent knows where to resume.
     """
 
     def __init__(self, channel):
@@ -48,8 +48,8 @@ class ControlPlaneStub:
 class ControlPlaneServicer:
     """One bidirectional stream per agent. The agent's first message must be Register;
     the control plane answers it with an Ack carrying the highest sequence it has
-    applied for that incarnation (0 for a new one), so a reconnecting agent knows
-    where to resume.
+    applied for that incarnation (0 for a new one; on an index shared by router
+    replicas, what any of them applied), so a reconnecting agent knows where to resume.
     """
 
     def Connect(self, request_iterator, context):
@@ -77,8 +77,8 @@ def add_ControlPlaneServicer_to_server(servicer, server):
 class ControlPlane:
     """One bidirectional stream per agent. The agent's first message must be Register;
     the control plane answers it with an Ack carrying the highest sequence it has
-    applied for that incarnation (0 for a new one), so a reconnecting agent knows
-    where to resume.
+    applied for that incarnation (0 for a new one; on an index shared by router
+    replicas, what any of them applied), so a reconnecting agent knows where to resume.
     """
 
     @staticmethod

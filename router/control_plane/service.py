@@ -471,6 +471,11 @@ class _Stream:
     ) -> pb.ControlMessage | Rejection:
         if isinstance(error, StaleIncarnation):
             return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
+        if isinstance(error, SequenceMismatch) and error.recorded > error.expected:
+            # Another router applied this incarnation's later batches: the agent moved
+            # there, and this is its old stream's message arriving late. The worker's
+            # entries are whole; only this stream no longer speaks for it.
+            return Rejection(pb.REJECT_CODE_STALE_INCARNATION, str(error))
         if isinstance(error, SequenceMismatch):
             # Entries no one can vouch for: none rather than a partial picture, until
             # the agent's whole state arrives under its next incarnation.

@@ -126,6 +126,37 @@ async def test_an_agent_back_on_a_router_whose_view_of_it_went_stale_resumes(
         assert set(await a.index.lookup(KEYS_B)) == {"w1"}
 
 
+async def test_a_late_batch_of_a_stream_the_agent_left_leaves_the_worker_whole(
+    redis_index: IndexSettings,
+) -> None:
+    """Router A still holds the agent's old stream when a batch of it arrives after the
+    agent moved to router B, which applied that sequence and more: A refuses the stream
+    as stale and drops nothing."""
+    async with (
+        router_with_channel(make_settings(redis_index)) as (_, a_channel),
+        router_with_channel(make_settings(redis_index)) as (b, b_channel),
+    ):
+        old = AgentStream(a_channel)
+        await old.request(register_message(worker("w1", 3)))
+        await old.request(events_message(1, [stored(KEYS_A)]))
+        moved = AgentStream(b_channel)
+        assert (await moved.request(register_message(worker("w1", 3)))).ack.sequence == 1
+        await moved.request(events_message(2, [stored(KEYS_B)]))
+
+        reason = await _rejected_with(old, events_message(2, [stored(KEYS_B)]))
+
+        assert "sequence 2" in reason
+        assert set(await b.index.lookup(KEYS_A)) == set(await b.index.lookup(KEYS_B)) == {"w1"}
+        assert (await moved.request(events_message(3, []))).ack.sequence == 3
+
+
+async def _rejected_with(stream: AgentStream, message: pb.AgentMessage) -> str:
+    reply = await stream.request(message)
+    assert body(reply) == "reject", reply
+    assert reply.reject.code == pb.REJECT_CODE_STALE_INCARNATION
+    return reply.reject.reason
+
+
 async def test_writes_the_index_lost_make_the_worker_resync(redis_index: IndexSettings) -> None:
     """A Redis failover to a replica that had not received the last batches (as
     tests/router/index/test_redis_failover.py makes happen) leaves the worker's hash a

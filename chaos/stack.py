@@ -193,7 +193,7 @@ class ChaosStack:
             )
         await asyncio.gather(*(self.start_engine(worker) for worker in self.workers))
         await asyncio.gather(*(self.start_agent(worker) for worker in self.workers))
-        await self.wait_for("every worker is live", self.all_live, timeout_s=60)
+        await self.wait_for("every router sees every worker live", self.all_live, timeout_s=60)
 
     async def stop(self) -> None:
         for worker in self.workers:
@@ -273,8 +273,16 @@ class ChaosStack:
         return {}
 
     async def all_live(self) -> bool:
-        rows = await self.fleet_workers()
-        return len(rows) == len(self.workers) and all(r["state"] == "live" for r in rows.values())
+        """Whether every running router sees every worker live: a router that did not
+        take a worker's registration learns of it at its next registry refresh, and
+        until then routes (and picks, behind Envoy) without it."""
+        for router in self.routers:
+            if not router.child.running:
+                continue
+            rows = await self.fleet_workers(router)
+            if len(rows) != len(self.workers) or any(r["state"] != "live" for r in rows.values()):
+                return False
+        return True
 
     async def state_of(self, worker: Worker) -> tuple[str, int]:
         """The worker's state and incarnation in the registry ("absent", 0 when gone)."""

@@ -4,8 +4,9 @@ simulations/local_envoy.py's, configured by `router.picker.envoy_config`.
     async with running_envoy(tmp_path, endpoints=[...], pickers=[...]) as envoy:
         response = await client.post(envoy.url + "/v1/completions", ...)
 
-It is ready once its admin interface says so and its listener accepts; its pickers may
-be dead (tests of FailOpen and FailClose). Its log is in `work_dir`.
+It is ready once its admin interface says so and its listener accepts, and, with
+`wait_for_pickers`, once its health checks found every picker healthy; otherwise its
+pickers may be dead (tests of FailOpen and FailClose). Its log is in `work_dir`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ async def running_envoy(
     *,
     endpoints: Sequence[str],
     pickers: Sequence[str],
+    wait_for_pickers: bool = False,
     **options: Any,
 ) -> AsyncIterator[RunningEnvoy]:
     """Envoy with `build_bootstrap(endpoints=..., pickers=..., **options)` on free ports."""
@@ -35,7 +37,7 @@ async def running_envoy(
         work_dir,
         endpoints=endpoints,
         pickers=pickers,
-        wait_for_pickers=False,
+        wait_for_pickers=wait_for_pickers,
         **options,
     ) as envoy:
         yield envoy

@@ -41,6 +41,8 @@ async def envoy_for(
         tmp_path,
         endpoints=[endpoint_of(worker.engine_url) for worker in fleet.workers],
         pickers=[router.picker_address for router in fleet.routers],
+        # Both pickers live first: until Envoy's health checks pass, FailClose answers 503.
+        wait_for_pickers=True,
         **options,  # type: ignore[arg-type]
     ) as envoy:
         yield envoy

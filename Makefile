@@ -42,7 +42,7 @@ CHROMIUM := /usr/bin/chromium /usr/bin/chromedriver
 
 .PHONY: demo test check lint typecheck unit proto bench bakeoff chaos clean vllm-env peers-env dynamo-env envoy-env helm chromium screenshots
 
-NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c kvplane/core/*.h router/index/*.c)
+NATIVE_SOURCES := setup.py $(wildcard kvplane/core/*.c kvplane/core/*.h router/index/*.c router/index/*.h)
 
 $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(VENV)

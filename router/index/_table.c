@@ -26,6 +26,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "_match.h"
+
 /* Node arrays this large are mapped from the kernel, not taken from the allocator: a
    table that doubles gives the old array back to the system at once, so the process
    does not keep both (the allocator would keep the freed one for later). */
@@ -424,11 +426,7 @@ static int Table_init(Table *t, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iK|$OOn", names, &tiers, &seed, &match_type,
                                      &by_tier, &capacity))
         return -1;
-    if (match_type == NULL || by_tier == NULL || !PyType_Check(match_type) ||
-        !PyType_IsSubtype((PyTypeObject *)match_type, &PyTuple_Type) || !PyCallable_Check(by_tier)) {
-        PyErr_SetString(PyExc_TypeError, "match must be a tuple type and by_tier a callable");
-        return -1;
-    }
+    if (check_match_builders(match_type, by_tier) < 0) return -1;
     if (tiers < 1 || tiers > MAX_TIERS) {
         PyErr_Format(PyExc_ValueError, "tiers must be in 1..%d", MAX_TIERS);
         return -1;
@@ -591,33 +589,10 @@ static int emit(Table *t, PyObject *out, PyObject *names, const Match *match, Py
         PyErr_Format(PyExc_ValueError, "live slot %u has no (worker id, incarnation)", match->slot);
         return -1;
     }
-    PyObject *counts = PyTuple_New(t->tiers);
-    if (counts == NULL) return -1;
-    for (int tier = 0; tier < t->tiers; tier++) {
-        PyObject *value = PyLong_FromLong(match->by_tier[tier]);
-        if (value == NULL) {
-            Py_DECREF(counts);
-            return -1;
-        }
-        PyTuple_SET_ITEM(counts, tier, value);
-    }
-    PyObject *by_tier = PyObject_CallOneArg(t->by_tier, counts);
-    Py_DECREF(counts);
-    PyObject *length = by_tier ? PyLong_FromSsize_t(blocks) : NULL;
-    /* A tuple subclass is built as tuple.__new__ builds one: allocated, then filled. */
-    PyObject *result = length ? t->match_type->tp_alloc(t->match_type, 4) : NULL;
-    if (result == NULL) {
-        Py_XDECREF(by_tier);
-        Py_XDECREF(length);
-        return -1;
-    }
     PyObject *worker_id = PyTuple_GET_ITEM(name, 0);
-    Py_INCREF(worker_id);
-    PyTuple_SET_ITEM(result, 0, worker_id);
-    Py_INCREF(PyTuple_GET_ITEM(name, 1));
-    PyTuple_SET_ITEM(result, 1, PyTuple_GET_ITEM(name, 1));
-    PyTuple_SET_ITEM(result, 2, length);
-    PyTuple_SET_ITEM(result, 3, by_tier);
+    PyObject *result = new_match(t->match_type, t->by_tier, worker_id, PyTuple_GET_ITEM(name, 1),
+                                 blocks, match->by_tier, t->tiers);
+    if (result == NULL) return -1;
     int failed = PyDict_SetItem(out, worker_id, result);
     Py_DECREF(result);
     return failed;

@@ -34,6 +34,8 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvplane.core.keys import BlockKey
@@ -71,6 +73,17 @@ class PrefixMatch(NamedTuple):
     incarnation: int
     blocks: int
     by_tier: Mapping[Tier, int]
+
+
+_TIERS = tuple(Tier)  # fastest first; iterating the enum itself is slow
+
+
+@lru_cache(maxsize=4096)
+def blocks_by_tier(counts: tuple[int, ...]) -> Mapping[Tier, int]:
+    """A match's blocks per tier (`counts[i]` on the i-th tier, fastest first) as
+    PrefixMatch carries them; shared and read-only, since most matches repeat a few
+    shapes (every block on the device tier)."""
+    return MappingProxyType({_TIERS[t]: n for t, n in enumerate(counts) if n})
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from types import MappingProxyType
 
 from kvplane.core.clock import Clock
 from kvplane.core.types import (
@@ -34,6 +32,7 @@ from router.index.base import (
     UnknownWorker,
     WorkerState,
     WorkerStatus,
+    blocks_by_tier,
 )
 
 _TIERS = list(Tier)  # table tier i is _TIERS[i]; fastest first
@@ -64,13 +63,6 @@ def _as_list(keys: Sequence[int]) -> list[int]:
     return keys if isinstance(keys, list) else list(keys)
 
 
-@lru_cache(maxsize=4096)
-def _by_tier(counts: tuple[int, ...]) -> Mapping[Tier, int]:
-    """A lookup's blocks per tier as PrefixMatch carries them; shared and read-only,
-    since most matches repeat a few shapes (every block on the device tier)."""
-    return MappingProxyType({_TIERS[t]: n for t, n in enumerate(counts) if n})
-
-
 class MemoryLocationIndex:
     """LocationIndex kept in this process's memory; the default for a single router."""
 
@@ -87,7 +79,7 @@ class MemoryLocationIndex:
         # A secret seed: keys come from agents, and with a known one a handful of chosen
         # keys could share one cluster of the table.
         self._table = LocationTable(
-            len(_TIERS), secrets.randbits(64), match=PrefixMatch, by_tier=_by_tier
+            len(_TIERS), secrets.randbits(64), match=PrefixMatch, by_tier=blocks_by_tier
         )
         self._workers: dict[str, _Worker] = {}
         self._slot_owner: list[_Worker | None] = []

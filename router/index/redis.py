@@ -58,6 +58,7 @@ from kvplane.core.types import (
     WorkerInfo,
     WorkerRole,
 )
+from router.index._lookup_reply import read_matches
 from router.index.base import (
     MAX_POSITION,
     CounterChanges,
@@ -72,6 +73,7 @@ from router.index.base import (
     UnknownWorker,
     WorkerState,
     WorkerStatus,
+    blocks_by_tier,
 )
 
 log = logging.getLogger(__name__)
@@ -114,8 +116,6 @@ _MAX_INCARNATION = 2**64  # incarnations are uint64 on the wire
 _STORE, _REMOVE, _CLEAR = 1, 2, 3  # operation codes of an encoded batch (apply.lua)
 _FIRST_BLOCK, _PARENT_KEY, _PARENT_UNKNOWN = 0, 1, 2  # parent kinds of a stored run
 _EVENT_HEADER = struct.Struct("<BBHIB")  # operation, tier, first depth, keys, parent kind
-_MATCH_RECORD = struct.Struct(">IIIII20s")  # per worker in lookup.lua's reply
-_TIERS = tuple(Tier)  # iterating the enum itself is slow
 _KEYS_NEED_BYTESWAP = sys.byteorder == "big"  # keys are stored little-endian everywhere
 
 Command = tuple[Any, ...]
@@ -195,6 +195,15 @@ class _WorkerKey(NamedTuple):
     slot: int  # its cluster hash slot
 
 
+class _NodeWorkers(NamedTuple):
+    """The known workers whose keys one node holds, as a lookup sends and reads them."""
+
+    node: ClusterNode | None  # None: no node in particular (a single server)
+    workers: list[tuple[str, _WorkerKey]]
+    worker_ids: list[str]
+    names: bytes  # their key names, separated by spaces (lookup.lua)
+
+
 class RedisLocationIndex:
     """LocationIndex in Redis (a Redis client) or Redis Cluster (a RedisCluster).
 
@@ -216,7 +225,9 @@ class RedisLocationIndex:
         """`clock` ages this router's copy of the registry; leases run on the server's."""
         if max_entries is not None and max_entries < 1:
             raise ValueError("max_entries must be positive")
-        if not prefix or "{" in prefix or "}" in prefix:
+        # No braces (they would move the hash tag), no spaces (lookup.lua splits names
+        # on them).
+        if not prefix or any(character in prefix for character in "{} "):
             raise ValueError(f"invalid key prefix {prefix!r}")
         self._client = client
         self._prefix = prefix
@@ -230,6 +241,9 @@ class RedisLocationIndex:
         # The registry as last read (plus workers registered here since), with each
         # worker's key; _registry_read_at is None until a read succeeds.
         self._workers: dict[str, _WorkerKey] = {}
+        # _workers grouped by node, kept while neither they nor the slot map change
+        # (built per lookup, they cost a thousand workers' router about a millisecond).
+        self._node_workers: tuple[object, list[_NodeWorkers]] | None = None
         self._registry_read_at: float | None = None
         self._registry_reading = False  # so that concurrent calls send one SMEMBERS
         # redis-py refuses a call (MaxConnectionsError, no wait) once a pool has 100
@@ -293,7 +307,9 @@ class RedisLocationIndex:
             ]
         )
         applied = int(_check(reply, info.worker_id, info.incarnation)[1])
-        self._workers[info.worker_id] = key
+        if info.worker_id not in self._workers:
+            self._workers[info.worker_id] = key
+            self._node_workers = None
         return applied
 
     async def renew(
@@ -330,6 +346,7 @@ class RedisLocationIndex:
             # A second round trip: the id must stay listed when the drop did not happen.
             await self._run([("SREM", self._registry, worker_id)])
             self._workers.pop(worker_id, None)
+            self._node_workers = None
 
     async def purge_expired(self, grace_s: float = 0.0) -> list[str]:
         workers = await self._read_registry()
@@ -342,6 +359,7 @@ class RedisLocationIndex:
             await self._run([("SREM", self._registry, *unlisted)])
             for worker_id in unlisted:
                 self._workers.pop(worker_id, None)
+            self._node_workers = None
         return purged
 
     async def workers(self) -> list[WorkerStatus]:
@@ -425,50 +443,66 @@ class RedisLocationIndex:
         if self._registry_older_than(REGISTRY_MAX_AGE_S):
             await self._read_registry()
         groups = await self._workers_by_node()
-        commands = [
-            _LOOKUP.call((), packed_keys, *(key.name for _, key in workers))
-            for _, workers in groups
-        ]
-        nodes = [node for node, _ in groups]
+        commands = [_LOOKUP.call((), packed_keys, group.names) for group in groups]
+        nodes = [group.node for group in groups]
         replies = await self._replies_reading_registry(commands, nodes, self._registry_read_due())
         matches: dict[str, PrefixMatch] = {}
         misrouted: list[tuple[str, _WorkerKey]] = []
-        for (_, workers), reply in zip(groups, replies, strict=True):
+        for group, reply in zip(groups, replies, strict=True):
             if isinstance(reply, ResponseError) and isinstance(self._client, RedisCluster):
                 # Slots moved since the client last looked: ask per worker, which the
-                # client routes (and follows redirections) by the declared keys.
-                misrouted += workers
+                # client routes (and follows redirections) by the declared keys, and
+                # group again next time, by the slot map those redirections mended.
+                misrouted += group.workers
+                self._node_workers = None
                 continue
-            _collect_matches(matches, workers, self._raise_failure(reply))
+            _collect_matches(matches, group.worker_ids, self._raise_failure(reply))
         if misrouted:
             replies = await self._run(
                 [_LOOKUP.call((key.name,), packed_keys) for _, key in misrouted]
             )
-            for worker, reply in zip(misrouted, replies, strict=True):
-                _collect_matches(matches, [worker], reply)
+            for (worker_id, _), reply in zip(misrouted, replies, strict=True):
+                _collect_matches(matches, [worker_id], reply)
         return matches
 
-    async def _workers_by_node(
-        self,
-    ) -> list[tuple[ClusterNode | None, list[tuple[str, _WorkerKey]]]]:
+    async def _workers_by_node(self) -> list[_NodeWorkers]:
         """The known workers grouped by the node that holds their keys (one group, for
         no node in particular, on a single server)."""
+        slots: dict[int, list[ClusterNode]] | None = None
+        if isinstance(self._client, RedisCluster):
+            with self._mapped_errors():
+                async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                    await self._client.initialize()  # a no-op once the slot map is known
+            # redis-py builds a new map when it reads the cluster's (a failover found,
+            # a migration), and mends the one it has when a call is redirected: a
+            # misrouted group (below) forgets the grouping too.
+            slots = self._client.nodes_manager.slots_cache
+        if self._node_workers is not None and self._node_workers[0] is slots:
+            return self._node_workers[1]
         workers = list(self._workers.items())
-        if not isinstance(self._client, RedisCluster):
-            return [(None, workers)] if workers else []
-        with self._mapped_errors():
-            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
-                await self._client.initialize()  # a no-op once the slot map is known
-        slots = self._client.nodes_manager.slots_cache
-        groups: dict[str, tuple[ClusterNode, list[tuple[str, _WorkerKey]]]] = {}
+        by_node: dict[str | None, tuple[ClusterNode | None, list[tuple[str, _WorkerKey]]]] = {}
         for worker in workers:
-            owners = slots.get(worker[1].slot)
-            if not owners:
-                raise IndexUnavailable(
-                    f"{self._location}: no node serves hash slot {worker[1].slot}"
-                )
-            groups.setdefault(owners[0].name, (owners[0], []))[1].append(worker)
-        return list(groups.values())
+            if slots is None:
+                owner = None
+            else:
+                owners = slots.get(worker[1].slot)
+                if not owners:
+                    raise IndexUnavailable(
+                        f"{self._location}: no node serves hash slot {worker[1].slot}"
+                    )
+                owner = owners[0]
+            by_node.setdefault(owner.name if owner else None, (owner, []))[1].append(worker)
+        groups = [
+            _NodeWorkers(
+                node,
+                members,
+                [worker_id for worker_id, _ in members],
+                b" ".join(key.name for _, key in members),
+            )
+            for node, members in by_node.values()
+        ]
+        self._node_workers = (slots, groups)
+        return groups
 
     # -- the registry ----------------------------------------------------------------
 
@@ -502,8 +536,10 @@ class RedisLocationIndex:
             )
         finally:
             self._registry_reading = False
-        worker_ids = [member.decode() for member in self._raise_failure(replies.pop())]
-        self._workers = {worker_id: self._worker_key(worker_id) for worker_id in worker_ids}
+        worker_ids = {member.decode() for member in self._raise_failure(replies.pop())}
+        if worker_ids != self._workers.keys():
+            self._workers = {worker_id: self._worker_key(worker_id) for worker_id in worker_ids}
+            self._node_workers = None
         self._registry_read_at = started
         return replies
 
@@ -842,19 +878,9 @@ def _status(worker_id: str, record: list[Any]) -> WorkerStatus:
     )
 
 
-def _collect_matches(
-    matches: dict[str, PrefixMatch], workers: list[tuple[str, _WorkerKey]], reply: bytes
-) -> None:
+def _collect_matches(matches: dict[str, PrefixMatch], worker_ids: list[str], reply: bytes) -> None:
     """Add the matches of one lookup.lua reply (one record per worker, in order)."""
-    records = _MATCH_RECORD.iter_unpack(reply)
-    for (worker_id, _), (blocks, *counts, incarnation) in zip(workers, records, strict=True):
-        if not blocks:
-            continue
-        if counts[0] == blocks:  # the usual case, and the cheapest to build
-            by_tier = {Tier.DEVICE: blocks}
-        else:
-            by_tier = {tier: count for tier, count in zip(_TIERS, counts, strict=True) if count}
-        matches[worker_id] = PrefixMatch(worker_id, int(incarnation), blocks, by_tier)
+    read_matches(reply, worker_ids, matches, PrefixMatch, blocks_by_tier)
 
 
 def _check(

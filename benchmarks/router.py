@@ -150,6 +150,7 @@ class DecisionFigures:
     decision_p99_us: float
     keys_p50_us: float
     lookup_p50_us: float
+    lookup_cpu_us: float  # this process's CPU a lookup (mean): with Redis, the router's share
     tokenize_p50_us: float
     tokenize_repeat_p50_us: float  # the same prompt again: the proxy's token cache
     tokenize_shared_p50_us: float  # a chat whose messages but the last were seen before
@@ -348,7 +349,10 @@ async def measure_decisions(
         await _timed_us(decide, WARM_UP)
         decide_us = await _timed_us(decide, case.decisions)
         keys_us = await _timed_us(keys, max(10, case.decisions // 4))
-        lookup_us = await _timed_us(lookup, max(10, case.decisions // 4))
+        lookups = max(10, case.decisions // 4)
+        cpu_before = time.process_time()
+        lookup_us = await _timed_us(lookup, lookups)
+        lookup_cpu_us = (time.process_time() - cpu_before) / lookups * 1e6
         return DecisionFigures(
             prompt_tokens=case.prompt_tokens,
             workers=case.workers,
@@ -359,6 +363,7 @@ async def measure_decisions(
             decision_p99_us=round(percentile(decide_us, 0.99), 1),
             keys_p50_us=round(statistics.median(keys_us), 1),
             lookup_p50_us=round(statistics.median(lookup_us), 1),
+            lookup_cpu_us=round(lookup_cpu_us, 1),
             tokenize_p50_us=round(case.tokenize.fresh_us, 1),
             tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
             tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
@@ -915,7 +920,8 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
     if decisions:
         print(
             f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
-            f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'tokenize p50':>13} "
+            f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'lookup CPU':>11} "
+            f"{'tokenize p50':>13} "
             f"{'repeated':>9} {'shared':>9} {'route shared':>13} {'text shared':>12}"
         )
         for row in decisions:
@@ -923,6 +929,7 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
                 f"{row.prompt_tokens:>7,} {row.workers:>7} {row.index:<6} {row.entries:>9,} "
                 f"{row.decision_p50_us:>9.0f}µs {row.decision_p99_us:>9.0f}µs "
                 f"{row.keys_p50_us:>8.0f}µs {row.lookup_p50_us:>9.0f}µs "
+                f"{row.lookup_cpu_us:>9.0f}µs "
                 f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs "
                 f"{row.tokenize_shared_p50_us:>7.0f}µs {row.route_shared_p50_us:>11.0f}µs "
                 f"{row.tokenize_shared_text_p50_us:>10.0f}µs"

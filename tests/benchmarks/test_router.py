@@ -19,6 +19,7 @@ DECISION_FIELDS = {
     "index",
     "decision_p50_us",
     "decision_p99_us",
+    "lookup_cpu_us",
     "tokenize_p50_us",
     "tokenize_shared_p50_us",
     "tokenize_shared_text_p50_us",
@@ -66,7 +67,7 @@ def test_bench_router_writes_decisions_and_proxy_figures(
         assert row.keys() >= DECISION_FIELDS
         assert row["workers"] == 3
         assert row["entries"] > 0
-        for field in ("decision_p50_us", "decision_p99_us", "tokenize_p50_us"):
+        for field in ("decision_p50_us", "decision_p99_us", "lookup_cpu_us", "tokenize_p50_us"):
             assert row[field] > 0, field
         assert row["decision_p99_us"] >= row["decision_p50_us"]
 

@@ -35,7 +35,9 @@ once the index applied it, over the ingest and mixed phases. The index's own ent
 count (`GET /fleet/index`) is read after the mixed phase, with how long it took.
 
 Everything shares the machine's cores: on a small machine the figures are the whole
-system's, the fleet's and the load's own work included.
+system's, the fleet's and the load's own work included. Each phase reads the machine's
+idle share (/proc/stat); where a phase that a per-event or per-request CPU figure rests
+on left less than SATURATED_IDLE_SHARE idle, the figure is not given (nan).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ MODEL = "kvplane-tiny"  # the engine simulator's default model name
 ADMIN_TOKEN = "bench-scale-admin"  # loopback only
 WORKER_SECRET = "bench-scale-worker-secret-of-32-chars-at-least"
 DECISION_TARGET_S = 0.005
+SATURATED_IDLE_SHARE = 0.1
+"""A phase in which the machine's cores were idle less than this share of the time was
+saturated: what the rest phase cost is then no baseline for it (work added displaces
+other work instead of adding CPU), and the per-event or per-request CPU is not given."""
 QUESTION_TOKENS = 64
 FILL_TIMEOUT_S = 600.0
 STATS_TIMEOUT_S = 60.0
@@ -122,6 +128,13 @@ class ScaleFigures:
     quiet_decision_p99_ms: float
     router_cpu_ms_per_request: float
     redis_cpu_ms_per_request: float
+    # The machine's idle share of its cores in the rest, ingest and quiet phases (nan
+    # where /proc/stat cannot be read). Below SATURATED_IDLE_SHARE in a phase the CPU a
+    # thing costs cannot be told from what it displaces: the per-event (rest, ingest)
+    # and per-request (rest, quiet) figures are nan then.
+    idle_share_rest: float
+    idle_share_ingest: float
+    idle_share_quiet: float
     failed_requests: int
     failed_workers: int
     reconnects: int  # streams the workers opened again (the control plane ended one)
@@ -395,6 +408,7 @@ class Phase:
     after: list[dict[str, Any]]
     redis_cpu_s: float
     seconds: float
+    idle_share: float  # of the machine's cores (nan: unknown)
     answered: int = 0
     failed: int = 0
 
@@ -417,6 +431,7 @@ def _phase(
     """`duration_s` of what the fleet sends, with requests at `request_rate` if given."""
     before = [router.scrape() for router in point.routers]
     _, redis_cpu = _redis_totals(point.cluster)
+    machine_before = machine_cpu_ticks()
     started = time.monotonic()
     answered = failed = 0
     if request_rate is None:
@@ -425,9 +440,29 @@ def _phase(
         urls = [router.url for router in point.routers]
         answered, failed = asyncio.run(open_loop(urls, shape, request_rate, duration_s))
     seconds = time.monotonic() - started
+    idle = idle_share(machine_before, machine_cpu_ticks())
     after = [router.scrape() for router in point.routers]
     _, redis_cpu_after = _redis_totals(point.cluster)
-    return Phase(before, after, redis_cpu_after - redis_cpu, seconds, answered, failed)
+    return Phase(before, after, redis_cpu_after - redis_cpu, seconds, idle, answered, failed)
+
+
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """(idle, total) CPU ticks of every core since boot, from /proc/stat; None where it
+    cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice, within user]
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """The share of the machine's CPU time idle between two readings; nan if unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return math.nan
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def measure_point(
@@ -482,6 +517,9 @@ def _figures(
 ) -> ScaleFigures:
     rest, ingest, mixed, quiet = phases
     events = ingest.delta("kvplane_events_applied_total")
+    # nan comparisons are False: an unknown idle share leaves the figures as measured.
+    per_event_measurable = not any(p.idle_share < SATURATED_IDLE_SHARE for p in (rest, ingest))
+    per_request_measurable = not any(p.idle_share < SATURATED_IDLE_SHARE for p in (rest, quiet))
     # Each router's upkeep and the workers' load reports go on in every phase: what
     # the rest phase cost a second is taken out of the others'.
     router_rest = rest.delta("cpu_s") / rest.span_s
@@ -517,8 +555,12 @@ def _figures(
         apply_lag_p99_ms=ms(_quantile(lags, 0.99), 2),
         router_cpu_ms_per_s_at_rest=ms(router_rest, 1),
         redis_cpu_ms_per_s_at_rest=ms(redis_rest, 1),
-        router_cpu_ms_per_event=ms(router_cpu(ingest) / events) if events else math.nan,
-        redis_cpu_ms_per_event=ms(redis_cpu(ingest) / events) if events else math.nan,
+        router_cpu_ms_per_event=(
+            ms(router_cpu(ingest) / events) if events and per_event_measurable else math.nan
+        ),
+        redis_cpu_ms_per_event=(
+            ms(redis_cpu(ingest) / events) if events and per_event_measurable else math.nan
+        ),
         requests=mixed.answered,
         requests_per_s=round(mixed.answered / mixed.seconds, 1),
         decision_p50_ms=ms(bucket_quantile(decisions, 0.5)),
@@ -529,11 +571,18 @@ def _figures(
         quiet_decision_p50_ms=ms(bucket_quantile(quiet_decisions, 0.5)),
         quiet_decision_p99_ms=ms(bucket_quantile(quiet_decisions, 0.99)),
         router_cpu_ms_per_request=(
-            ms(router_cpu(quiet) / quiet.answered) if quiet.answered else math.nan
+            ms(router_cpu(quiet) / quiet.answered)
+            if quiet.answered and per_request_measurable
+            else math.nan
         ),
         redis_cpu_ms_per_request=(
-            ms(redis_cpu(quiet) / quiet.answered) if quiet.answered else math.nan
+            ms(redis_cpu(quiet) / quiet.answered)
+            if quiet.answered and per_request_measurable
+            else math.nan
         ),
+        idle_share_rest=round(rest.idle_share, 3),
+        idle_share_ingest=round(ingest.idle_share, 3),
+        idle_share_quiet=round(quiet.idle_share, 3),
         failed_requests=mixed.failed + quiet.failed,
         failed_workers=report.failures,
         reconnects=report.reconnects,
@@ -574,6 +623,7 @@ COLUMNS = (
     ("quiet_decision_p99_ms", "quiet p99 ms"),
     ("router_cpu_ms_per_request", "CPU ms/req"),
     ("redis_cpu_ms_per_request", "Redis ms/req"),
+    ("idle_share_quiet", "idle quiet"),
     ("failed_requests", "failed req"),
     ("failed_workers", "failed workers"),
     ("reconnects", "reconnects"),

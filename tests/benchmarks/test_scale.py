@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scale import bucket_quantile, share_within
+from benchmarks.scale import bucket_quantile, idle_share, machine_cpu_ticks, share_within
 from kvplane.cli import main
 
 pytestmark = pytest.mark.slow
@@ -43,6 +43,8 @@ def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
     assert 0 < point["decision_p50_ms"] <= point["decision_p99_ms"]
     assert 0 < point["decisions_within_5ms"] <= 1
     assert 0 < point["quiet_decision_p50_ms"] <= point["quiet_decision_p99_ms"]
+    for phase in ("rest", "ingest", "quiet"):
+        assert 0 <= point[f"idle_share_{phase}"] <= 1, phase
     assert "4 workers, 2 routers" in capsys.readouterr().out
 
 
@@ -82,3 +84,12 @@ def test_a_quantile_beyond_the_last_bound_is_the_last_bound_and_none_is_nan() ->
     assert bucket_quantile({0.001: 1.0, math.inf: 10.0}, 0.99) == pytest.approx(0.001)
     assert math.isnan(bucket_quantile({0.001: 0.0, math.inf: 0.0}, 0.5))
     assert math.isnan(share_within({math.inf: 0.0}, 0.005))
+
+
+def test_the_idle_share_of_a_phase_is_read_off_the_machine_s_ticks() -> None:
+    assert idle_share((100, 400), (130, 500)) == pytest.approx(0.3)
+    assert math.isnan(idle_share(None, (130, 500)))  # /proc/stat could not be read
+    assert math.isnan(idle_share((100, 400), (100, 400)))  # no tick between them
+    ticks = machine_cpu_ticks()
+    assert ticks is not None
+    assert 0 <= ticks[0] <= ticks[1]

@@ -52,6 +52,10 @@ static PyObject *read_matches(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     }
     for (Py_ssize_t w = 0; w < count; w++) {
+        if (PyList_GET_SIZE(worker_ids) != count) {
+            PyErr_SetString(PyExc_RuntimeError, "the worker ids changed during read_matches()");
+            return NULL;
+        }
         const unsigned char *record = records + w * RECORD_BYTES;
         uint32_t blocks = read_u32(record);
         if (blocks == 0) continue;

@@ -380,8 +380,7 @@ class RedisLocationIndex:
         key = self._workers.get(worker_id)
         if key is not None:
             return key
-        # Ids are validated upstream; a brace here would move the hash tag.
-        if not worker_id or "{" in worker_id or "}" in worker_id:
+        if not _usable_worker_id(worker_id):
             raise ValueError(f"invalid worker id {worker_id!r}")
         name = f"{self._prefix}:{{{worker_id}}}".encode()
         return _WorkerKey(name, key_slot(name))
@@ -536,8 +535,17 @@ class RedisLocationIndex:
             )
         finally:
             self._registry_reading = False
-        worker_ids = {member.decode() for member in self._raise_failure(replies.pop())}
+        listed = {member.decode(errors="replace") for member in self._raise_failure(replies.pop())}
+        worker_ids = {worker_id for worker_id in listed if _usable_worker_id(worker_id)}
         if worker_ids != self._workers.keys():
+            if len(worker_ids) < len(listed):
+                # Not one a router wrote (ids are validated upstream): left out, so that
+                # the others are still looked up.
+                log.warning(
+                    "the worker registry in %s lists %d ids this index cannot use: left out",
+                    self._location,
+                    len(listed) - len(worker_ids),
+                )
             self._workers = {worker_id: self._worker_key(worker_id) for worker_id in worker_ids}
             self._node_workers = None
         self._registry_read_at = started
@@ -897,6 +905,13 @@ def _check(
         assert expected is not None  # the scripts check only a sequence they were given
         raise SequenceMismatch(worker_id, expected, int(reply[1]))
     return reply
+
+
+def _usable_worker_id(worker_id: str) -> bool:
+    """Ids are validated upstream (kvplane/wire/codec.py); here only what would break
+    the layout is refused: a brace moves the hash tag, lookup.lua splits names on
+    spaces."""
+    return bool(worker_id) and not any(character in worker_id for character in "{} ")
 
 
 def _is_block(field: bytes) -> bool:

@@ -482,10 +482,32 @@ async def test_a_lookup_follows_a_slot_moved_to_another_node(cluster: Redises) -
     await _move_slot(cluster, slot)
     try:
         assert {w: m.blocks for w, m in (await index.lookup(prompt)).items()} == expected
-        # Grouped again by the slot map the redirections mended.
+        # Grouped again by the slot map the redirections mended: no worker is asked on
+        # its own (those calls go through _run; a node's group does not).
+        asked_alone = 0
+        run_commands = index._run
+
+        async def counting_run(*args: Any, **kwargs: Any) -> list[Any]:
+            nonlocal asked_alone
+            asked_alone += 1
+            return await run_commands(*args, **kwargs)
+
+        index._run = counting_run  # type: ignore[method-assign]
         assert {w: m.blocks for w, m in (await index.lookup(prompt)).items()} == expected
+        assert asked_alone == 0
     finally:
         await _move_slot(cluster, slot)
+
+
+async def test_an_id_in_the_registry_no_router_wrote_is_left_out(redises: Redises) -> None:
+    writer = redises.index()
+    prompt = chain(7, 4)
+    await writer.register(info("w1"), LEASE)
+    await writer.apply("w1", 1, [run(prompt)])
+    # A brace would move the hash tag; lookup.lua splits names on spaces.
+    await redises.admin.sadd(f"{redises.prefix}:workers", "a b", "{c}", "")
+    reader = redises.index()  # reads the registry at its first lookup
+    assert {w: m.blocks for w, m in (await reader.lookup(prompt)).items()} == {"w1": 4}
 
 
 async def _move_slot(cluster: Redises, slot: int) -> None:

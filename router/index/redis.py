@@ -241,8 +241,9 @@ class RedisLocationIndex:
         # The registry as last read (plus workers registered here since), with each
         # worker's key; _registry_read_at is None until a read succeeds.
         self._workers: dict[str, _WorkerKey] = {}
-        # _workers grouped by node, kept while neither they nor the slot map change
-        # (built per lookup, they cost a thousand workers' router about a millisecond).
+        # _workers grouped by node, with the slot map they were grouped by; rebuilt when
+        # _workers changes, redis-py reads a new map, or a node refuses a group (built
+        # per lookup, they cost a thousand workers' router about a millisecond).
         self._node_workers: tuple[object, list[_NodeWorkers]] | None = None
         self._registry_read_at: float | None = None
         self._registry_reading = False  # so that concurrent calls send one SMEMBERS

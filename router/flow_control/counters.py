@@ -8,8 +8,8 @@ counters of the tenants already waiting (router/flow_control/gate.py), so that i
 earns no credit and a past flood is not a debt forever.
 
 These are one router's; `SharedServiceCounters` (router/flow_control/shared.py) keeps
-them in the index's Redis for every replica. `RecentService`, which tells who has had
-more than its share lately, is each router's own: a flood split between replicas is
+them in the index's Redis for every replica. `RecentDemand`, which tells who has asked
+for more than its share lately, is each router's own: a flood split between replicas is
 over its share at each.
 """
 
@@ -50,41 +50,42 @@ class ServiceCounters:
 
 
 OVER_SHARE_MARGIN = 1.25
-"""A tenant takes more than its share where its recent service is over the mean of the
-tenants served lately by this much: tenants with equal demands stay under it through
+"""A tenant asks for more than its share where its recent demand is over the mean of the
+tenants asking lately by this much: tenants with equal demands stay under it through
 the noise of their arrivals, a flood is over it."""
 
 
-FORGOTTEN = 0.01  # of the recent service of all: a tenant with less is not counted
+FORGOTTEN = 0.01  # of the recent demand of all: a tenant with less is not counted
 
 
-class RecentService:
-    """Each (model, tenant)'s service lately (the counters' charges, so already divided
-    by its share), decayed with a time constant of `window_s`: unlike the counters it
-    forgets, so it tells the tenant that floods now from one that waited its turn."""
+class RecentDemand:
+    """Each (model, tenant)'s demand lately: the prompt tokens its requests brought, at
+    their input cost and divided by its share, decayed with a time constant of
+    `window_s`. What tenants ask, not what they are served: the counters give tenants
+    that all wait equal service, so a flood that waits is served no more than the
+    tenants beside it, and only its demand tells it from them."""
 
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
         self._values: dict[str, dict[str, tuple[float, float]]] = {}  # (value, as of)
 
-    def charge(self, model: str, tenant: str, amount: float, now: float) -> None:
+    def asked(self, model: str, tenant: str, amount: float, now: float) -> None:
         values = self._values.setdefault(model, {})
         values[tenant] = (self._decayed(values.get(tenant), now) + amount, now)
 
     def over_share(self, model: str, now: float, waiting: Collection[str]) -> set[str]:
-        """The tenants that had more than their share of `model` lately, among the
-        tenants served lately and those `waiting` for it (a lighter tenant that starts
-        waiting has had nothing yet)."""
+        """The tenants that asked for more than their share of `model` lately, among the
+        tenants asking lately and those `waiting` for it."""
         values = self._values.get(model, {})
         recent = {name: self._decayed(value, now) for name, value in values.items()}
         total = sum(value for value in recent.values() if value > 0)
-        # Those whose service has decayed to almost nothing are no longer served lately.
-        served = {name for name, value in recent.items() if value > FORGOTTEN * total}
-        sharing = served | set(waiting)
+        # Those whose demand has decayed to almost nothing no longer ask.
+        asking = {name for name, value in recent.items() if value > FORGOTTEN * total}
+        sharing = asking | set(waiting)
         if len(sharing) < 2:
             return set()  # alone, a tenant's share is all of it
         bound = OVER_SHARE_MARGIN * total / len(sharing)
-        return {name for name in served if recent[name] > bound}
+        return {name for name in asking if recent[name] > bound}
 
     def _decayed(self, value: tuple[float, float] | None, now: float) -> float:
         if value is None:

@@ -34,7 +34,7 @@ from kvplane.core.clock import Clock
 from kvplane.core.config import FlowControlSettings
 from router.errors import RequestRefused
 from router.flow_control.bands import Placement, engine_priority
-from router.flow_control.counters import RecentService, ServiceCounters
+from router.flow_control.counters import RecentDemand, ServiceCounters
 from router.flow_control.queue import ModelQueue, Waiting
 from router.flow_control.saturation import (
     UNBOUNDED,
@@ -249,7 +249,7 @@ class FlowGate:
         self._engines = engines
         self._exchange = None if shared is None else FlowExchange(shared, settings.shared_refresh_s)
         self.counters = ServiceCounters() if shared is None else SharedCounters()
-        self._recent = RecentService(settings.recent_service_window_s)
+        self._demand = RecentDemand(settings.recent_demand_window_s)
         self._elsewhere = Elsewhere()
         self._exchanged_at = -math.inf
         self._metrics = metrics
@@ -292,6 +292,9 @@ class FlowGate:
         if queued_as is None:
             return None
         model = queued_as
+        now = self._clock()
+        cost = prompt_tokens * self.settings.input_token_cost / tenant.share
+        self._demand.asked(model, tenant.name, cost, now)
         queue = self._queue(model)
         self._lift(model, tenant, placement.band, queue)
         elsewhere = self._elsewhere
@@ -302,9 +305,7 @@ class FlowGate:
             and self.room(model) > 0
         ):
             return FlowPass(self, model, tenant, prompt_tokens, placement.band)
-        now = self._clock()
         deadline_at = None if placement.deadline_s is None else now + placement.deadline_s
-        cost = prompt_tokens * self.settings.input_token_cost / tenant.share
         waiting = queue.new(tenant.name, placement.band, now, deadline_at, cost)
         self._admit_to_queue(model, queue, waiting, tenant, placement.deadline_s)
         future: asyncio.Future[FlowPass | Shed] = asyncio.get_running_loop().create_future()
@@ -493,10 +494,10 @@ class FlowGate:
 
     def _backlogs(self, model: str, queue: ModelQueue, band: int) -> set[str]:
         """The tenants waiting here in `band` with a backlog: more waiting there (another
-        here, or any at another replica), and more than their share lately."""
+        here, or any at another replica), and asked for more than their share lately."""
         elsewhere = self._elsewhere.waiting(model, band)
         here = queue.backlogged(band)
-        over = self._recent.over_share(model, self._clock(), set(here) | elsewhere.keys())
+        over = self._demand.over_share(model, self._clock(), set(here) | elsewhere.keys())
         return {
             tenant
             for tenant in here
@@ -571,7 +572,6 @@ class FlowGate:
 
     def charge(self, model: str, tenant: Tenant, cost: float) -> None:
         self.counters.charge(model, tenant.name, cost / tenant.share)
-        self._recent.charge(model, tenant.name, cost / tenant.share, self._clock())
 
     def served(self, tenant: Tenant, kind: str, cost: float) -> None:
         self._metrics.flow_service_tokens.labels(tenant=tenant.name, kind=kind).inc(cost)

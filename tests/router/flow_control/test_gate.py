@@ -479,8 +479,8 @@ async def test_a_higher_band_preempts_a_lower_one_waiting_in_its_engine() -> Non
 
 async def flood_then_light(fleet: RoutedFleet) -> list[str]:
     """While the engine runs one of noisy's requests: four more of noisy's at once,
-    then one of acme's; the order they finish. Noisy, the only tenant served until
-    then, has had more than its share of it once acme waits too."""
+    then one of acme's; the order they finish. Noisy, the only tenant asking until
+    then, has asked for more than its share once acme waits too."""
     finished: list[str] = []
     send = finishing(fleet, finished)
 

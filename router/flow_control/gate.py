@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -430,7 +430,13 @@ class FlowGate:
                 lighter = queue.next(counter, skip=backlogs)
                 if lighter is not None:
                     waiting, backlogged = lighter, False
-            if not self._its_turn(model, waiting, counter):
+                elif self._elsewhere.waiting(model, waiting.band).keys() - backlogs:
+                    # A lighter tenant waits at another replica: the places are its,
+                    # once that replica sees them (the next exchange at the latest).
+                    break
+            # Ahead of the backlogs waiting at other replicas too, for the same places.
+            passed_over = backlogs if not backlogged and free_to_backlog <= 0 else ()
+            if not self._its_turn(model, waiting, counter, passed_over):
                 break  # the room is another replica's waiting tenant's
             queue.remove(waiting)
             waiter = self._waiters.pop(waiting)
@@ -493,27 +499,34 @@ class FlowGate:
         )
 
     def _backlogs(self, model: str, queue: ModelQueue, band: int) -> set[str]:
-        """The tenants waiting here in `band` with a backlog: more waiting there (another
-        here, or any at another replica), and asked for more than their share lately."""
+        """The tenants waiting in `band` with a backlog: more waiting (another here, or
+        any at another replica), and asked for more than their share lately."""
         elsewhere = self._elsewhere.waiting(model, band)
-        here = queue.backlogged(band)
-        over = self._demand.over_share(model, self._clock(), set(here) | elsewhere.keys())
+        waiting = set(queue.backlogged(band)) | elsewhere.keys()
+        over = self._demand.over_share(model, self._clock(), waiting)
         return {
             tenant
-            for tenant in here
-            if tenant in over and (queue.count(tenant, band) > 1 or tenant in elsewhere)
+            for tenant in waiting & over
+            if tenant in elsewhere or queue.count(tenant, band) > 1
         }
 
-    def _its_turn(self, model: str, waiting: Waiting, counter: Callable[[str], float]) -> bool:
+    def _its_turn(
+        self,
+        model: str,
+        waiting: Waiting,
+        counter: Callable[[str], float],
+        passed_over: Collection[str] = (),
+    ) -> bool:
         """Whether no tenant waiting at another replica goes before `waiting`: none in
-        a higher band, none in its band served less (beyond the slack)."""
+        a higher band, none in its band served less (beyond the slack) but those whose
+        turn `waiting` takes (`passed_over`: backlogs, their places taken)."""
         elsewhere = self._elsewhere
         if elsewhere.higher_band_waits(model, waiting.band):
             return False
         others = [
             counter(tenant)
             for tenant in elsewhere.waiting(model, waiting.band)
-            if tenant != waiting.tenant
+            if tenant != waiting.tenant and tenant not in passed_over
         ]
         slack = self.settings.fairness_slack_tokens
         return not others or counter(waiting.tenant) <= min(others) + slack

@@ -2,15 +2,23 @@
 more than its share, whatever it has been served. Flow control's counters give tenants
 that all wait the same service, so a flood that waits is served no more than the tenants
 beside it; its demand is what tells it from them (router/flow_control/test_gate.py runs
-the places and the engines' priorities against real engines)."""
+the places and the engines' priorities against real engines). And the places a backlog
+leaves are a lighter tenant's at another replica too (their exchange through a real
+Redis)."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
 
 from kvplane.core.config import FlowControlSettings
 from router.flow_control.bands import Placement
 from router.flow_control.gate import FlowGate, FlowPass
+from router.flow_control.shared import FlowExchange
+from router.index.redis import RedisLocationIndex
 from router.metrics import RouterMetrics
 from tests.router.flow_control.engine_view import OneEngine, tenant
 
@@ -85,3 +93,97 @@ async def test_tenants_asking_their_shares_have_no_backlog() -> None:
         future.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
     first.close()
+
+
+@pytest.fixture
+async def index(redis_url: str) -> AsyncIterator[RedisLocationIndex]:
+    backend = RedisLocationIndex.from_url(redis_url, prefix=f"backlog-{uuid.uuid4().hex[:8]}")
+    yield backend
+    await backend.close()
+
+
+async def test_a_backlog_leaves_its_places_to_a_lighter_tenant_at_another_replica(
+    index: RedisLocationIndex,
+) -> None:
+    refresh_s = 0.02
+    engine = OneEngine()
+    engine.held = 2.0
+    settings = FlowControlSettings(
+        enabled=True,
+        max_engine_waiting=1,
+        max_engine_waiting_backlogged=0,
+        shared_refresh_s=refresh_s,
+    )
+    gate = FlowGate(settings, engine, RouterMetrics(), shared=index)
+    exchanging = asyncio.ensure_future(gate.run_forever())
+    other_replica = FlowExchange(index, refresh_s)
+    lighter_waits = {MODEL: {0: {"acme": 1}}}
+
+    async def acme_waits_there() -> None:
+        while True:
+            await other_replica.exchange({}, {}, lighter_waits, {})
+            await asyncio.sleep(refresh_s)
+
+    there = asyncio.ensure_future(acme_waits_there())
+    floods = [
+        asyncio.ensure_future(gate.enter(tenant("noisy"), MODEL, Placement(0), PROMPT_TOKENS))
+        for _ in range(4)
+    ]
+    try:
+        await asyncio.sleep(10 * refresh_s)  # the replicas have exchanged their backlogs
+        engine.held = 1.0  # the waiting place frees: one a backlog may not take
+        await asyncio.sleep(10 * refresh_s)
+        assert not any(future.done() for future in floods), "acme's place went to the flood"
+
+        lighter_waits.clear()  # acme's request went at its replica: the flood goes
+        noisy_pass = await asyncio.wait_for(asyncio.shield(floods[0]), 2)
+        assert isinstance(noisy_pass, FlowPass)
+        noisy_pass.close()
+    finally:
+        for task in (there, exchanging, *floods):
+            task.cancel()
+        await asyncio.gather(there, exchanging, *floods, return_exceptions=True)
+
+
+async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_replica(
+    index: RedisLocationIndex,
+) -> None:
+    refresh_s = 0.02
+    engine = OneEngine()
+    settings = FlowControlSettings(
+        enabled=True,
+        max_engine_waiting=1,
+        max_engine_waiting_backlogged=0,
+        shared_refresh_s=refresh_s,
+    )
+    gate = FlowGate(settings, engine, RouterMetrics(), shared=index)
+    noisy, acme = tenant("noisy"), tenant("acme")
+    for _ in range(4):  # noisy's asked here too, while there was room
+        flow_pass = await gate.enter(noisy, MODEL, Placement(0), PROMPT_TOKENS)
+        assert flow_pass is not None
+        flow_pass.close()
+    exchanging = asyncio.ensure_future(gate.run_forever())
+    other_replica = FlowExchange(index, refresh_s)
+
+    async def noisy_waits_there() -> None:
+        while True:
+            await other_replica.exchange({}, {}, {MODEL: {0: {"noisy": 4}}}, {})
+            await asyncio.sleep(refresh_s)
+
+    there = asyncio.ensure_future(noisy_waits_there())
+    engine.held = 2.0
+    await asyncio.sleep(10 * refresh_s)
+    light = asyncio.ensure_future(gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS))
+    try:
+        await asyncio.sleep(5 * refresh_s)
+        # Served well beyond the slack while it waits (its other requests' answers):
+        # noisy, served nothing, would go first, but for its backlog.
+        gate.charge(MODEL, acme, 10 * settings.fairness_slack_tokens)
+        engine.held = 1.0  # the waiting place frees: one a backlog may not take
+        acme_pass = await asyncio.wait_for(asyncio.shield(light), 2)
+        assert isinstance(acme_pass, FlowPass)
+        acme_pass.close()
+    finally:
+        for task in (there, exchanging, light):
+            task.cancel()
+        await asyncio.gather(there, exchanging, light, return_exceptions=True)

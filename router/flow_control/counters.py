@@ -9,8 +9,9 @@ earns no credit and a past flood is not a debt forever.
 
 These are one router's; `SharedServiceCounters` (router/flow_control/shared.py) keeps
 them in the index's Redis for every replica. `RecentDemand`, which tells who has asked
-for more than its share lately, is each router's own: a flood split between replicas is
-over its share at each.
+for more than its share lately, is each router's own: a flood that a load balancer
+spreads over the replicas is over its share at each; a tenant pinned to one replica is
+not known at the others.
 """
 
 from __future__ import annotations
@@ -73,19 +74,28 @@ class RecentDemand:
         values = self._values.setdefault(model, {})
         values[tenant] = (self._decayed(values.get(tenant), now) + amount, now)
 
+    def asking(self, model: str, now: float) -> set[str]:
+        """The tenants that asked for `model` lately (a tenant whose demand has decayed
+        to almost nothing no longer does)."""
+        recent = self._recent(model, now)
+        total = sum(recent.values())
+        return {name for name, value in recent.items() if value > FORGOTTEN * total}
+
     def over_share(self, model: str, now: float, waiting: Collection[str]) -> set[str]:
         """The tenants that asked for more than their share of `model` lately, among the
         tenants asking lately and those `waiting` for it."""
-        values = self._values.get(model, {})
-        recent = {name: self._decayed(value, now) for name, value in values.items()}
-        total = sum(value for value in recent.values() if value > 0)
-        # Those whose demand has decayed to almost nothing no longer ask.
-        asking = {name for name, value in recent.items() if value > FORGOTTEN * total}
+        recent = self._recent(model, now)
+        total = sum(recent.values())
+        asking = self.asking(model, now)
         sharing = asking | set(waiting)
         if len(sharing) < 2:
             return set()  # alone, a tenant's share is all of it
         bound = OVER_SHARE_MARGIN * total / len(sharing)
         return {name for name in asking if recent[name] > bound}
+
+    def _recent(self, model: str, now: float) -> dict[str, float]:
+        values = self._values.get(model, {})
+        return {name: self._decayed(value, now) for name, value in values.items()}
 
     def _decayed(self, value: tuple[float, float] | None, now: float) -> float:
         if value is None:

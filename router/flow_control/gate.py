@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 SHED_REASON_HEADER = "x-kvplane-shed-reason"
 ShedReason = Literal["queue_full", "displaced", "queue_timeout", "deadline", "preempted"]
 TICK_S = 0.02  # while requests wait: how often room is looked for without a request ending
+LEFT_TO_ELSEWHERE_EXCHANGES = 2  # see FlowGate._left_to_elsewhere
 _RATE_SAMPLES = 64  # grants the dispatch rate (for Retry-After and deadlines) is read over
 _T = TypeVar("_T")
 
@@ -270,6 +271,9 @@ class FlowGate:
         # given one place: the room a load report counts late (one sampled before the
         # victim ended) must not cost a second victim.
         self._preempted_for: dict[str, Waiting] = {}
+        # Per model: since when the places kept for lighter tenants have been left to
+        # those waiting at other replicas, and the fewest of their requests waiting since.
+        self._left_since: dict[str, tuple[float, int]] = {}
         self._seq = 0
         self._busy = asyncio.Event()
 
@@ -424,15 +428,14 @@ class FlowGate:
             if backlogged and free_to_backlog <= 0:
                 # The places left are kept for tenants without a backlog: the best of
                 # them waiting goes now, ahead of its turn, as it would have gone had it
-                # come while the engines took the backlog's requests. With none waiting,
-                # the backlog takes them (left empty, they would idle the engines that
-                # a flood's queue elsewhere offsets in the room).
+                # come while the engines took the backlog's requests. With none waiting
+                # here or at another replica, the backlog takes them (left empty, they
+                # would idle the engines that a flood's queue elsewhere offsets in the
+                # room).
                 lighter = queue.next(counter, skip=backlogs)
                 if lighter is not None:
                     waiting, backlogged = lighter, False
-                elif self._elsewhere.waiting(model, waiting.band).keys() - backlogs:
-                    # A lighter tenant waits at another replica: the places are its,
-                    # once that replica sees them (the next exchange at the latest).
+                elif self._left_to_elsewhere(model, waiting.band, backlogs):
                     break
             # Ahead of the backlogs waiting at other replicas too, for the same places.
             passed_over = backlogs if not backlogged and free_to_backlog <= 0 else ()
@@ -499,16 +502,41 @@ class FlowGate:
         )
 
     def _backlogs(self, model: str, queue: ModelQueue, band: int) -> set[str]:
-        """The tenants waiting in `band` with a backlog: more waiting (another here, or
-        any at another replica), and asked for more than their share lately."""
+        """The tenants waiting in `band` with a backlog: more than one request waiting
+        (here and at the other replicas together), and asked here for more than their
+        share lately. A tenant that asks only at other replicas is not known here."""
         elsewhere = self._elsewhere.waiting(model, band)
-        waiting = set(queue.backlogged(band)) | elsewhere.keys()
-        over = self._demand.over_share(model, self._clock(), waiting)
+        here = queue.backlogged(band)
+        over = self._demand.over_share(model, self._clock(), here)
         return {
             tenant
-            for tenant in waiting & over
-            if tenant in elsewhere or queue.count(tenant, band) > 1
+            for tenant in over & (set(here) | elsewhere.keys())
+            if queue.count(tenant, band) + elsewhere.get(tenant, 0) > 1
         }
+
+    def _left_to_elsewhere(self, model: str, band: int, backlogs: set[str]) -> bool:
+        """Whether the places kept for tenants without a backlog are left to one waiting
+        at another replica, which takes them once it sees them (at its next exchange):
+        only to a tenant that asks here too, lighter by what this replica sees (one it
+        does not know may be a flood pinned there), and only while such tenants' requests
+        there keep going (a replica that leaves them waiting loses the places after two
+        exchanges: two replicas must not leave them to each other)."""
+        now = self._clock()
+        asking = self._demand.asking(model, now)
+        lighter = {
+            tenant: count
+            for tenant, count in self._elsewhere.waiting(model, band).items()
+            if tenant in asking and tenant not in backlogs
+        }
+        if not lighter:
+            self._left_since.pop(model, None)
+            return False
+        waiting = sum(lighter.values())
+        since, fewest = self._left_since.get(model, (now, waiting))
+        if waiting < fewest:  # they go there: the places are taken
+            since, fewest = now, waiting
+        self._left_since[model] = (since, fewest)
+        return now - since < LEFT_TO_ELSEWHERE_EXCHANGES * self.settings.shared_refresh_s
 
     def _its_turn(
         self,

@@ -21,6 +21,7 @@ from router.flow_control.shared import FlowExchange
 from router.index.redis import RedisLocationIndex
 from router.metrics import RouterMetrics
 from tests.router.flow_control.engine_view import OneEngine, tenant
+from tests.waiting import wait_until
 
 MODEL = "m"
 PROMPT_TOKENS = 100
@@ -67,18 +68,22 @@ async def test_a_flood_that_was_served_nothing_yet_has_a_backlog() -> None:
         flow_pass.close()
 
 
-async def test_tenants_asking_their_shares_have_no_backlog() -> None:
+async def test_tenants_asking_their_shares_have_no_backlog_whatever_they_were_served() -> None:
     engine = OneEngine()
     engine.held = 2.0
     settings = FlowControlSettings(
         enabled=True, max_engine_waiting=1, max_engine_waiting_backlogged=0
     )
     gate = FlowGate(settings, engine, RouterMetrics())
-    # Two requests each: equal demands, so neither has a backlog, and the place a backlog
-    # may not take goes to whoever's turn it is.
+    acme, globex = tenant("acme"), tenant("globex")
+    # acme was served a lot lately, globex nothing; both now ask alike, two requests
+    # each. Neither has a backlog: the place a backlog may not take goes to whoever's
+    # turn it is, acme's (globex starts waiting lifted to acme's counter, and acme came
+    # first), at no lower engine priority.
+    gate.charge(MODEL, acme, 100 * PROMPT_TOKENS)
     waiting = [
-        asyncio.ensure_future(gate.enter(tenant(name), MODEL, Placement(0), PROMPT_TOKENS))
-        for name in ("acme", "globex", "acme", "globex")
+        asyncio.ensure_future(gate.enter(who, MODEL, Placement(0), PROMPT_TOKENS))
+        for who in (acme, globex, acme, globex)
     ]
     await asyncio.sleep(0)
     engine.held = 1.0
@@ -86,6 +91,7 @@ async def test_tenants_asking_their_shares_have_no_backlog() -> None:
     await asyncio.sleep(0)
     let_through = [future.result() for future in waiting if future.done()]
     assert len(let_through) == 1
+    assert waiting[0].done(), "acme's first, in its turn"
     first = let_through[0]
     assert isinstance(first, FlowPass)
     assert not first.backlogged
@@ -102,47 +108,112 @@ async def index(redis_url: str) -> AsyncIterator[RedisLocationIndex]:
     await backend.close()
 
 
-async def test_a_backlog_leaves_its_places_to_a_lighter_tenant_at_another_replica(
-    index: RedisLocationIndex,
-) -> None:
-    refresh_s = 0.02
-    engine = OneEngine()
-    engine.held = 2.0
+def replica(index: RedisLocationIndex, engine: OneEngine, refresh_s: float) -> FlowGate:
+    """A router replica's gate: one waiting place an engine, none a backlog takes before
+    a lighter tenant."""
     settings = FlowControlSettings(
         enabled=True,
         max_engine_waiting=1,
         max_engine_waiting_backlogged=0,
         shared_refresh_s=refresh_s,
     )
-    gate = FlowGate(settings, engine, RouterMetrics(), shared=index)
-    exchanging = asyncio.ensure_future(gate.run_forever())
-    other_replica = FlowExchange(index, refresh_s)
-    lighter_waits = {MODEL: {0: {"acme": 1}}}
+    return FlowGate(settings, engine, RouterMetrics(), shared=index)
 
-    async def acme_waits_there() -> None:
-        while True:
-            await other_replica.exchange({}, {}, lighter_waits, {})
-            await asyncio.sleep(refresh_s)
 
-    there = asyncio.ensure_future(acme_waits_there())
-    floods = [
-        asyncio.ensure_future(gate.enter(tenant("noisy"), MODEL, Placement(0), PROMPT_TOKENS))
-        for _ in range(4)
+async def asked_once(gate: FlowGate, name: str) -> None:
+    """One request of `name` let through and ended: the replica has seen it ask."""
+    flow_pass = await gate.enter(tenant(name), MODEL, Placement(0), PROMPT_TOKENS)
+    assert flow_pass is not None
+    flow_pass.close()
+
+
+async def sees_waiting_elsewhere(gate: FlowGate, name: str) -> None:
+    await wait_until(
+        f"{name} seen waiting at another replica",
+        lambda: any(
+            name in waiting
+            for flow in gate.snapshot().models
+            for waiting in flow.waiting_elsewhere.values()
+        ),
+    )
+
+
+def waiting_in(gate: FlowGate, name: str, count: int) -> list[asyncio.Future[FlowPass | None]]:
+    return [
+        asyncio.ensure_future(gate.enter(tenant(name), MODEL, Placement(0), PROMPT_TOKENS))
+        for _ in range(count)
     ]
-    try:
-        await asyncio.sleep(10 * refresh_s)  # the replicas have exchanged their backlogs
-        engine.held = 1.0  # the waiting place frees: one a backlog may not take
-        await asyncio.sleep(10 * refresh_s)
-        assert not any(future.done() for future in floods), "acme's place went to the flood"
 
-        lighter_waits.clear()  # acme's request went at its replica: the flood goes
+
+async def test_a_backlog_leaves_its_places_to_a_lighter_tenant_at_another_replica(
+    index: RedisLocationIndex,
+) -> None:
+    engine = OneEngine()  # both replicas route to the same engine
+    here, there = replica(index, engine, 0.1), replica(index, engine, 0.1)
+    await asked_once(here, "acme")  # acme asks at both replicas; noisy floods here
+    tasks = [asyncio.ensure_future(gate.run_forever()) for gate in (here, there)]
+    engine.held = 2.0
+    floods = waiting_in(here, "noisy", 4)
+    light = waiting_in(there, "acme", 1)
+    try:
+        await sees_waiting_elsewhere(here, "acme")
+        engine.held = 1.0  # the waiting place frees: one a backlog may not take
+        acme_pass = await asyncio.wait_for(asyncio.shield(light[0]), 2)
+        assert isinstance(acme_pass, FlowPass)
+        assert not any(future.done() for future in floods), "acme's place went to the flood"
+        acme_pass.close()
+    finally:
+        for task in (*tasks, *floods, *light):
+            task.cancel()
+        await asyncio.gather(*tasks, *floods, *light, return_exceptions=True)
+
+
+async def test_a_flood_at_each_replica_is_let_through(index: RedisLocationIndex) -> None:
+    # Each replica knows only its own flood: the other's might be a lighter tenant, but
+    # one never seen asking is not left the places.
+    engine = OneEngine()
+    here, there = replica(index, engine, 0.02), replica(index, engine, 0.02)
+    tasks = [asyncio.ensure_future(gate.run_forever()) for gate in (here, there)]
+    engine.held = 2.0
+    floods = waiting_in(here, "noisy", 4) + waiting_in(there, "rowdy", 4)
+    try:
+        await sees_waiting_elsewhere(here, "rowdy")
+        await sees_waiting_elsewhere(there, "noisy")
+        engine.held = 1.0
+        done, _ = await asyncio.wait(floods, timeout=2, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "both replicas left the place to each other"
+        for future in done:
+            flow_pass = future.result()
+            assert flow_pass is not None
+            flow_pass.close()
+    finally:
+        for task in (*tasks, *floods):
+            task.cancel()
+        await asyncio.gather(*tasks, *floods, return_exceptions=True)
+
+
+async def test_places_left_to_another_replica_that_does_not_take_them_come_back(
+    index: RedisLocationIndex,
+) -> None:
+    engine, full_there = OneEngine(), OneEngine()
+    full_there.held = 2.0  # the other replica sees no room: acme waits on there
+    here, there = replica(index, engine, 0.02), replica(index, full_there, 0.02)
+    await asked_once(here, "acme")
+    tasks = [asyncio.ensure_future(gate.run_forever()) for gate in (here, there)]
+    engine.held = 2.0
+    floods = waiting_in(here, "noisy", 4)
+    light = waiting_in(there, "acme", 1)
+    try:
+        await sees_waiting_elsewhere(here, "acme")
+        engine.held = 1.0
         noisy_pass = await asyncio.wait_for(asyncio.shield(floods[0]), 2)
         assert isinstance(noisy_pass, FlowPass)
+        assert not light[0].done()
         noisy_pass.close()
     finally:
-        for task in (there, exchanging, *floods):
+        for task in (*tasks, *floods, *light):
             task.cancel()
-        await asyncio.gather(there, exchanging, *floods, return_exceptions=True)
+        await asyncio.gather(*tasks, *floods, *light, return_exceptions=True)
 
 
 async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_replica(
@@ -172,10 +243,9 @@ async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_rep
 
     there = asyncio.ensure_future(noisy_waits_there())
     engine.held = 2.0
-    await asyncio.sleep(10 * refresh_s)
     light = asyncio.ensure_future(gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS))
     try:
-        await asyncio.sleep(5 * refresh_s)
+        await sees_waiting_elsewhere(gate, "noisy")
         # Served well beyond the slack while it waits (its other requests' answers):
         # noisy, served nothing, would go first, but for its backlog.
         gate.charge(MODEL, acme, 10 * settings.fairness_slack_tokens)

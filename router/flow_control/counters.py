@@ -50,10 +50,12 @@ class ServiceCounters:
             self._values.setdefault(model, {})[tenant] = wanted
 
 
-OVER_SHARE_MARGIN = 1.25
+OVER_SHARE_MARGIN = 2.0
 """A tenant asks for more than its share where its recent demand is over the mean of the
-tenants asking lately by this much: tenants with equal demands stay under it through
-the noise of their arrivals, a flood is over it."""
+other tenants asking lately by this much: tenants with equal demands stay under it
+through the noise of their arrivals, and so do tenants that all ask past their shares
+(three at 0.8 of the fleet, with shares 2:1:1: the share-1 tenants' demands are 1.33
+times the others' mean), where a flood is far over it."""
 
 
 FORGOTTEN = 0.01  # of the recent demand of all: a tenant with less is not counted
@@ -90,8 +92,12 @@ class RecentDemand:
         sharing = asking | set(waiting)
         if len(sharing) < 2:
             return set()  # alone, a tenant's share is all of it
-        bound = OVER_SHARE_MARGIN * total / len(sharing)
-        return {name for name in asking if recent[name] > bound}
+        others = len(sharing) - 1
+        return {
+            name
+            for name in asking
+            if recent[name] > OVER_SHARE_MARGIN * (total - recent[name]) / others
+        }
 
     def _recent(self, model: str, now: float) -> dict[str, float]:
         values = self._values.get(model, {})

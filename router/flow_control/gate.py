@@ -272,7 +272,8 @@ class FlowGate:
         # victim ended) must not cost a second victim.
         self._preempted_for: dict[str, Waiting] = {}
         # Per model: since when the places kept for lighter tenants have been left to
-        # those waiting at other replicas, and the fewest of their requests waiting since.
+        # those waiting at other replicas without one of theirs going, and how many of
+        # their requests waited there at the last look.
         self._left_since: dict[str, tuple[float, int]] = {}
         self._seq = 0
         self._busy = asyncio.Event()
@@ -519,8 +520,9 @@ class FlowGate:
         at another replica, which takes them once it sees them (at its next exchange):
         only to a tenant that asks here too, lighter by what this replica sees (one it
         does not know may be a flood pinned there), and only while such tenants' requests
-        there keep going (a replica that leaves them waiting loses the places after two
-        exchanges: two replicas must not leave them to each other)."""
+        there keep going (fewer wait there than at the last look within two exchanges;
+        a replica that leaves them waiting loses the places: two replicas must never
+        leave them to each other)."""
         now = self._clock()
         asking = self._demand.asking(model, now)
         lighter = {
@@ -532,10 +534,10 @@ class FlowGate:
             self._left_since.pop(model, None)
             return False
         waiting = sum(lighter.values())
-        since, fewest = self._left_since.get(model, (now, waiting))
-        if waiting < fewest:  # they go there: the places are taken
-            since, fewest = now, waiting
-        self._left_since[model] = (since, fewest)
+        since, before = self._left_since.get(model, (now, waiting))
+        if waiting < before:  # some went there since the last look: it takes the places
+            since = now
+        self._left_since[model] = (since, waiting)
         return now - since < LEFT_TO_ELSEWHERE_EXCHANGES * self.settings.shared_refresh_s
 
     def _its_turn(

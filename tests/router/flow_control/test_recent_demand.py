@@ -48,3 +48,9 @@ def test_models_are_apart() -> None:
     recent.asked("other", "a", 100.0, now=0.0)
     assert recent.over_share(MODEL, 0.0, waiting=[]) == {"noisy"}
     assert recent.over_share("other", 0.0, waiting=[]) == set()
+
+
+def test_tenants_all_asking_past_their_shares_are_not_over_them() -> None:
+    # Three tenants each asking 0.8 of the fleet, shares 2:1:1 (demand divided by share).
+    recent = asked(a=0.8 / 2, b=0.8, c=0.8)
+    assert recent.over_share(MODEL, 0.0, waiting="abc") == set()

@@ -242,9 +242,8 @@ class FlowControlSettings(_Section):
     # max_engine_waiting.
     max_engine_waiting_backlogged: int = Field(default=1, ge=0)
     # A tenant counts as having a backlog where it also asked for more than its share
-    # lately: its requests' prompt tokens, decayed with this time constant, over the mean
-    # of the tenants asking lately by a quarter (a lighter tenant whose requests bunch up
-    # keeps its place).
+    # lately: its requests' prompt tokens, decayed with this time constant, over twice
+    # the other tenants' mean (a lighter tenant whose requests bunch up keeps its place).
     recent_demand_window_s: float = Field(default=10.0, gt=0)
     # A worker whose KV cache is this full takes no more (a new request would evict or
     # preempt there); 1.0 leaves it to the queue alone.

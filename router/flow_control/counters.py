@@ -80,15 +80,14 @@ class RecentDemand:
         """The tenants that asked for `model` lately (a tenant whose demand has decayed
         to almost nothing no longer does)."""
         recent = self._recent(model, now)
-        total = sum(recent.values())
-        return {name for name, value in recent.items() if value > FORGOTTEN * total}
+        return _asking(recent, sum(recent.values()))
 
     def over_share(self, model: str, now: float, waiting: Collection[str]) -> set[str]:
         """The tenants that asked for more than their share of `model` lately, among the
         tenants asking lately and those `waiting` for it."""
         recent = self._recent(model, now)
         total = sum(recent.values())
-        asking = self.asking(model, now)
+        asking = _asking(recent, total)
         sharing = asking | set(waiting)
         if len(sharing) < 2:
             return set()  # alone, a tenant's share is all of it
@@ -108,3 +107,7 @@ class RecentDemand:
             return 0.0
         amount, as_of = value
         return amount * math.exp(-max(0.0, now - as_of) / self._window_s)
+
+
+def _asking(recent: dict[str, float], total: float) -> set[str]:
+    return {name for name, value in recent.items() if value > FORGOTTEN * total}

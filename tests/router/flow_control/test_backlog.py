@@ -9,8 +9,9 @@ Redis)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
@@ -27,13 +28,36 @@ MODEL = "m"
 PROMPT_TOKENS = 100
 
 
+def gate_on(
+    engine: OneEngine, index: RedisLocationIndex | None = None, refresh_s: float = 0.05
+) -> FlowGate:
+    """A router's gate (a replica's with `index`): one waiting place an engine, none a
+    backlog takes before a lighter tenant."""
+    settings = FlowControlSettings(
+        enabled=True,
+        max_engine_waiting=1,
+        max_engine_waiting_backlogged=0,
+        shared_refresh_s=refresh_s,
+    )
+    return FlowGate(settings, engine, RouterMetrics(), shared=index)
+
+
+@contextlib.asynccontextmanager
+async def cancelled_after(*awaitables: Awaitable[object]) -> AsyncIterator[None]:
+    """The gates' loops and the requests still waiting, stopped once the test is done."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_a_flood_that_was_served_nothing_yet_has_a_backlog() -> None:
     engine = OneEngine()
     engine.held = 2.0  # one running, one waiting: full with one waiting place
-    settings = FlowControlSettings(
-        enabled=True, max_engine_waiting=1, max_engine_waiting_backlogged=0
-    )
-    gate = FlowGate(settings, engine, RouterMetrics())
+    gate = gate_on(engine)
     noisy, acme = tenant("noisy"), tenant("acme")
     # Noisy's four and then acme's one all wait; none has been served anything, so the
     # counters are level and noisy's first is the first in turn.
@@ -71,10 +95,7 @@ async def test_a_flood_that_was_served_nothing_yet_has_a_backlog() -> None:
 async def test_tenants_asking_their_shares_have_no_backlog_whatever_they_were_served() -> None:
     engine = OneEngine()
     engine.held = 2.0
-    settings = FlowControlSettings(
-        enabled=True, max_engine_waiting=1, max_engine_waiting_backlogged=0
-    )
-    gate = FlowGate(settings, engine, RouterMetrics())
+    gate = gate_on(engine)
     acme, globex = tenant("acme"), tenant("globex")
     # acme was served a lot lately, globex nothing; both now ask alike, two requests
     # each. Neither has a backlog: the place a backlog may not take goes to whoever's
@@ -108,18 +129,6 @@ async def index(redis_url: str) -> AsyncIterator[RedisLocationIndex]:
     await backend.close()
 
 
-def replica(index: RedisLocationIndex, engine: OneEngine, refresh_s: float) -> FlowGate:
-    """A router replica's gate: one waiting place an engine, none a backlog takes before
-    a lighter tenant."""
-    settings = FlowControlSettings(
-        enabled=True,
-        max_engine_waiting=1,
-        max_engine_waiting_backlogged=0,
-        shared_refresh_s=refresh_s,
-    )
-    return FlowGate(settings, engine, RouterMetrics(), shared=index)
-
-
 async def asked_once(gate: FlowGate, name: str) -> None:
     """One request of `name` let through and ended: the replica has seen it ask."""
     flow_pass = await gate.enter(tenant(name), MODEL, Placement(0), PROMPT_TOKENS)
@@ -145,38 +154,42 @@ def waiting_in(gate: FlowGate, name: str, count: int) -> list[asyncio.Future[Flo
     ]
 
 
+@contextlib.asynccontextmanager
+async def noisy_here_acme_there(
+    here: FlowGate, there: FlowGate, engine: OneEngine
+) -> AsyncIterator[tuple[list[asyncio.Future[FlowPass | None]], asyncio.Future[FlowPass | None]]]:
+    """acme seen asking here; then, `here`'s engine full, four of noisy's requests
+    waiting here and one of acme's there, and `here` seeing acme's."""
+    await asked_once(here, "acme")
+    engine.held = 2.0
+    floods = waiting_in(here, "noisy", 4)
+    light = waiting_in(there, "acme", 1)
+    async with cancelled_after(here.run_forever(), there.run_forever(), *floods, *light):
+        await sees_waiting_elsewhere(here, "acme")
+        yield floods, light[0]
+
+
 async def test_a_backlog_leaves_its_places_to_a_lighter_tenant_at_another_replica(
     index: RedisLocationIndex,
 ) -> None:
     engine = OneEngine()  # both replicas route to the same engine
-    here, there = replica(index, engine, 0.1), replica(index, engine, 0.1)
-    await asked_once(here, "acme")  # acme asks at both replicas; noisy floods here
-    tasks = [asyncio.ensure_future(gate.run_forever()) for gate in (here, there)]
-    engine.held = 2.0
-    floods = waiting_in(here, "noisy", 4)
-    light = waiting_in(there, "acme", 1)
-    try:
-        await sees_waiting_elsewhere(here, "acme")
+    here, there = gate_on(engine, index, 0.1), gate_on(engine, index, 0.1)
+    async with noisy_here_acme_there(here, there, engine) as (floods, light):
         engine.held = 1.0  # the waiting place frees: one a backlog may not take
-        acme_pass = await asyncio.wait_for(asyncio.shield(light[0]), 2)
+        acme_pass = await asyncio.wait_for(asyncio.shield(light), 2)
         assert isinstance(acme_pass, FlowPass)
         assert not any(future.done() for future in floods), "acme's place went to the flood"
         acme_pass.close()
-    finally:
-        for task in (*tasks, *floods, *light):
-            task.cancel()
-        await asyncio.gather(*tasks, *floods, *light, return_exceptions=True)
 
 
 async def test_a_flood_at_each_replica_is_let_through(index: RedisLocationIndex) -> None:
     # Each replica knows only its own flood: the other's might be a lighter tenant, but
     # one never seen asking is not left the places.
     engine = OneEngine()
-    here, there = replica(index, engine, 0.02), replica(index, engine, 0.02)
-    tasks = [asyncio.ensure_future(gate.run_forever()) for gate in (here, there)]
+    here, there = gate_on(engine, index, 0.02), gate_on(engine, index, 0.02)
     engine.held = 2.0
     floods = waiting_in(here, "noisy", 4) + waiting_in(there, "rowdy", 4)
-    try:
+    async with cancelled_after(here.run_forever(), there.run_forever(), *floods):
         await sees_waiting_elsewhere(here, "rowdy")
         await sees_waiting_elsewhere(there, "noisy")
         engine.held = 1.0
@@ -186,10 +199,6 @@ async def test_a_flood_at_each_replica_is_let_through(index: RedisLocationIndex)
             flow_pass = future.result()
             assert flow_pass is not None
             flow_pass.close()
-    finally:
-        for task in (*tasks, *floods):
-            task.cancel()
-        await asyncio.gather(*tasks, *floods, return_exceptions=True)
 
 
 async def test_places_left_to_another_replica_that_does_not_take_them_come_back(
@@ -197,23 +206,13 @@ async def test_places_left_to_another_replica_that_does_not_take_them_come_back(
 ) -> None:
     engine, full_there = OneEngine(), OneEngine()
     full_there.held = 2.0  # the other replica sees no room: acme waits on there
-    here, there = replica(index, engine, 0.02), replica(index, full_there, 0.02)
-    await asked_once(here, "acme")
-    tasks = [asyncio.ensure_future(gate.run_forever()) for gate in (here, there)]
-    engine.held = 2.0
-    floods = waiting_in(here, "noisy", 4)
-    light = waiting_in(there, "acme", 1)
-    try:
-        await sees_waiting_elsewhere(here, "acme")
+    here, there = gate_on(engine, index, 0.02), gate_on(full_there, index, 0.02)
+    async with noisy_here_acme_there(here, there, engine) as (floods, light):
         engine.held = 1.0
         noisy_pass = await asyncio.wait_for(asyncio.shield(floods[0]), 2)
         assert isinstance(noisy_pass, FlowPass)
-        assert not light[0].done()
+        assert not light.done()
         noisy_pass.close()
-    finally:
-        for task in (*tasks, *floods, *light):
-            task.cancel()
-        await asyncio.gather(*tasks, *floods, *light, return_exceptions=True)
 
 
 async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_replica(
@@ -221,19 +220,10 @@ async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_rep
 ) -> None:
     refresh_s = 0.02
     engine = OneEngine()
-    settings = FlowControlSettings(
-        enabled=True,
-        max_engine_waiting=1,
-        max_engine_waiting_backlogged=0,
-        shared_refresh_s=refresh_s,
-    )
-    gate = FlowGate(settings, engine, RouterMetrics(), shared=index)
-    noisy, acme = tenant("noisy"), tenant("acme")
+    gate = gate_on(engine, index, refresh_s)
+    acme = tenant("acme")
     for _ in range(4):  # noisy's asked here too, while there was room
-        flow_pass = await gate.enter(noisy, MODEL, Placement(0), PROMPT_TOKENS)
-        assert flow_pass is not None
-        flow_pass.close()
-    exchanging = asyncio.ensure_future(gate.run_forever())
+        await asked_once(gate, "noisy")
     other_replica = FlowExchange(index, refresh_s)
 
     async def noisy_waits_there() -> None:
@@ -241,19 +231,14 @@ async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_rep
             await other_replica.exchange({}, {}, {MODEL: {0: {"noisy": 4}}}, {})
             await asyncio.sleep(refresh_s)
 
-    there = asyncio.ensure_future(noisy_waits_there())
     engine.held = 2.0
     light = asyncio.ensure_future(gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS))
-    try:
+    async with cancelled_after(gate.run_forever(), noisy_waits_there(), light):
         await sees_waiting_elsewhere(gate, "noisy")
         # Served well beyond the slack while it waits (its other requests' answers):
         # noisy, served nothing, would go first, but for its backlog.
-        gate.charge(MODEL, acme, 10 * settings.fairness_slack_tokens)
+        gate.charge(MODEL, acme, 10 * gate.settings.fairness_slack_tokens)
         engine.held = 1.0  # the waiting place frees: one a backlog may not take
         acme_pass = await asyncio.wait_for(asyncio.shield(light), 2)
         assert isinstance(acme_pass, FlowPass)
         acme_pass.close()
-    finally:
-        for task in (there, exchanging, light):
-            task.cancel()
-        await asyncio.gather(there, exchanging, light, return_exceptions=True)

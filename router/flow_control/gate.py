@@ -419,6 +419,8 @@ class FlowGate:
         free, free_to_backlog = self._rooms(
             model, settings.max_engine_waiting, settings.backlogged_engine_waiting
         )
+        fleet_free = free
+        free = self._share_of_room(model, queue, free)
         counter = self._counter(model)
         granted = 0
         while free > 0 and queue:
@@ -462,8 +464,20 @@ class FlowGate:
             granted += 1
         if granted:
             self._publish(model)
-        if queue and free <= 0:
+        if queue and fleet_free - granted <= 0:
             self._preempt_for(model, queue, counter)
+
+    def _share_of_room(self, model: str, queue: ModelQueue, free: int) -> int:
+        """Of the room every replica sees, this one's: in proportion to the requests
+        waiting here, of all those waiting (rounded up, so each takes one at least).
+        The replica that sees room first (the agents' reports reach it, the others see
+        them at their next exchange) would otherwise take it all, and the same tenant's
+        requests would wait seconds longer at the others."""
+        elsewhere = self._elsewhere.waiting_for(model)
+        if free <= 0 or not elsewhere:
+            return free
+        here = len(queue)
+        return math.ceil(free * here / (here + elsewhere))
 
     def _preempt_for(self, model: str, queue: ModelQueue, counter: Callable[[str], float]) -> None:
         """Where the next waiting request's band is above a request sent and not yet

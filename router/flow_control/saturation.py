@@ -3,9 +3,10 @@ their engines beyond `max_engine_waiting` each (0: the model is saturated, and i
 requests wait in the router).
 
 A worker's engine holds what its last load report counted (running and waiting) plus
-what this router's traffic to it has changed since (requests sent less requests ended),
-or what the router replicas have in flight there, whichever is more (reports lag; the
-replicas' traffic is all of it but what reaches the engine around them).
+what the router replicas' traffic to it has changed since (requests sent less requests
+ended: this router's at once, the others' as of their last exchange), or what the
+router replicas have in flight there, whichever is more (reports lag; the replicas'
+traffic is all of it but what reaches the engine around them).
 Of those, the engine runs up to its batch limit, learnt from its reports: the most it
 ran in two reports in a row that also had requests waiting (the batch was full then; in
 one report alone, the requests waiting may only have arrived since the engine's last
@@ -42,7 +43,7 @@ class EngineQueues:
     reported: Flags  # a load report reached this router, or another replica shared one
     running: Column  # as last reported
     waiting: Column
-    traffic_since_report: Column  # this router's in flight now less at the report
+    traffic_since_report: Column  # the replicas' in flight now less at the report
     batch_limit: Column  # inf: not learnt
     kv_usage: Column
     in_flight: Column  # the requests router replicas have there now: this one's, and the
@@ -57,6 +58,10 @@ class SharedReport:
     waiting: float
     kv_usage: float
     batch_limit: float  # inf: not learnt
+    # The router replicas' requests in flight there when the report came, as the replica
+    # that received it knew them: what the others have sent and seen end since offsets
+    # it (reports come every `load_interval_s`; the exchange, far more often).
+    in_flight_at_report: float
 
 
 class Engines(Protocol):

@@ -38,6 +38,7 @@ class _Report(msgspec.Struct, array_like=True, frozen=True):
     waiting: float
     kv_usage: float
     batch_limit: float  # -1: not learnt (msgpack has no infinity to spare)
+    in_flight_at_report: float  # the replicas' requests there when it came
 
 
 class _ReplicaState(msgspec.Struct, array_like=True, frozen=True):
@@ -59,6 +60,12 @@ class Elsewhere:
 
     def waiting(self, model: str, band: int) -> dict[str, int]:
         return self.backlog.get((model, band), {})
+
+    def waiting_for(self, model: str) -> int:
+        """Requests for `model` waiting at other replicas, in every band."""
+        return sum(
+            sum(tenants.values()) for (name, _), tenants in self.backlog.items() if name == model
+        )
 
     def higher_band_waits(self, model: str, band: int) -> bool:
         return any(m == model and b > band for m, b in self.backlog)
@@ -148,6 +155,7 @@ class FlowExchange:
                     r.waiting,
                     r.kv_usage,
                     -1.0 if math.isinf(r.batch_limit) else r.batch_limit,
+                    r.in_flight_at_report,
                 )
                 for worker, r in reports.items()
             },
@@ -173,7 +181,9 @@ class FlowExchange:
             for worker, r in other.reports.items():
                 if worker not in reports and _sane(r):
                     limit = math.inf if r.batch_limit < 0 else r.batch_limit
-                    others_reports[worker] = SharedReport(r.running, r.waiting, r.kv_usage, limit)
+                    others_reports[worker] = SharedReport(
+                        r.running, r.waiting, r.kv_usage, limit, r.in_flight_at_report
+                    )
             for model, bands in other.backlog.items():
                 for band, tenants in bands.items():
                     waiting = others_backlog.setdefault((model, band), {})
@@ -190,4 +200,5 @@ def _sane(report: _Report) -> bool:
         and report.waiting >= 0
         and 0 <= report.kv_usage <= 1
         and (report.batch_limit == -1 or report.batch_limit > 0)
+        and report.in_flight_at_report >= 0
     )

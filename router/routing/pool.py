@@ -340,16 +340,18 @@ class WorkerPool:
                 in_flight=in_flight,
             )
         shared = roster.shared_reported[rows] & ~own
+        in_flight = in_flight + roster.others_in_flight[rows]
         return EngineQueues(
             reported=own | shared,
             running=np.where(shared, roster.shared_running[rows], roster.report_running[rows]),
             waiting=np.where(shared, roster.shared_waiting[rows], roster.report_waiting[rows]),
-            traffic_since_report=np.where(
-                shared, 0.0, in_flight - roster.in_flight_at_report[rows]
+            traffic_since_report=in_flight
+            - np.where(
+                shared, roster.shared_in_flight_at_report[rows], roster.in_flight_at_report[rows]
             ),
             batch_limit=np.where(shared, roster.shared_batch_limit[rows], roster.batch_limit[rows]),
             kv_usage=np.where(shared, roster.shared_kv_usage[rows], roster.kv_usage[rows]),
-            in_flight=in_flight + roster.others_in_flight[rows],
+            in_flight=in_flight,
         )
 
     def row_of(self, worker_id: str) -> int | None:
@@ -371,6 +373,7 @@ class WorkerPool:
                 waiting=float(roster.report_waiting[row]),
                 kv_usage=float(roster.kv_usage[row]),
                 batch_limit=float(roster.batch_limit[row]),
+                in_flight_at_report=float(roster.in_flight_at_report[row]),
             )
             for row in np.flatnonzero(roster.reported)
         }
@@ -393,6 +396,7 @@ class WorkerPool:
             (roster.shared_running, "running"),
             (roster.shared_waiting, "waiting"),
             (roster.shared_kv_usage, "kv_usage"),
+            (roster.shared_in_flight_at_report, "in_flight_at_report"),
         ):
             column[:] = [0.0 if r is None else getattr(r, field_name) for r in shared]
         roster.shared_batch_limit[:] = [np.inf if r is None else r.batch_limit for r in shared]
@@ -505,7 +509,9 @@ class WorkerPool:
         roster.unreachable_until[row] = self._unreachable_until.get(worker_id, 0.0)
         roster.reported[row] = load is not None and received_at is not None
         if load is not None and received_at != roster.report_received_at[row]:  # a new one
-            roster.in_flight_at_report[row] = traffic.in_flight
+            roster.in_flight_at_report[row] = traffic.in_flight + self._others_in_flight.get(
+                worker_id, 0
+            )
             learnt = learnt_batch_limit(
                 self._batch_limits.get(worker_id, BatchLimit()), load.running, load.waiting
             )

@@ -81,7 +81,9 @@ class Roster:
         self.report_running = zeros()
         self.kv_usage = zeros()
         # Flow control's reading of the engine's queue (router/flow_control/saturation.py).
-        self.in_flight_at_report = zeros()  # this router's in flight when the report came
+        # The replicas' in flight when the report came (this router's, the others' as
+        # last shared).
+        self.in_flight_at_report = zeros()
         self.batch_limit = np.full(count, np.inf)  # inf: not learnt
         # What other router replicas shared (router/flow_control/shared.py): their
         # requests in flight there, and the load report of one whose agent reports there.
@@ -91,6 +93,7 @@ class Roster:
         self.shared_waiting = zeros()
         self.shared_kv_usage = zeros()
         self.shared_batch_limit = np.full(count, np.inf)
+        self.shared_in_flight_at_report = zeros()
         # This router's traffic to it.
         self.in_flight = zeros()
         self.prefilling = zeros()

@@ -4,7 +4,7 @@ that all wait the same service, so a flood that waits is served no more than the
 beside it; its demand is what tells it from them (router/flow_control/test_gate.py runs
 the places and the engines' priorities against real engines). And the places a backlog
 leaves are a lighter tenant's at another replica too (their exchange through a real
-Redis)."""
+Redis), and the room is shared between replicas by what waits at each."""
 
 from __future__ import annotations
 
@@ -242,3 +242,27 @@ async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_rep
         acme_pass = await asyncio.wait_for(asyncio.shield(light), 2)
         assert isinstance(acme_pass, FlowPass)
         acme_pass.close()
+
+
+async def test_replicas_share_the_room_by_what_waits_at_each(index: RedisLocationIndex) -> None:
+    # The replica that sees room first (the agents report to it) would take all of it,
+    # and acme's requests at the other would wait the longer.
+    engine = OneEngine()
+    here, there = gate_on(engine, index, 0.02), gate_on(engine, index, 0.02)
+    engine.held = 2.0
+    waiting_here, waiting_there = waiting_in(here, "acme", 3), waiting_in(there, "acme", 3)
+    async with cancelled_after(
+        here.run_forever(), there.run_forever(), *waiting_here, *waiting_there
+    ):
+        await sees_waiting_elsewhere(here, "acme")
+        await sees_waiting_elsewhere(there, "acme")
+        engine.held = 0.0  # room for two, as both replicas see it
+        here.dispatch(MODEL)
+        await asyncio.sleep(0)
+        let_through = [future.result() for future in waiting_here if future.done()]
+        assert len(let_through) == 1, "half of what waits is here: half of the room"
+        done, _ = await asyncio.wait(waiting_there, timeout=2, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "the other half is the other replica's"
+        for flow_pass in [*let_through, *(future.result() for future in done)]:
+            assert flow_pass is not None
+            flow_pass.close()

@@ -39,6 +39,7 @@ from router.flow_control.queue import ModelQueue, Waiting
 from router.flow_control.saturation import (
     UNBOUNDED,
     Engines,
+    ReplicaTraffic,
     room,
     would_wait,
 )
@@ -419,9 +420,9 @@ class FlowGate:
         free, free_to_backlog = self._rooms(
             model, settings.max_engine_waiting, settings.backlogged_engine_waiting
         )
-        fleet_free = free
-        free = self._share_of_room(model, queue, free)
         counter = self._counter(model)
+        fleet_free = free
+        free = self._share_of_room(model, queue, free, counter)
         granted = 0
         while free > 0 and queue:
             waiting = queue.next(counter)
@@ -467,16 +468,25 @@ class FlowGate:
         if queue and fleet_free - granted <= 0:
             self._preempt_for(model, queue, counter)
 
-    def _share_of_room(self, model: str, queue: ModelQueue, free: int) -> int:
-        """Of the room every replica sees, this one's: in proportion to the requests
-        waiting here, of all those waiting (rounded up, so each takes one at least).
-        The replica that sees room first (the agents' reports reach it, the others see
-        them at their next exchange) would otherwise take it all, and the same tenant's
-        requests would wait seconds longer at the others."""
-        elsewhere = self._elsewhere.waiting_for(model)
-        if free <= 0 or not elsewhere:
+    def _share_of_room(
+        self, model: str, queue: ModelQueue, free: int, counter: Callable[[str], float]
+    ) -> int:
+        """Of the room every replica sees, this one's for this round: in proportion to
+        the requests waiting here in the band of the next to go, of those waiting in it
+        anywhere whose turn may come with it (their tenants' counters within the slack
+        of its tenant's, or below), rounded up (one at least). The replica that sees
+        room first (its own requests ending) would otherwise take it all, and the same
+        tenant's requests would wait longer at the others."""
+        head = queue.next(counter)
+        if free <= 0 or head is None:
             return free
-        here = len(queue)
+        within = counter(head.tenant) + self.settings.fairness_slack_tokens
+        elsewhere = sum(
+            count
+            for tenant, count in self._elsewhere.waiting(model, head.band).items()
+            if counter(tenant) <= within
+        )
+        here = queue.sizes()[head.band]
         return math.ceil(free * here / (here + elsewhere))
 
     def _preempt_for(self, model: str, queue: ModelQueue, counter: Callable[[str], float]) -> None:
@@ -599,21 +609,19 @@ class FlowGate:
         """One exchange with the other replicas; on failure this router goes on with
         what it had, alone once that is older than a replica's state lives."""
         assert isinstance(self.counters, SharedCounters)
-        in_flight, reports = self._engines.local_engines()
+        traffic = self._engines.local_engines()
         backlog = {model: queue.tenants() for model, queue in self._queues.items() if queue}
         changes = self.counters.take_changes(backlog)
         try:
             async with index_deadline(self.settings.shared_refresh_s * STATE_TTL_INTERVALS / 2):
-                exchanged, elsewhere, others, shared_reports = await exchange.exchange(
-                    in_flight, reports, backlog, changes
-                )
+                exchanged, elsewhere, others = await exchange.exchange(traffic, backlog, changes)
         except LocationIndexError as error:
             self.counters.restore(changes)
             log.debug("flow control's exchange failed (%s)", type(error).__name__)
             if self._clock() - self._exchanged_at > exchange.ttl_s:
                 self._elsewhere = Elsewhere()
                 self._replicas = 1
-                self._engines.shared_engines({}, {})
+                self._engines.shared_engines(ReplicaTraffic({}, {}, {}))
             return
         except Exception:  # a task's edge: a bug raised further is never seen, so log it
             self.counters.restore(changes)
@@ -623,7 +631,7 @@ class FlowGate:
         self._replicas = max(1, len(exchanged.states))
         self.counters.absorb(exchanged.counters)
         self._elsewhere = elsewhere
-        self._engines.shared_engines(others, shared_reports)
+        self._engines.shared_engines(others)
 
     # -- charges, shedding, metrics ---------------------------------------------------
 

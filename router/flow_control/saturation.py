@@ -11,8 +11,8 @@ Of those, the engine runs up to its batch limit, learnt from its reports: the mo
 ran in two reports in a row that also had requests waiting (the batch was full then; in
 one report alone, the requests waiting may only have arrived since the engine's last
 step), raised when a later report runs more. A worker whose engine has not queued
-requests so has no known limit and never saturates; nor does one whose load this router
-has not had reported (another replica's agent).
+requests so has no known limit and never saturates; nor does one whose load no report
+has told this router of, its own agent's or another replica's through the exchange.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ class EngineQueues:
     reported: Flags  # a load report reached this router, or another replica shared one
     running: Column  # as last reported
     waiting: Column
-    traffic_since_report: Column  # the replicas' in flight now less at the report
+    # The replicas' requests in flight now less at the report (those handed off left
+    # out: a gateway's request ends unseen, and ending it by a timer would make room the
+    # engine may not have yet).
+    traffic_since_report: Column
     batch_limit: Column  # inf: not learnt
     kv_usage: Column
     in_flight: Column  # the requests router replicas have there now: this one's, and the
@@ -59,9 +62,21 @@ class SharedReport:
     kv_usage: float
     batch_limit: float  # inf: not learnt
     # The router replicas' requests in flight there when the report came, as the replica
-    # that received it knew them: what the others have sent and seen end since offsets
-    # it (reports come every `load_interval_s`; the exchange, far more often).
+    # that received it knew them (those handed off to a gateway left out: their end is
+    # not seen): what they have sent and seen end since offsets it (reports come every
+    # `load_interval_s`; the exchange, far more often).
     in_flight_at_report: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaTraffic:
+    """What a router replica shares of the engines: its requests in flight at each
+    worker (and of those, the ones handed off to a gateway, whose end it does not see),
+    and the load reports its agents send."""
+
+    in_flight: dict[str, int]
+    handed_off: dict[str, int]
+    reports: dict[str, SharedReport]
 
 
 class Engines(Protocol):
@@ -75,11 +90,9 @@ class Engines(Protocol):
 
     def row_of(self, worker_id: str) -> int | None: ...
 
-    def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]: ...
+    def local_engines(self) -> ReplicaTraffic: ...
 
-    def shared_engines(
-        self, others_in_flight: dict[str, int], reports: dict[str, SharedReport]
-    ) -> None: ...
+    def shared_engines(self, others: ReplicaTraffic) -> None: ...
 
 
 def would_wait(queues: EngineQueues) -> Flags:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from router.flow_control.counters import ServiceCounters
-from router.flow_control.saturation import SharedReport
+from router.flow_control.saturation import ReplicaTraffic, SharedReport
 from router.index.base import CounterChanges, CounterStep, FlowExchanged, SharedFlowState
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class _ReplicaState(msgspec.Struct, array_like=True, frozen=True):
     in_flight: dict[str, int]  # worker -> requests
     reports: dict[str, _Report]  # worker -> its agent's last report here
     backlog: dict[str, dict[int, dict[str, int]]]  # model -> band -> tenant -> waiting
+    handed_off: dict[str, int]  # worker -> of its requests, those handed off
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -60,12 +61,6 @@ class Elsewhere:
 
     def waiting(self, model: str, band: int) -> dict[str, int]:
         return self.backlog.get((model, band), {})
-
-    def waiting_for(self, model: str) -> int:
-        """Requests for `model` waiting at other replicas, in every band."""
-        return sum(
-            sum(tenants.values()) for (name, _), tenants in self.backlog.items() if name == model
-        )
 
     def higher_band_waits(self, model: str, band: int) -> bool:
         return any(m == model and b > band for m, b in self.backlog)
@@ -139,16 +134,16 @@ class FlowExchange:
 
     async def exchange(
         self,
-        in_flight: dict[str, int],
-        reports: dict[str, SharedReport],
+        traffic: ReplicaTraffic,
         backlog: dict[str, dict[int, dict[str, int]]],
         changes: Mapping[str, CounterChanges],
-    ) -> tuple[FlowExchanged, Elsewhere, dict[str, int], dict[str, SharedReport]]:
+    ) -> tuple[FlowExchanged, Elsewhere, ReplicaTraffic]:
         """Put this router's state, apply its counter changes; returns the exchange and
-        the other replicas' backlog, requests in flight (per worker, summed) and reports
-        (of workers whose agents report to them and not here)."""
+        the other replicas' backlog and traffic: requests in flight and handed off (per
+        worker, summed) and reports (of workers whose agents report to them, not here)."""
+        reports = traffic.reports
         state = _ReplicaState(
-            in_flight,
+            traffic.in_flight,
             {
                 worker: _Report(
                     r.running,
@@ -160,11 +155,13 @@ class FlowExchange:
                 for worker, r in reports.items()
             },
             backlog,
+            traffic.handed_off,
         )
         exchanged = await self._store.exchange_flow(
             self.router_id, _encode(state), self.ttl_s, changes
         )
         others_in_flight: dict[str, int] = {}
+        others_handed_off: dict[str, int] = {}
         others_reports: dict[str, SharedReport] = {}
         others_backlog: dict[tuple[str, int], dict[str, int]] = {}
         for router_id, raw in exchanged.states.items():
@@ -178,6 +175,9 @@ class FlowExchange:
                 continue
             for worker, count in other.in_flight.items():
                 others_in_flight[worker] = others_in_flight.get(worker, 0) + max(0, count)
+            for worker, count in other.handed_off.items():
+                handed_off = max(0, min(count, other.in_flight.get(worker, 0)))
+                others_handed_off[worker] = others_handed_off.get(worker, 0) + handed_off
             for worker, r in other.reports.items():
                 if worker not in reports and _sane(r):
                     limit = math.inf if r.batch_limit < 0 else r.batch_limit
@@ -190,7 +190,8 @@ class FlowExchange:
                     for tenant, count in tenants.items():
                         if count > 0:
                             waiting[tenant] = waiting.get(tenant, 0) + count
-        return exchanged, Elsewhere(others_backlog), others_in_flight, others_reports
+        others = ReplicaTraffic(others_in_flight, others_handed_off, others_reports)
+        return exchanged, Elsewhere(others_backlog), others
 
 
 def _sane(report: _Report) -> bool:
@@ -201,4 +202,5 @@ def _sane(report: _Report) -> bool:
         and 0 <= report.kv_usage <= 1
         and (report.batch_limit == -1 or report.batch_limit > 0)
         and report.in_flight_at_report >= 0
+        and all(map(math.isfinite, (report.running, report.waiting, report.in_flight_at_report)))
     )

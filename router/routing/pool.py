@@ -41,6 +41,7 @@ from router.flow_control.saturation import (
     ANY_MODEL,
     BatchLimit,
     EngineQueues,
+    ReplicaTraffic,
     SharedReport,
     learnt_batch_limit,
 )
@@ -73,6 +74,7 @@ class Ticket:
     streamed: bool = True
     prefilling: bool = True  # until the first byte comes back (see WorkerPool._rewrite)
     ended: bool = False
+    handed_off: bool = False  # a gateway carries it: its end is not seen
 
 
 @dataclass(slots=True)
@@ -83,6 +85,7 @@ class WorkerTraffic:
     _waiting_for_first_byte: set[Ticket] = field(default_factory=set)  # waiting(), answered()
     unstreamed: deque[Ticket] = field(default_factory=deque)  # in the order sent
     handed_off: deque[Ticket] = field(default_factory=deque)  # in the order sent
+    handed_off_in_flight: int = 0  # of in_flight
     # prefilling_sent_after()'s last moment and answer, kept up to date as requests come
     # and go: the moment moves once a load report, requests three times each, and a
     # count over every request before its first byte would cost each of those O(n).
@@ -155,8 +158,7 @@ class WorkerPool:
         self._drained: set[str] = set()  # by an operator, through this router
         self._batch_limits: dict[str, BatchLimit] = {}  # learnt from load reports
         # What other router replicas shared for flow control (shared_engines).
-        self._others_in_flight: dict[str, int] = {}
-        self._shared_reports: dict[str, SharedReport] = {}
+        self._others = ReplicaTraffic({}, {}, {})
         self._roster = Roster([])
         self._live: dict[str, WorkerInfo] = {}  # the roster's workers, as registered
         self.refreshed_at: float | None = None
@@ -190,7 +192,7 @@ class WorkerPool:
             self._roster = Roster(list(live.values()))
             for worker_id in live:
                 self._rewrite(worker_id)
-            if self._others_in_flight or self._shared_reports:
+            if self._shares_engines:
                 self._write_shared(self._roster)
 
     async def refresh_forever(self, period_s: float, timeout_s: float) -> None:
@@ -329,23 +331,26 @@ class WorkerPool:
         roster = self._roster
         own = roster.reported[rows]
         in_flight = roster.in_flight[rows]
-        if not self._shared_reports and not self._others_in_flight:
+        seen_ending = in_flight - roster.handed_off[rows]
+        if not self._shares_engines:
             return EngineQueues(
                 reported=own,
                 running=roster.report_running[rows],
                 waiting=roster.report_waiting[rows],
-                traffic_since_report=in_flight - roster.in_flight_at_report[rows],
+                traffic_since_report=seen_ending - roster.in_flight_at_report[rows],
                 batch_limit=roster.batch_limit[rows],
                 kv_usage=roster.kv_usage[rows],
                 in_flight=in_flight,
             )
         shared = roster.shared_reported[rows] & ~own
-        in_flight = in_flight + roster.others_in_flight[rows]
+        others = roster.others_in_flight[rows]
+        in_flight = in_flight + others
+        seen_ending = seen_ending + others - roster.others_handed_off[rows]
         return EngineQueues(
             reported=own | shared,
             running=np.where(shared, roster.shared_running[rows], roster.report_running[rows]),
             waiting=np.where(shared, roster.shared_waiting[rows], roster.report_waiting[rows]),
-            traffic_since_report=in_flight
+            traffic_since_report=seen_ending
             - np.where(
                 shared, roster.shared_in_flight_at_report[rows], roster.in_flight_at_report[rows]
             ),
@@ -358,14 +363,16 @@ class WorkerPool:
         """The worker's row in the current roster (None: not in it)."""
         return self.roster.position.get(worker_id)
 
-    def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]:
+    def local_engines(self) -> ReplicaTraffic:
         """What this router shares with its replicas: its requests in flight at each
         worker, and the load reports its agents send (with each batch limit learnt)."""
         roster = self.roster
-        in_flight = {
-            worker_id: traffic.in_flight
-            for worker_id, traffic in self._traffic.items()
-            if traffic.in_flight > 0
+        busy = {worker_id: t for worker_id, t in self._traffic.items() if t.in_flight > 0}
+        in_flight = {worker_id: traffic.in_flight for worker_id, traffic in busy.items()}
+        handed_off = {
+            worker_id: traffic.handed_off_in_flight
+            for worker_id, traffic in busy.items()
+            if traffic.handed_off_in_flight > 0
         }
         reports = {
             roster.infos[row].worker_id: SharedReport(
@@ -377,20 +384,23 @@ class WorkerPool:
             )
             for row in np.flatnonzero(roster.reported)
         }
-        return in_flight, reports
+        return ReplicaTraffic(in_flight, handed_off, reports)
 
-    def shared_engines(
-        self, others_in_flight: dict[str, int], reports: dict[str, SharedReport]
-    ) -> None:
+    def shared_engines(self, others: ReplicaTraffic) -> None:
         """What the other replicas shared, as of their last exchange (empty: nothing)."""
-        self._others_in_flight, self._shared_reports = others_in_flight, reports
+        self._others = others
         self._write_shared(self._roster)
 
+    @property
+    def _shares_engines(self) -> bool:
+        return bool(self._others.in_flight or self._others.reports)
+
     def _write_shared(self, roster: Roster) -> None:
-        others, reports = self._others_in_flight, self._shared_reports
+        others = self._others
         ids = roster.worker_ids
-        roster.others_in_flight[:] = [others.get(worker_id, 0) for worker_id in ids]
-        shared = [reports.get(worker_id) for worker_id in ids]
+        roster.others_in_flight[:] = [others.in_flight.get(worker_id, 0) for worker_id in ids]
+        roster.others_handed_off[:] = [others.handed_off.get(worker_id, 0) for worker_id in ids]
+        shared = [others.reports.get(worker_id) for worker_id in ids]
         roster.shared_reported[:] = [report is not None for report in shared]
         for column, field_name in (
             (roster.shared_running, "running"),
@@ -454,6 +464,8 @@ class WorkerPool:
         while traffic.unstreamed and not traffic.unstreamed[0].prefilling:
             traffic.unstreamed.popleft()
         traffic.in_flight -= 1
+        if ticket.handed_off:
+            traffic.handed_off_in_flight -= 1
         traffic.by_tenant[ticket.tenant] -= 1
         if traffic.by_tenant[ticket.tenant] <= 0:
             del traffic.by_tenant[ticket.tenant]
@@ -465,8 +477,12 @@ class WorkerPool:
         first load report after it was sent, whose figures hold it from then on, and
         `hand_off_s` at most (no report reaches a replica the worker's agent does not
         stream to)."""
-        self.traffic(ticket.worker_id).handed_off.append(ticket)
+        traffic = self.traffic(ticket.worker_id)
+        traffic.handed_off.append(ticket)
+        traffic.handed_off_in_flight += 1
+        ticket.handed_off = True
         self._hand_offs.append(ticket)
+        self._traffic_changed(ticket.worker_id)
 
     def _end_hand_offs(self) -> None:
         """Those handed off `hand_off_s` ago or more, that no report has ended yet."""
@@ -509,8 +525,12 @@ class WorkerPool:
         roster.unreachable_until[row] = self._unreachable_until.get(worker_id, 0.0)
         roster.reported[row] = load is not None and received_at is not None
         if load is not None and received_at != roster.report_received_at[row]:  # a new one
-            roster.in_flight_at_report[row] = traffic.in_flight + self._others_in_flight.get(
-                worker_id, 0
+            others = self._others
+            roster.in_flight_at_report[row] = (
+                traffic.in_flight
+                - traffic.handed_off_in_flight
+                + others.in_flight.get(worker_id, 0)
+                - others.handed_off.get(worker_id, 0)
             )
             learnt = learnt_batch_limit(
                 self._batch_limits.get(worker_id, BatchLimit()), load.running, load.waiting
@@ -541,6 +561,7 @@ class WorkerPool:
     def _write_traffic(self, row: int, traffic: WorkerTraffic) -> None:
         roster = self._roster
         roster.in_flight[row] = traffic.in_flight
+        roster.handed_off[row] = traffic.handed_off_in_flight
         roster.prefilling[row] = traffic.prefilling
         roster.prefill_tokens[row] = traffic.prefill_tokens
         roster.sent_since_report[row] = (

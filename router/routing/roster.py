@@ -82,12 +82,13 @@ class Roster:
         self.kv_usage = zeros()
         # Flow control's reading of the engine's queue (router/flow_control/saturation.py).
         # The replicas' in flight when the report came (this router's, the others' as
-        # last shared).
+        # last shared; those handed off to a gateway left out).
         self.in_flight_at_report = zeros()
         self.batch_limit = np.full(count, np.inf)  # inf: not learnt
         # What other router replicas shared (router/flow_control/shared.py): their
         # requests in flight there, and the load report of one whose agent reports there.
         self.others_in_flight = zeros()
+        self.others_handed_off = zeros()  # of those, handed off to a gateway
         self.shared_reported = flags()
         self.shared_running = zeros()
         self.shared_waiting = zeros()
@@ -96,6 +97,7 @@ class Roster:
         self.shared_in_flight_at_report = zeros()
         # This router's traffic to it.
         self.in_flight = zeros()
+        self.handed_off = zeros()  # of those, handed off to a gateway (their end unseen)
         self.prefilling = zeros()
         self.prefill_tokens = zeros()  # of the requests before their first byte
         self.sent_since_report = zeros()  # requests before their first byte, sent after it

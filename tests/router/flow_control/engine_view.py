@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.flow_control.saturation import EngineQueues, Rows, SharedReport
+from router.flow_control.saturation import EngineQueues, ReplicaTraffic, Rows
 from router.tenants import Tenant
 
 
@@ -36,12 +36,10 @@ class OneEngine:
     def row_of(self, worker_id: str) -> int | None:
         return 0
 
-    def local_engines(self) -> tuple[dict[str, int], dict[str, SharedReport]]:
-        return {}, {}
+    def local_engines(self) -> ReplicaTraffic:
+        return ReplicaTraffic({}, {}, {})
 
-    def shared_engines(
-        self, others_in_flight: dict[str, int], reports: dict[str, SharedReport]
-    ) -> None:
+    def shared_engines(self, others: ReplicaTraffic) -> None:
         pass
 
 

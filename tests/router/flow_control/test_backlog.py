@@ -18,6 +18,7 @@ import pytest
 from kvplane.core.config import FlowControlSettings
 from router.flow_control.bands import Placement
 from router.flow_control.gate import FlowGate, FlowPass
+from router.flow_control.saturation import ReplicaTraffic
 from router.flow_control.shared import FlowExchange
 from router.index.redis import RedisLocationIndex
 from router.metrics import RouterMetrics
@@ -228,7 +229,7 @@ async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_rep
 
     async def noisy_waits_there() -> None:
         while True:
-            await other_replica.exchange({}, {}, {MODEL: {0: {"noisy": 4}}}, {})
+            await other_replica.exchange(ReplicaTraffic({}, {}, {}), {MODEL: {0: {"noisy": 4}}}, {})
             await asyncio.sleep(refresh_s)
 
     engine.held = 2.0
@@ -245,24 +246,51 @@ async def test_a_lighter_tenant_goes_before_a_backlog_served_less_at_another_rep
 
 
 async def test_replicas_share_the_room_by_what_waits_at_each(index: RedisLocationIndex) -> None:
-    # The replica that sees room first (the agents report to it) would take all of it,
-    # and acme's requests at the other would wait the longer.
+    # The replica that sees room first would take all of it, and acme's requests at the
+    # other would wait the longer.
     engine = OneEngine()
     here, there = gate_on(engine, index, 0.02), gate_on(engine, index, 0.02)
     engine.held = 2.0
     waiting_here, waiting_there = waiting_in(here, "acme", 3), waiting_in(there, "acme", 3)
-    async with cancelled_after(
-        here.run_forever(), there.run_forever(), *waiting_here, *waiting_there
-    ):
-        await sees_waiting_elsewhere(here, "acme")
-        await sees_waiting_elsewhere(there, "acme")
+    async with cancelled_after(*waiting_here, *waiting_there):
+        async with cancelled_after(here.run_forever(), there.run_forever()):
+            await sees_waiting_elsewhere(here, "acme")
+            await sees_waiting_elsewhere(there, "acme")
         engine.held = 0.0  # room for two, as both replicas see it
         here.dispatch(MODEL)
+        there.dispatch(MODEL)
         await asyncio.sleep(0)
-        let_through = [future.result() for future in waiting_here if future.done()]
-        assert len(let_through) == 1, "half of what waits is here: half of the room"
-        done, _ = await asyncio.wait(waiting_there, timeout=2, return_when=asyncio.FIRST_COMPLETED)
-        assert done, "the other half is the other replica's"
-        for flow_pass in [*let_through, *(future.result() for future in done)]:
+        let_through = {
+            gate: [future.result() for future in futures if future.done()]
+            for gate, futures in ((here, waiting_here), (there, waiting_there))
+        }
+        assert [len(passes) for passes in let_through.values()] == [1, 1], "half each"
+        for flow_pass in let_through[here] + let_through[there]:
+            assert flow_pass is not None
+            flow_pass.close()
+
+
+async def test_a_replica_whose_requests_go_first_takes_all_the_room(
+    index: RedisLocationIndex,
+) -> None:
+    # A higher band's requests here: the other replica's waiting requests do not go
+    # before them, so they take no share of the room.
+    engine = OneEngine()
+    here, there = gate_on(engine, index, 0.02), gate_on(engine, index, 0.02)
+    engine.held = 2.0
+    urgent = [
+        asyncio.ensure_future(here.enter(tenant("acme"), MODEL, Placement(1), PROMPT_TOKENS))
+        for _ in range(2)
+    ]
+    waiting_there = waiting_in(there, "globex", 6)
+    async with cancelled_after(*urgent, *waiting_there):
+        async with cancelled_after(here.run_forever(), there.run_forever()):
+            await sees_waiting_elsewhere(here, "globex")
+        engine.held = 0.0  # room for two
+        here.dispatch(MODEL)
+        await asyncio.sleep(0)
+        assert all(future.done() for future in urgent), "band 1 waits nowhere else"
+        for future in urgent:
+            flow_pass = future.result()
             assert flow_pass is not None
             flow_pass.close()

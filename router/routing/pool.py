@@ -157,6 +157,10 @@ class WorkerPool:
         self._unreachable_until: dict[str, float] = {}
         self._drained: set[str] = set()  # by an operator, through this router
         self._batch_limits: dict[str, BatchLimit] = {}  # learnt from load reports
+        # The last load report read from each worker's agent: when it came, and the
+        # replicas' requests in flight there then (kept across rosters: a report read
+        # again into a new roster would count as a second one).
+        self._reports_read: dict[str, tuple[float, float]] = {}
         # What other router replicas shared for flow control (shared_engines).
         self._others = ReplicaTraffic({}, {}, {})
         self._roster = Roster([])
@@ -179,6 +183,12 @@ class WorkerPool:
             self._batch_limits = {
                 worker_id: limit
                 for worker_id, limit in self._batch_limits.items()
+                if worker_id in self._statuses
+            }
+        if self._reports_read.keys() - self._statuses.keys():
+            self._reports_read = {
+                worker_id: read
+                for worker_id, read in self._reports_read.items()
                 if worker_id in self._statuses
             }
         self.refreshed_at = self._clock()
@@ -524,19 +534,25 @@ class WorkerPool:
         roster.gone_in_view[row] = record is not None and record.state is not WorkerState.LIVE
         roster.unreachable_until[row] = self._unreachable_until.get(worker_id, 0.0)
         roster.reported[row] = load is not None and received_at is not None
-        if load is not None and received_at != roster.report_received_at[row]:  # a new one
+        read = self._reports_read.get(worker_id)
+        if (
+            load is not None
+            and received_at is not None
+            and (read is None or read[0] != received_at)
+        ):
             others = self._others
-            roster.in_flight_at_report[row] = (
+            read = self._reports_read[worker_id] = (
+                received_at,
                 traffic.in_flight
                 - traffic.handed_off_in_flight
                 + others.in_flight.get(worker_id, 0)
-                - others.handed_off.get(worker_id, 0)
+                - others.handed_off.get(worker_id, 0),
             )
-            learnt = learnt_batch_limit(
+            self._batch_limits[worker_id] = learnt_batch_limit(
                 self._batch_limits.get(worker_id, BatchLimit()), load.running, load.waiting
             )
-            self._batch_limits[worker_id] = learnt
-            roster.batch_limit[row] = learnt.limit
+        roster.in_flight_at_report[row] = 0.0 if read is None else read[1]
+        roster.batch_limit[row] = self._batch_limits.get(worker_id, BatchLimit()).limit
         roster.report_waiting[row] = load.waiting if load is not None else 0
         roster.report_running[row] = load.running if load is not None else 0
         roster.kv_usage[row] = load.kv_usage if load is not None else 0.0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvplane.core.types import EventsState, LoadReport, ReplayState, WiringReport, WorkerInfo
@@ -426,3 +428,25 @@ async def test_a_handed_off_request_ends_at_the_horizon_where_no_report_comes() 
     assert setup.pool.roster.in_flight[0] == 0
     assert setup.pool.traffic("w1").handed_off == deque()
     assert setup.pool.traffic("w1").prefill_tokens == 0
+
+
+async def test_a_new_roster_keeps_what_the_reports_read_so_far_taught() -> None:
+    # A worker joining rebuilds the roster: the last report of those already there is
+    # not read again, as a second report in a row, with what is in flight now.
+    setup = Setup()
+    await setup.register("w1")
+    await setup.pool.refresh()
+    sent = [setup.pool.sent("w1", "t", prefill_tokens=10) for _ in range(3)]
+    setup.view.load("w1", 1, load(running=2, waiting=1), setup.clock.now)
+    setup.pool.candidates()  # the report read
+
+    def queues() -> tuple[float, float]:
+        pool = setup.pool
+        engine = pool.engine_queues(np.array([pool.row_of("w1")], dtype=np.intp))
+        return float(engine.batch_limit[0]), float(engine.traffic_since_report[0])
+
+    setup.pool.finished(sent[0])
+    assert queues() == (math.inf, -1.0)  # one report with requests waiting proves nothing
+    await setup.register("w2")
+    await setup.pool.refresh()
+    assert queues() == (math.inf, -1.0)

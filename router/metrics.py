@@ -219,8 +219,8 @@ class RouterMetrics:
         self.flow_service_tokens = Counter(
             "kvplane_flow_service_tokens",
             "Service each tenant had, in flow control's cost units (prompt tokens computed "
-            "x input_token_cost, generated x output_token_cost): its share is its rate "
-            "over all tenants'",
+            "x input_token_cost, generated x output_token_cost, their context x "
+            "context_token_cost): its share is its rate over all tenants'",
             ["tenant", "kind"],
             registry=r,
         )

@@ -3,7 +3,8 @@ situation): its latency by group, the requests the router shed and why, the thro
 over the schedule, and each tenant's share of the service while it was backlogged.
 
 Service is what kvplane's flow control charges a tenant for (`FlowControlSettings`'
-defaults): a prompt token the engine computed (not cached) costs 1, a generated token 2.
+defaults): a prompt token the engine computed (not cached) costs 1, a generated token 2
+and 0.01 a token of the context it holds (router/flow_control/gate.py `answer_cost`).
 A request's prompt is served when its first token arrives, its answer token by token
 until its end.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.live.client import Outcome
 from kvplane.core.config import FlowControlSettings
+from router.flow_control.gate import answer_cost
 from simulations.reporting import percentile
 
 # About twice the well-behaved tenants' solo TTFT p99 behind kvplane (1.6 s on the
@@ -30,7 +32,6 @@ from simulations.reporting import percentile
 BACKLOG_WAIT_S = 3.0
 _COSTS = FlowControlSettings()
 INPUT_TOKEN_COST = _COSTS.input_token_cost
-OUTPUT_TOKEN_COST = _COSTS.output_token_cost
 NOISY_GROUP, WELL_BEHAVED_GROUP = "noisy", "well-behaved"
 
 Interval = tuple[float, float]  # [start, end), seconds from the cell's start
@@ -182,7 +183,7 @@ def service_within(outcome: Outcome, started_at: float, windows: list[Interval])
     end = outcome.sent_at - started_at + outcome.latency_s
     computed = outcome.prompt_tokens - outcome.cached_tokens
     served = INPUT_TOKEN_COST * computed if _inside(first, windows) else 0.0
-    answer = OUTPUT_TOKEN_COST * outcome.output_tokens
+    answer = answer_cost(_COSTS, outcome.prompt_tokens, outcome.output_tokens)
     if end > first:
         served += answer * overlap((first, end), windows) / (end - first)
     elif _inside(end, windows):

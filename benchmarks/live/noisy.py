@@ -213,7 +213,7 @@ def render_floods(found: Sequence[Flood]) -> str:
             f"against {CAPACITY_ROUTER} (no flow control), same variant and run; noisy "
             f"backlogged s: the noisy tenant's time with a request waiting over "
             f"{BACKLOG_WAIT_S:g} s, its share of the service (computed prompt + 2 x output "
-            "tokens) then."
+            "tokens + 0.01 x their context) then."
         )
     return "\n\n".join(sections)
 

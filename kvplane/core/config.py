@@ -242,8 +242,9 @@ class FlowControlSettings(_Section):
     # max_engine_waiting.
     max_engine_waiting_backlogged: int = Field(default=1, ge=0)
     # A tenant counts as having a backlog where it also asked for more than its share
-    # lately: its requests' prompt tokens, decayed with this time constant, over twice
-    # the other tenants' mean (a lighter tenant whose requests bunch up keeps its place).
+    # lately: what its requests would cost (prompts, and answers as long as their
+    # clients allow), decayed with this time constant, over twice the other tenants'
+    # mean (a lighter tenant whose requests bunch up keeps its place).
     recent_demand_window_s: float = Field(default=10.0, gt=0)
     # A worker whose KV cache is this full takes no more (a new request would evict or
     # preempt there); 1.0 leaves it to the queue alone.
@@ -251,9 +252,15 @@ class FlowControlSettings(_Section):
     max_queued_requests: int = Field(default=1024, ge=0)  # waiting here, per model
     max_wait_s: float = Field(default=60.0, gt=0)  # past it, shed (queue_timeout)
     # What a tenant's service costs, per token, on its virtual counter: prompt tokens
-    # not predicted cached at dispatch, generated tokens as they stream.
+    # not predicted cached at dispatch; generated tokens at the grant, as many as the
+    # client allows (`max_tokens`), corrected to those generated at the end.
     input_token_cost: float = Field(default=1.0, ge=0)
     output_token_cost: float = Field(default=2.0, ge=0)
+    # And what a generated token holds in the KV cache while it is computed: this much a
+    # token of its request's context (the whole prompt, cached or not, and the answer so
+    # far). A long request's answer holds an engine's cache longer and more of it: where
+    # the cache is what runs out, its tokens cost more than a short one's.
+    context_token_cost: float = Field(default=0.01, ge=0)
     # Within a tenant: first come first served, or earliest deadline first (requests
     # without a deadline last, in arrival order).
     order: Literal["fcfs", "deadline"] = "fcfs"

@@ -345,7 +345,8 @@ class FlowTenant(BaseModel):
     tenant: str
     service_tokens: float = Field(
         description="service through this router since it started, in cost units "
-        "(computed prompt tokens x input_token_cost + generated x output_token_cost)"
+        "(computed prompt tokens x input_token_cost + generated x output_token_cost + "
+        "their context x context_token_cost)"
     )
     service_share: float | None = Field(description="its share of all tenants' service")
     shed: dict[str, int] = Field(

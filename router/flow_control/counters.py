@@ -62,8 +62,9 @@ FORGOTTEN = 0.01  # of the recent demand of all: a tenant with less is not count
 
 
 class RecentDemand:
-    """Each (model, tenant)'s demand lately: the prompt tokens its requests brought, at
-    their input cost and divided by its share, decayed with a time constant of
+    """Each (model, tenant)'s demand lately: what its requests would cost (their prompt
+    tokens at the input cost, the answers their clients allow at theirs: router/
+    flow_control/gate.py), divided by its share, decayed with a time constant of
     `window_s`. What tenants ask, not what they are served: the counters give tenants
     that all wait equal service, so a flood that waits is served no more than the
     tenants beside it, and only its demand tells it from them."""

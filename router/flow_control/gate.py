@@ -14,7 +14,10 @@ gateway's are Envoy's to move).
 
 What a tenant is served is charged to its virtual counter (router/flow_control/
 counters.py): its prompt tokens at the grant, corrected at dispatch to those not
-predicted cached where it went, and its generated tokens as they stream.
+predicted cached where it went; and its answer at the grant too, as long as the client
+allows it (`max_tokens`), then corrected to what was generated (charged only as it
+streams where the client set no limit). Charged when it is computed, a long answer
+would let its tenant's counter lag for as long as it runs.
 """
 
 from __future__ import annotations
@@ -81,13 +84,24 @@ class Shed:
         )
 
 
+def answer_cost(settings: FlowControlSettings, prompt_tokens: int, tokens: int) -> float:
+    """What an answer of `tokens` costs: `output_token_cost` a token, and
+    `context_token_cost` a token of the context each holds as it is computed (the prompt
+    and the answer before it)."""
+    context = tokens * (prompt_tokens + (tokens - 1) / 2)
+    return tokens * settings.output_token_cost + context * settings.context_token_cost
+
+
 class FlowPass:
     """A request let through the gate, until it ends: what it is charged."""
 
     __slots__ = (
+        "_answer_charge",
+        "_answer_tokens",
         "_cancel",
         "_gate",
         "_input_charge",
+        "_prompt_tokens",
         "_tenant",
         "backlogged",
         "band",
@@ -108,8 +122,10 @@ class FlowPass:
         prompt_tokens: int,
         band: int,
         *,
+        answer_tokens: int = 0,
         backlogged: bool = False,
     ) -> None:
+        """`answer_tokens`: the longest answer its client allows (0: no limit set)."""
         self._gate = gate
         self.model = model
         self._tenant = tenant
@@ -125,8 +141,11 @@ class FlowPass:
         self.waits_in_engine = False
         self._cancel: Callable[[], object] | None = None
         self.generated_tokens = 0
+        self._prompt_tokens = prompt_tokens
+        self._answer_tokens = answer_tokens
         self._input_charge = prompt_tokens * gate.settings.input_token_cost
-        gate.charge(model, tenant, self._input_charge)
+        self._answer_charge = answer_cost(gate.settings, prompt_tokens, answer_tokens)
+        gate.charge(model, tenant, self._input_charge + self._answer_charge)
         gate.releasing[model] = gate.releasing.get(model, 0) + 1
 
     @property
@@ -153,8 +172,14 @@ class FlowPass:
         usage at the end corrects the count."""
         if tokens:
             self.generated_tokens += tokens
-            gate = self._gate
-            gate.charge(self.model, self._tenant, tokens * gate.settings.output_token_cost)
+            self._charge_answer(max(self.generated_tokens, self._answer_tokens))
+
+    def _charge_answer(self, tokens: int) -> None:
+        """Its answer charged as `tokens` long, what was charged before corrected."""
+        gate = self._gate
+        charge = answer_cost(gate.settings, self._prompt_tokens, tokens)
+        gate.charge(self.model, self._tenant, charge - self._answer_charge)
+        self._answer_charge = charge
 
     def arm(self, cancel: Callable[[], object]) -> None:
         """Its engine has it and has not answered yet: until `disarm`, a waiting request
@@ -194,10 +219,9 @@ class FlowPass:
             self.dispatched_once = True
             gate.releasing[self.model] -= 1
             gate.charge(self.model, self._tenant, -self._input_charge)
-        if self.generated_tokens > 0:
-            gate.served(
-                self._tenant, "output", self.generated_tokens * gate.settings.output_token_cost
-            )
+        self._charge_answer(max(0, self.generated_tokens))  # what it was, in the end
+        if self._answer_charge > 0:
+            gate.served(self._tenant, "output", self._answer_charge)
         gate.dispatch(self.model)
 
 
@@ -232,6 +256,7 @@ class FlowSnapshot:
 class _Waiter:
     tenant: Tenant
     prompt_tokens: int
+    answer_tokens: int
     future: asyncio.Future[FlowPass | Shed]
 
 
@@ -289,9 +314,12 @@ class FlowGate:
         prompt_tokens: int,
         waiting_for: Callable[[Awaitable[FlowPass | Shed]], Awaitable[FlowPass | Shed]]
         | None = None,
+        *,
+        answer_tokens: int = 0,
     ) -> FlowPass | None:
         """Let through now, or once the engines make room (`waiting_for` wraps the
-        wait: the proxy's ends it when the client leaves); raises the Shed's
+        wait: the proxy's ends it when the client leaves; `answer_tokens`: the longest
+        answer its client allows, 0 where it set no limit); raises the Shed's
         RequestRefused when the request cannot wait. None: no worker can take it, and
         it is not held (routing refuses it at once)."""
         queued_as = self._engines.queue_model(model)
@@ -299,7 +327,11 @@ class FlowGate:
             return None
         model = queued_as
         now = self._clock()
-        cost = prompt_tokens * self.settings.input_token_cost / tenant.share
+        settings = self.settings
+        cost = (
+            prompt_tokens * settings.input_token_cost
+            + answer_cost(settings, prompt_tokens, answer_tokens)
+        ) / tenant.share
         self._demand.asked(model, tenant.name, cost, now)
         queue = self._queue(model)
         self._lift(model, tenant, placement.band, queue)
@@ -310,12 +342,14 @@ class FlowGate:
             and not elsewhere.higher_band_waits(model, placement.band)
             and self.room(model) > 0
         ):
-            return FlowPass(self, model, tenant, prompt_tokens, placement.band)
+            return FlowPass(
+                self, model, tenant, prompt_tokens, placement.band, answer_tokens=answer_tokens
+            )
         deadline_at = None if placement.deadline_s is None else now + placement.deadline_s
         waiting = queue.new(tenant.name, placement.band, now, deadline_at, cost)
         self._admit_to_queue(model, queue, waiting, tenant, placement.deadline_s)
         future: asyncio.Future[FlowPass | Shed] = asyncio.get_running_loop().create_future()
-        self._waiters[waiting] = _Waiter(tenant, prompt_tokens, future)
+        self._waiters[waiting] = _Waiter(tenant, prompt_tokens, answer_tokens, future)
         queue.push(waiting)
         self._busy.set()
         self.dispatch(model)  # its turn may be now (another replica's requests waited)
@@ -456,6 +490,7 @@ class FlowGate:
                     waiter.tenant,
                     waiter.prompt_tokens,
                     waiting.band,
+                    answer_tokens=waiter.answer_tokens,
                     backlogged=backlogged,
                 )
             )

@@ -56,6 +56,13 @@ class ParsedRequest:
         salt = self.body.get("cache_salt")
         return salt if isinstance(salt, str) else None
 
+    @property
+    def answer_limit(self) -> int:
+        """The longest answer the client allows, in tokens (0: it set none, or not as a
+        positive whole number: the engine refuses that)."""
+        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+
 
 _decoder = msgspec.json.Decoder()
 

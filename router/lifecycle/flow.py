@@ -255,7 +255,12 @@ class RequestLifecycle:
             tokens = 0 if start is None else start.estimated_tokens
             try:
                 self.flow_pass = await flow.gate.enter(
-                    tenant, parsed.model, self.placement, tokens, waiting_for
+                    tenant,
+                    parsed.model,
+                    self.placement,
+                    tokens,
+                    waiting_for,
+                    answer_tokens=parsed.answer_limit,
                 )
             except RequestRefused as shed:
                 raise flow.refused(shed) from None

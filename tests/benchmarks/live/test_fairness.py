@@ -85,11 +85,13 @@ def test_a_tenant_is_backlogged_from_two_seconds_into_a_wait_to_its_end() -> Non
 
 def test_service_is_computed_prompt_at_the_first_token_and_the_answer_spread_to_the_end() -> None:
     # First token at 2 s, end at 6 s: 80 computed prompt tokens (cost 1 each) at 2 s,
-    # 10 output tokens (cost 2 each) spread evenly over 2-6 s.
+    # 10 output tokens (cost 2 each, and 0.01 a token of the context each holds: the
+    # 100-token prompt and the answer before it) spread evenly over 2-6 s.
     request = _answered("a", 0.0, 2.0, 6.0, prompt=100, cached=20, output=10)
-    assert service_within(request, START, [(0.0, 10.0)]) == pytest.approx(80 + 20)
-    assert service_within(request, START, [(3.0, 5.0)]) == pytest.approx(10.0)  # half the answer
-    assert service_within(request, START, [(1.0, 2.5)]) == pytest.approx(80 + 2.5)
+    answer = 10 * 2 + sum(100 + n for n in range(10)) * 0.01
+    assert service_within(request, START, [(0.0, 10.0)]) == pytest.approx(80 + answer)
+    assert service_within(request, START, [(3.0, 5.0)]) == pytest.approx(answer / 2)
+    assert service_within(request, START, [(1.0, 2.5)]) == pytest.approx(80 + answer / 8)
     assert service_within(_shed("a", 0.0, 3.0, "displaced"), START, [(0.0, 10.0)]) == 0.0
 
 
@@ -135,10 +137,13 @@ def test_a_cells_tenant_figures() -> None:
     assert figures.backlogged_s == pytest.approx({"tenant-1": 0.0, "tenant-2": 0.0, "noisy": 8.0})
     assert "tenant-1" not in figures.backlogged_share  # never backlogged
     # While the noisy tenant waited (4-12 s), tenant-1's requests sent at 4-9 s were
-    # served (100 prompt tokens, 10 answer tokens at 2 each: 120 each), and the noisy
-    # tenant's second (100 + 20 x 2), its first token at 7 s.
-    noisy_then = 100 + 40
-    assert figures.backlogged_share["noisy"] == pytest.approx(noisy_then / (noisy_then + 6 * 120))
+    # served (100 prompt tokens; 10 answer tokens at 2 each and 0.01 a token of the
+    # context each holds), and the noisy tenant's second (20 answer tokens), its first
+    # token at 7 s.
+    tenant_1_each = 100 + 10 * 2 + sum(100 + n for n in range(10)) * 0.01
+    noisy_then = 100 + 20 * 2 + sum(100 + n for n in range(20)) * 0.01
+    share = noisy_then / (noisy_then + 6 * tenant_1_each)
+    assert figures.backlogged_share["noisy"] == pytest.approx(share)
     assert figures.all_backlogged_s == 0.0  # the others never were
     assert figures.all_backlogged_shares == {}
     assert figures.configured_shares == pytest.approx(

@@ -486,7 +486,9 @@ async def flood_then_light(fleet: RoutedFleet) -> list[str]:
 
     occupying = asyncio.ensure_future(send("occupying", "noisy", max_tokens=12))
     await wait_until("the engine runs it", lambda: not engines_idle(fleet))
-    flood = [asyncio.ensure_future(send(f"noisy {n}", "noisy")) for n in range(4)]
+    # Answers long enough for the request let through next to reach the engine while the
+    # one before it still runs.
+    flood = [asyncio.ensure_future(send(f"noisy {n}", "noisy", max_tokens=12)) for n in range(4)]
     await queued(fleet, 2)
     light = asyncio.ensure_future(send("light", "acme"))
     await queued(fleet, 3)

@@ -242,8 +242,8 @@ class FlowControlSettings(_Section):
     # max_engine_waiting.
     max_engine_waiting_backlogged: int = Field(default=1, ge=0)
     # A tenant counts as having a backlog where it also asked for more than its share
-    # lately: what its requests would cost (prompts, and answers as long as their
-    # clients allow), decayed with this time constant, over twice the other tenants'
+    # lately: what its requests would cost (prompts, and answers as long as its answers
+    # lately), decayed with this time constant, over twice the other tenants'
     # mean (a lighter tenant whose requests bunch up keeps its place).
     recent_demand_window_s: float = Field(default=10.0, gt=0)
     # A worker whose KV cache is this full takes no more (a new request would evict or
@@ -253,7 +253,8 @@ class FlowControlSettings(_Section):
     max_wait_s: float = Field(default=60.0, gt=0)  # past it, shed (queue_timeout)
     # What a tenant's service costs, per token, on its virtual counter: prompt tokens
     # not predicted cached at dispatch; generated tokens at the grant, as many as the
-    # client allows (`max_tokens`), corrected to those generated at the end.
+    # tenant's answers lately had (no more than the client allows), corrected to those
+    # generated at the end.
     input_token_cost: float = Field(default=1.0, ge=0)
     output_token_cost: float = Field(default=2.0, ge=0)
     # And what a generated token holds in the KV cache while it is computed: this much a

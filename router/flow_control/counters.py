@@ -63,7 +63,7 @@ FORGOTTEN = 0.01  # of the recent demand of all: a tenant with less is not count
 
 class RecentDemand:
     """Each (model, tenant)'s demand lately: what its requests would cost (their prompt
-    tokens at the input cost, the answers their clients allow at theirs: router/
+    tokens at the input cost, their answers as long as its answers lately: router/
     flow_control/gate.py), divided by its share, decayed with a time constant of
     `window_s`. What tenants ask, not what they are served: the counters give tenants
     that all wait equal service, so a flood that waits is served no more than the

@@ -14,10 +14,10 @@ gateway's are Envoy's to move).
 
 What a tenant is served is charged to its virtual counter (router/flow_control/
 counters.py): its prompt tokens at the grant, corrected at dispatch to those not
-predicted cached where it went; and its answer at the grant too, as long as the client
-allows it (`max_tokens`), then corrected to what was generated (charged only as it
-streams where the client set no limit). Charged when it is computed, a long answer
-would let its tenant's counter lag for as long as it runs.
+predicted cached where it went; and its answer at the grant too, as long as its
+tenant's answers have lately been (no longer than its client allows), then as it
+streams past that, corrected to what was generated at its end. Charged only as it is
+computed, a long answer would let its tenant's counter lag for as long as it runs.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ SHED_REASON_HEADER = "x-kvplane-shed-reason"
 ShedReason = Literal["queue_full", "displaced", "queue_timeout", "deadline", "preempted"]
 TICK_S = 0.02  # while requests wait: how often room is looked for without a request ending
 LEFT_TO_ELSEWHERE_EXCHANGES = 2  # see FlowGate._left_to_elsewhere
+ANSWER_MEAN_WEIGHT = 0.1  # of a tenant's latest answer, in the mean it is charged ahead by
 _RATE_SAMPLES = 64  # grants the dispatch rate (for Retry-After and deadlines) is read over
 _T = TypeVar("_T")
 
@@ -99,6 +100,7 @@ class FlowPass:
         "_answer_charge",
         "_answer_tokens",
         "_cancel",
+        "_charged_ahead",
         "_gate",
         "_input_charge",
         "_prompt_tokens",
@@ -125,7 +127,7 @@ class FlowPass:
         answer_tokens: int = 0,
         backlogged: bool = False,
     ) -> None:
-        """`answer_tokens`: the longest answer its client allows (0: no limit set)."""
+        """`answer_tokens`: the answer it is charged for ahead."""
         self._gate = gate
         self.model = model
         self._tenant = tenant
@@ -144,8 +146,10 @@ class FlowPass:
         self._prompt_tokens = prompt_tokens
         self._answer_tokens = answer_tokens
         self._input_charge = prompt_tokens * gate.settings.input_token_cost
-        self._answer_charge = answer_cost(gate.settings, prompt_tokens, answer_tokens)
-        gate.charge(model, tenant, self._input_charge + self._answer_charge)
+        gate.charge(model, tenant, self._input_charge)
+        self._answer_charge = 0.0
+        self._charged_ahead = 0.0  # of the answer's charge, for tokens not generated yet
+        self._charge_answer(answer_tokens)
         gate.releasing[model] = gate.releasing.get(model, 0) + 1
 
     @property
@@ -176,10 +180,12 @@ class FlowPass:
 
     def _charge_answer(self, tokens: int) -> None:
         """Its answer charged as `tokens` long, what was charged before corrected."""
-        gate = self._gate
-        charge = answer_cost(gate.settings, self._prompt_tokens, tokens)
+        gate, settings = self._gate, self._gate.settings
+        charge = answer_cost(settings, self._prompt_tokens, tokens)
+        ahead = charge - answer_cost(settings, self._prompt_tokens, self.generated_tokens)
         gate.charge(self.model, self._tenant, charge - self._answer_charge)
-        self._answer_charge = charge
+        gate.charged_ahead(self.model, self._tenant, ahead - self._charged_ahead)
+        self._answer_charge, self._charged_ahead = charge, ahead
 
     def arm(self, cancel: Callable[[], object]) -> None:
         """Its engine has it and has not answered yet: until `disarm`, a waiting request
@@ -219,9 +225,11 @@ class FlowPass:
             self.dispatched_once = True
             gate.releasing[self.model] -= 1
             gate.charge(self.model, self._tenant, -self._input_charge)
-        self._charge_answer(max(0, self.generated_tokens))  # what it was, in the end
-        if self._answer_charge > 0:
+        self.generated_tokens = max(0, self.generated_tokens)
+        self._charge_answer(self.generated_tokens)  # what it was, in the end
+        if self.generated_tokens > 0:
             gate.served(self._tenant, "output", self._answer_charge)
+            gate.answered(self.model, self._tenant.name, self.generated_tokens)
         gate.dispatch(self.model)
 
 
@@ -241,7 +249,7 @@ class TenantFlow:
     """One tenant's service and shedding since the router started."""
 
     tenant: str
-    service_tokens: float  # in cost units (input_token_cost, output_token_cost)
+    service_tokens: float  # in cost units (input, output and context token costs)
     shed: dict[str, int]  # reason -> requests
 
 
@@ -301,6 +309,10 @@ class FlowGate:
         # those waiting at other replicas without one of theirs going, and how many of
         # their requests waited there at the last look.
         self._left_since: dict[str, tuple[float, int]] = {}
+        # Per (model, tenant): its answers' length lately, and what its requests here
+        # were charged ahead for answers not generated yet (on its counter's scale).
+        self._answer_means: dict[tuple[str, str], float] = {}
+        self._ahead: dict[tuple[str, str], float] = {}
         self._seq = 0
         self._busy = asyncio.Event()
 
@@ -315,11 +327,11 @@ class FlowGate:
         waiting_for: Callable[[Awaitable[FlowPass | Shed]], Awaitable[FlowPass | Shed]]
         | None = None,
         *,
-        answer_tokens: int = 0,
+        answer_limit: int = 0,
     ) -> FlowPass | None:
         """Let through now, or once the engines make room (`waiting_for` wraps the
-        wait: the proxy's ends it when the client leaves; `answer_tokens`: the longest
-        answer its client allows, 0 where it set no limit); raises the Shed's
+        wait: the proxy's ends it when the client leaves; `answer_limit`: the longest
+        answer its client allows, 0 where it set none); raises the Shed's
         RequestRefused when the request cannot wait. None: no worker can take it, and
         it is not held (routing refuses it at once)."""
         queued_as = self._engines.queue_model(model)
@@ -328,6 +340,7 @@ class FlowGate:
         model = queued_as
         now = self._clock()
         settings = self.settings
+        answer_tokens = self._expected_answer(model, tenant.name, answer_limit)
         cost = (
             prompt_tokens * settings.input_token_cost
             + answer_cost(settings, prompt_tokens, answer_tokens)
@@ -418,9 +431,44 @@ class FlowGate:
             return
         waiting = set(queue.backlogged(band)) | self._elsewhere.waiting(model, band).keys()
         waiting.discard(tenant.name)
-        others = [self.counters.value(model, name) for name in waiting]
+        # Counters less what was charged ahead here for answers still to come (refunded
+        # where they come out shorter): a tenant lowered to a counter with its own
+        # charges ahead in it would be in credit once they were refunded.
+        others = [self._settled(model, name) for name in waiting]
         if others:
-            self.counters.clamp(model, tenant.name, min(others), max(others))
+            ahead = self._ahead.get((model, tenant.name), 0.0)
+            self.counters.clamp(model, tenant.name, min(others) + ahead, max(others) + ahead)
+
+    def _settled(self, model: str, tenant: str) -> float:
+        return self.counters.value(model, tenant) - self._ahead.get((model, tenant), 0.0)
+
+    def _expected_answer(self, model: str, tenant: str, limit: int) -> int:
+        """The answer a request is charged for ahead: as long as its tenant's answers
+        have lately been, no longer than its client allows (none before its tenant's
+        first answer: it is charged as it streams). Not the client's limit alone: clients
+        set it far past what they use, or set none."""
+        mean = self._answer_means.get((model, tenant))
+        if mean is None:
+            return 0
+        expected = math.ceil(mean)
+        return min(expected, limit) if limit > 0 else expected
+
+    def answered(self, model: str, tenant: str, tokens: int) -> None:
+        """One of `tenant`'s answers came out `tokens` long."""
+        key = (model, tenant)
+        mean = self._answer_means.get(key)
+        self._answer_means[key] = (
+            float(tokens) if mean is None else mean + ANSWER_MEAN_WEIGHT * (tokens - mean)
+        )
+
+    def charged_ahead(self, model: str, tenant: Tenant, amount: float) -> None:
+        """`amount` more (less) charged to `tenant` for answers not generated yet."""
+        key = (model, tenant.name)
+        left = self._ahead.get(key, 0.0) + amount / tenant.share
+        if left > 1e-9:
+            self._ahead[key] = left
+        else:
+            self._ahead.pop(key, None)
 
     # -- letting requests through -----------------------------------------------------
 

@@ -60,7 +60,9 @@ class ParsedRequest:
     def answer_limit(self) -> int:
         """The longest answer the client allows, in tokens (0: it set none, or not as a
         positive whole number: the engine refuses that)."""
-        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        limit = self.body.get("max_completion_tokens")
+        if limit is None:
+            limit = self.body.get("max_tokens")
         return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
 
 

@@ -260,7 +260,7 @@ class RequestLifecycle:
                     self.placement,
                     tokens,
                     waiting_for,
-                    answer_tokens=parsed.answer_limit,
+                    answer_limit=parsed.answer_limit,
                 )
             except RequestRefused as shed:
                 raise flow.refused(shed) from None

@@ -1,9 +1,11 @@
 """What a request is charged on its tenant's counter, against a view of the engines the
-test sets: its answer at the grant, as long as its client allows, then corrected to
-what it generated; each generated token also for the context it holds."""
+test sets: its answer at the grant, as long as its tenant's answers lately (no longer
+than its client allows), then corrected to what it generated; each generated token also
+for the context it holds."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -13,9 +15,11 @@ from router.flow_control.bands import Placement
 from router.flow_control.gate import FlowGate, answer_cost
 from router.lifecycle.bodies import ParsedRequest
 from router.metrics import RouterMetrics
+from router.tenants import Tenant
 from tests.router.flow_control.engine_view import OneEngine, tenant
 
 MODEL = "m"
+PROMPT_TOKENS = 100
 SETTINGS = FlowControlSettings(
     enabled=True, input_token_cost=1.0, output_token_cost=2.0, context_token_cost=0.01
 )
@@ -30,37 +34,74 @@ def test_each_generated_token_costs_the_context_it_holds() -> None:
     assert long / short > 10
 
 
-async def test_an_answer_is_charged_at_the_grant_then_as_it_was() -> None:
+async def answered(gate: FlowGate, who: Tenant, tokens: int) -> None:
+    """One of `who`'s requests let through, `tokens` generated, ended."""
+    flow_pass = await gate.enter(who, MODEL, Placement(0), PROMPT_TOKENS)
+    assert flow_pass is not None
+    flow_pass.dispatched(PROMPT_TOKENS)
+    flow_pass.generated(tokens)
+    flow_pass.close()
+
+
+def charged(tokens: int) -> float:
+    """A request's charge with an answer of `tokens`."""
+    return PROMPT_TOKENS + answer_cost(SETTINGS, PROMPT_TOKENS, tokens)
+
+
+async def test_an_answer_is_charged_ahead_as_long_as_the_tenants_answers_lately() -> None:
     gate = FlowGate(SETTINGS, OneEngine(), RouterMetrics())
     acme = tenant("acme")
-    limited = await gate.enter(acme, MODEL, Placement(0), 100, answer_tokens=10)
-    assert limited is not None
-    assert gate.counters.value(MODEL, "acme") == pytest.approx(100 + answer_cost(SETTINGS, 100, 10))
-    limited.dispatched(100)
-    limited.generated(4)  # within what was charged
-    assert gate.counters.value(MODEL, "acme") == pytest.approx(100 + answer_cost(SETTINGS, 100, 10))
-    limited.close()  # four, in the end
-    assert gate.counters.value(MODEL, "acme") == pytest.approx(100 + answer_cost(SETTINGS, 100, 4))
+    await answered(gate, acme, 6)  # no answer before: charged as it streamed
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(charged(6))
 
-    unlimited = await gate.enter(tenant("globex"), MODEL, Placement(0), 100)
-    assert unlimited is not None
-    assert gate.counters.value(MODEL, "globex") == 100  # its answer as it streams
-    unlimited.dispatched(100)
-    unlimited.generated(6)
-    assert gate.counters.value(MODEL, "globex") == pytest.approx(
-        100 + answer_cost(SETTINGS, 100, 6)
-    )
-    unlimited.close()
+    longer = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answer_limit=10)
+    assert longer is not None
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(charged(6) * 2)  # ahead: 6
+    longer.dispatched(PROMPT_TOKENS)
+    longer.generated(8)  # past what was charged ahead: as it streams
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(charged(6) + charged(8))
+    longer.close()
 
-    never_sent = await gate.enter(tenant("initech"), MODEL, Placement(0), 100, answer_tokens=10)
+    before = gate.counters.value(MODEL, "acme")
+    capped = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answer_limit=2)
+    assert capped is not None
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + charged(2))
+    capped.dispatched(PROMPT_TOKENS)
+    capped.generated(1)
+    capped.close()  # shorter than charged: refunded
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + charged(1))
+
+    never_sent = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answer_limit=10)
     assert never_sent is not None
     never_sent.close()
-    assert gate.counters.value(MODEL, "initech") == pytest.approx(0.0, abs=1e-9)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + charged(1))
     served = {flow.tenant: flow.service_tokens for flow in gate.snapshot().tenants}
-    assert served == {
-        "acme": pytest.approx(100 + answer_cost(SETTINGS, 100, 4)),
-        "globex": pytest.approx(100 + answer_cost(SETTINGS, 100, 6)),
-    }
+    assert served == {"acme": pytest.approx(charged(6) + charged(8) + charged(1))}
+
+
+async def test_a_tenant_brought_down_to_the_others_keeps_its_charges_ahead() -> None:
+    # Brought down to globex's counter as it starts waiting, with a long answer charged
+    # ahead in it: once that answer comes out short and is refunded, it would be in
+    # credit against globex.
+    engine = OneEngine()
+    gate = FlowGate(SETTINGS, engine, RouterMetrics())
+    acme, globex = tenant("acme"), tenant("globex")
+    await answered(gate, acme, 100)  # acme's answers are long
+    running = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS)
+    assert running is not None
+    engine.held = 3.0  # the engine full (one running, two waiting): what comes now waits
+    waiting = [
+        asyncio.ensure_future(gate.enter(who, MODEL, Placement(0), PROMPT_TOKENS))
+        for who in (globex, acme)
+    ]
+    await asyncio.sleep(0)
+    running.dispatched(PROMPT_TOKENS)
+    running.generated(1)
+    running.close()
+    assert gate.counters.value(MODEL, "acme") >= gate.counters.value(MODEL, "globex")
+    for future in waiting:
+        future.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
 
 
 @pytest.mark.parametrize(
@@ -68,6 +109,7 @@ async def test_an_answer_is_charged_at_the_grant_then_as_it_was() -> None:
     [
         ({"max_tokens": 16}, 16),
         ({"max_completion_tokens": 8, "max_tokens": 16}, 8),
+        ({"max_completion_tokens": None, "max_tokens": 16}, 16),
         ({}, 0),
         ({"max_tokens": 0}, 0),
         ({"max_tokens": -3}, 0),

@@ -560,8 +560,10 @@ class FlowGate:
         of its tenant's, or below), rounded up (one at least). The replica that sees
         room first (its own requests ending) would otherwise take it all, and the same
         tenant's requests would wait longer at the others."""
+        if free <= 0 or not self._elsewhere.backlog:
+            return free  # alone, or none waits elsewhere: all of it
         head = queue.next(counter)
-        if free <= 0 or head is None:
+        if head is None:
             return free
         within = counter(head.tenant) + self.settings.fairness_slack_tokens
         elsewhere = sum(

@@ -179,18 +179,9 @@ class WorkerPool:
             raise
         self._last_read_failed = False
         self._statuses = {status.info.worker_id: status for status in statuses}
-        if self._batch_limits.keys() - self._statuses.keys():
-            self._batch_limits = {
-                worker_id: limit
-                for worker_id, limit in self._batch_limits.items()
-                if worker_id in self._statuses
-            }
-        if self._reports_read.keys() - self._statuses.keys():
-            self._reports_read = {
-                worker_id: read
-                for worker_id, read in self._reports_read.items()
-                if worker_id in self._statuses
-            }
+        for gone in (self._batch_limits.keys() | self._reports_read.keys()) - self._statuses.keys():
+            self._batch_limits.pop(gone, None)
+            self._reports_read.pop(gone, None)
         self.refreshed_at = self._clock()
         live = {
             status.info.worker_id: status.info

@@ -47,6 +47,10 @@ class TenantFigures:
     # infinite TTFT, one shed as none. And those never answered, by group.
     ttft_ms_by_group: dict[str, dict[str, float]] = field(default_factory=dict)
     failed_by_group: dict[str, int] = field(default_factory=dict)
+    # The share of the prompt tokens of each group's answered requests that their
+    # engines reported cached: the cell's hit rate weighs each group by its prompts, so
+    # it moves with how many of the noisy tenant's long ones were answered.
+    hit_rate_by_group: dict[str, float] = field(default_factory=dict)
     shed_by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)  # reason: count
     # Over the schedule (the first request's start to the last one's): requests answered
     # and their output tokens, a second.
@@ -109,6 +113,7 @@ def tenant_figures(
         group: {f"p{round(q * 100)}": percentile(samples, q) * 1000 for q in (0.5, 0.9, 0.99)}
         for group, samples in sorted(ttfts.items(), key=lambda item: item[0] == NOISY_GROUP)
     }
+    figures.hit_rate_by_group = hit_rates(outcomes, noisy)
     for outcome in outcomes:
         if outcome.shed_reason is not None:
             reasons = figures.shed_by_tenant.setdefault(outcome.tenant or "", {})
@@ -133,6 +138,18 @@ def tenant_figures(
         tenant: share / sum(configured.values()) for tenant, share in configured.items()
     }
     return figures
+
+
+def hit_rates(outcomes: Iterable[Outcome], noisy: str | None) -> dict[str, float]:
+    """Each group's cached prompt tokens over its prompt tokens, answered requests only."""
+    prompt: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    for outcome in outcomes:
+        if outcome.ok and outcome.prompt_tokens > 0:
+            group = group_of(outcome.tenant, noisy)
+            prompt[group] = prompt.get(group, 0) + outcome.prompt_tokens
+            cached[group] = cached.get(group, 0) + outcome.cached_tokens
+    return {group: cached[group] / tokens for group, tokens in prompt.items()}
 
 
 def backlogged(

@@ -86,6 +86,15 @@ class Flood:
         return (self.run.engine_hit_rate - self.reference.engine_hit_rate) * 100
 
     @property
+    def answered_hit_points(self) -> float:
+        """The same over the answered requests' prompts (what their usage reported
+        cached): the engines' rate also counts each lookup of a request that waited in an
+        engine for memory, again at every step it did not fit."""
+        if self.reference is None:
+            return math.nan
+        return (self.run.client_cached_share - self.reference.client_cached_share) * 100
+
+    @property
     def shed_well_behaved(self) -> int:
         return sum(
             sum(reasons.values())
@@ -153,6 +162,9 @@ FLOOD_COLUMNS = (
     "tput/kvplane",
     "hit %",
     "hit pts",
+    "answered hit pts",
+    "WB hit %",
+    "noisy hit %",
     "noisy backlogged s",
     "noisy share",
 )
@@ -175,6 +187,11 @@ def _flood_row(flood: Flood) -> tuple[str, ...]:
         _figure(flood.throughput_ratio, ".2f"),
         f"{flood.run.engine_hit_rate * 100:.1f}",
         _figure(flood.hit_points, "+.1f"),
+        _figure(flood.answered_hit_points, "+.1f"),
+        *(
+            _figure(tenancy.hit_rate_by_group.get(group, math.nan) * 100, ".1f")
+            for group in (WELL_BEHAVED_GROUP, NOISY_GROUP)
+        ),
         f"{tenancy.backlogged_s.get(NOISY_TENANT, 0.0):.0f}",
         _figure(tenancy.backlogged_share.get(NOISY_TENANT, math.nan), ".2f"),
     )
@@ -210,7 +227,11 @@ def render_floods(found: Sequence[Flood]) -> str:
             "but those shed, one never answered (failed: cancelled at the cell's end) as "
             "infinite; "
             "req/s and out tok/s: answered over the schedule; tput/kvplane, hit pts: "
-            f"against {CAPACITY_ROUTER} (no flow control), same variant and run; noisy "
+            f"against {CAPACITY_ROUTER} (no flow control), same variant and run (hit %: the "
+            "engines' prefix-cache hits over lookups, a request that waits in an engine "
+            "for memory looked up at every step; answered hit pts: over the answered "
+            "requests' prompt tokens, as their usage reported them cached); WB, noisy hit "
+            "%: the latter, per group; noisy "
             f"backlogged s: the noisy tenant's time with a request waiting over "
             f"{BACKLOG_WAIT_S:g} s, its share of the service (computed prompt + 2 x output "
             "tokens + 0.01 x their context) then."

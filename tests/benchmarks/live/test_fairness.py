@@ -13,6 +13,7 @@ from benchmarks.live.fairness import (
     WELL_BEHAVED_GROUP,
     all_backlogged,
     backlogged,
+    hit_rates,
     intersect,
     overlap,
     service_shares,
@@ -132,6 +133,7 @@ def test_a_cells_tenant_figures() -> None:
     assert figures.failed_by_group == {NOISY_GROUP: 1}
     assert figures.shed_by_tenant == {"noisy": {"queue_timeout": 1, "queue_full": 1}}
     assert figures.shed == 2
+    assert figures.hit_rate_by_group == {WELL_BEHAVED_GROUP: 0.0, NOISY_GROUP: 0.0}
     assert figures.span_requests_per_s == pytest.approx(12 / 20)  # answered by 20 s
     assert figures.span_output_tokens_per_s == pytest.approx((10 * 10 + 2 * 20) / 20)
     assert figures.backlogged_s == pytest.approx({"tenant-1": 0.0, "tenant-2": 0.0, "noisy": 8.0})
@@ -148,6 +150,22 @@ def test_a_cells_tenant_figures() -> None:
     assert figures.all_backlogged_shares == {}
     assert figures.configured_shares == pytest.approx(
         {"tenant-1": 1 / 3, "tenant-2": 1 / 3, "noisy": 1 / 3}
+    )
+
+
+def test_each_groups_hit_rate_is_over_its_answered_prompts() -> None:
+    outcomes = [
+        _answered("tenant-1", 0.0, 0.2, 0.5, prompt=1000, cached=900),
+        _answered("tenant-2", 0.0, 0.2, 0.5, prompt=1000, cached=700),
+        _answered("noisy", 0.0, 0.2, 0.5, prompt=4000, cached=1000),
+        _shed("noisy", 1.0, 2.0, "queue_timeout"),  # no prompt served: left out
+        Outcome(ok=False, error="not sent or not finished", tenant="tenant-1"),
+    ]
+    assert hit_rates(outcomes, "noisy") == pytest.approx(
+        {WELL_BEHAVED_GROUP: 0.8, NOISY_GROUP: 0.25}
+    )
+    assert hit_rates(outcomes, None) == pytest.approx(
+        {"tenant-1": 0.9, "tenant-2": 0.7, "noisy": 0.25}
     )
 
 

@@ -281,6 +281,7 @@ def _run(
     shed: dict[str, dict[str, int]] | None = None,
     tokens_per_s: float = 300.0,
     hit: float = 0.85,
+    answered_hit: float = 0.8,
 ) -> CellResult:
     family, _, policy = router.partition(" ")
     result = CellResult(router, family, policy, workload, CALIBRATED, C, NOISY_SITUATION, run)
@@ -294,7 +295,9 @@ def _run(
         span_output_tokens_per_s=tokens_per_s,
         backlogged_s={NOISY_TENANT: 30.0},
         backlogged_share={NOISY_TENANT: 0.4},
+        hit_rate_by_group={WELL_BEHAVED_GROUP: 0.9, NOISY_GROUP: 0.5},
     )
+    result.client_cached_share = answered_hit
     result.engine_hit_rate, result.capacity_per_s, result.ttft_p90_ms = hit, C, p90
     return result
 
@@ -312,7 +315,7 @@ def _flood_results() -> list[CellResult]:
         ),
         _run(KVPLANE, NOISY_SOLO, p90=900.0),
         _run(KVPLANE, "noisy-same", p90=15000.0),
-        _run(KVPLANE, "noisy-long", p90=9000.0, hit=0.95),
+        _run(KVPLANE, "noisy-long", p90=9000.0, hit=0.95, answered_hit=0.82),
         _run(SMG, NOISY_SOLO, p90=4000.0),
     ]
 
@@ -327,6 +330,7 @@ def test_each_flood_is_read_against_its_solo_run_and_kvplane_without_flow_contro
     assert long.p90_ratio == pytest.approx(1.3)
     assert long.throughput_ratio == pytest.approx(250 / 300)
     assert long.hit_points == pytest.approx(-10.0)
+    assert long.answered_hit_points == pytest.approx(-2.0)
     assert (long.shed_well_behaved, long.shed_noisy) == (1, 5)
     assert not any(long.targets().values())
     assert found[(KVPLANE, "noisy-same")].p90_ratio == pytest.approx(15000 / 900)
@@ -340,6 +344,8 @@ def test_the_report_shows_the_situation_in_its_own_tables() -> None:
     same = text[text.index("noisy-same (") : text.index("noisy-long (")]
     row = next(line for line in same.splitlines() if line.startswith(f"{FLOW}, run 1  "))
     assert " 1.20 " in row  # p90 over solo's
+    assert " 90.0 " in row  # the well-behaved tenants' hit rate ...
+    assert " 50.0 " in row  # ... and the noisy tenant's
     assert f"{FLOW}, run 1: targets: 4 of 4 met" in text
     assert "0 of 4 met" in text  # the long variant's
     assert f"{FLOW}, run 1: shed noisy queue_full 5; tenant-2 displaced 1" in text

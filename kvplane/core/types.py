@@ -63,6 +63,11 @@ class WorkerRole(enum.StrEnum):
     DECODE = "decode"  # decode legs, and whole requests where disaggregating does not pay
 
 
+Incarnation = tuple[str, int]
+"""A worker id and one of its incarnations: a restarted agent or engine starts afresh,
+and what was learnt of the one before does not carry over."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """What a worker says about itself when it registers."""

@@ -85,11 +85,13 @@ class Shed:
         )
 
 
-def answer_cost(settings: FlowControlSettings, prompt_tokens: int, tokens: int) -> float:
-    """What an answer of `tokens` costs: `output_token_cost` a token, and
-    `context_token_cost` a token of the context each holds as it is computed (the prompt
-    and the answer before it)."""
-    context = tokens * (prompt_tokens + (tokens - 1) / 2)
+def answer_cost(
+    settings: FlowControlSettings, prompt_tokens: int, tokens: int, answers: int = 1
+) -> float:
+    """What `answers` answers of `tokens` in all cost (a request's `n`, each as long):
+    `output_token_cost` a token, and `context_token_cost` a token of the context each
+    holds as it is computed (the prompt, and its own answer before it)."""
+    context = tokens * (prompt_tokens + (tokens / answers - 1) / 2)
     return tokens * settings.output_token_cost + context * settings.context_token_cost
 
 
@@ -99,6 +101,7 @@ class FlowPass:
     __slots__ = (
         "_answer_charge",
         "_answer_tokens",
+        "_answers",
         "_cancel",
         "_charged_ahead",
         "_gate",
@@ -125,9 +128,10 @@ class FlowPass:
         band: int,
         *,
         answer_tokens: int = 0,
+        answers: int = 1,
         backlogged: bool = False,
     ) -> None:
-        """`answer_tokens`: the answer it is charged for ahead."""
+        """`answer_tokens`: its `answers` answers' tokens charged for ahead."""
         self._gate = gate
         self.model = model
         self._tenant = tenant
@@ -145,6 +149,7 @@ class FlowPass:
         self.generated_tokens = 0
         self._prompt_tokens = prompt_tokens
         self._answer_tokens = answer_tokens
+        self._answers = answers
         self._input_charge = prompt_tokens * gate.settings.input_token_cost
         gate.charge(model, tenant, self._input_charge)
         self._answer_charge = 0.0
@@ -181,8 +186,10 @@ class FlowPass:
     def _charge_answer(self, tokens: int) -> None:
         """Its answer charged as `tokens` long, what was charged before corrected."""
         gate, settings = self._gate, self._gate.settings
-        charge = answer_cost(settings, self._prompt_tokens, tokens)
-        ahead = charge - answer_cost(settings, self._prompt_tokens, self.generated_tokens)
+        charge = answer_cost(settings, self._prompt_tokens, tokens, self._answers)
+        ahead = charge - answer_cost(
+            settings, self._prompt_tokens, self.generated_tokens, self._answers
+        )
         gate.charge(self.model, self._tenant, charge - self._answer_charge)
         gate.charged_ahead(self.model, self._tenant, ahead - self._charged_ahead)
         self._answer_charge, self._charged_ahead = charge, ahead
@@ -229,7 +236,7 @@ class FlowPass:
         self._charge_answer(self.generated_tokens)  # what it was, in the end
         if self.generated_tokens > 0:
             gate.served(self._tenant, "output", self._answer_charge)
-            gate.answered(self.model, self._tenant.name, self.generated_tokens)
+            gate.answered(self.model, self._tenant.name, self.generated_tokens / self._answers)
         gate.dispatch(self.model)
 
 
@@ -265,6 +272,7 @@ class _Waiter:
     tenant: Tenant
     prompt_tokens: int
     answer_tokens: int
+    answers: int
     future: asyncio.Future[FlowPass | Shed]
 
 
@@ -328,10 +336,12 @@ class FlowGate:
         | None = None,
         *,
         answer_limit: int = 0,
+        answers: int = 1,
     ) -> FlowPass | None:
         """Let through now, or once the engines make room (`waiting_for` wraps the
         wait: the proxy's ends it when the client leaves; `answer_limit`: the longest
-        answer its client allows, 0 where it set none); raises the Shed's
+        answer its client allows, 0 where it set none; `answers`: how many it asks
+        for, its `n`); raises the Shed's
         RequestRefused when the request cannot wait. None: no worker can take it, and
         it is not held (routing refuses it at once)."""
         queued_as = self._engines.queue_model(model)
@@ -340,10 +350,10 @@ class FlowGate:
         model = queued_as
         now = self._clock()
         settings = self.settings
-        answer_tokens = self._expected_answer(model, tenant.name, answer_limit)
+        answer_tokens = self._expected_answer(model, tenant.name, answer_limit) * answers
         cost = (
             prompt_tokens * settings.input_token_cost
-            + answer_cost(settings, prompt_tokens, answer_tokens)
+            + answer_cost(settings, prompt_tokens, answer_tokens, answers)
         ) / tenant.share
         self._demand.asked(model, tenant.name, cost, now)
         queue = self._queue(model)
@@ -356,13 +366,19 @@ class FlowGate:
             and self.room(model) > 0
         ):
             return FlowPass(
-                self, model, tenant, prompt_tokens, placement.band, answer_tokens=answer_tokens
+                self,
+                model,
+                tenant,
+                prompt_tokens,
+                placement.band,
+                answer_tokens=answer_tokens,
+                answers=answers,
             )
         deadline_at = None if placement.deadline_s is None else now + placement.deadline_s
         waiting = queue.new(tenant.name, placement.band, now, deadline_at, cost)
         self._admit_to_queue(model, queue, waiting, tenant, placement.deadline_s)
         future: asyncio.Future[FlowPass | Shed] = asyncio.get_running_loop().create_future()
-        self._waiters[waiting] = _Waiter(tenant, prompt_tokens, answer_tokens, future)
+        self._waiters[waiting] = _Waiter(tenant, prompt_tokens, answer_tokens, answers, future)
         queue.push(waiting)
         self._busy.set()
         self.dispatch(model)  # its turn may be now (another replica's requests waited)
@@ -443,7 +459,7 @@ class FlowGate:
         return self.counters.value(model, tenant) - self._ahead.get((model, tenant), 0.0)
 
     def _expected_answer(self, model: str, tenant: str, limit: int) -> int:
-        """The answer a request is charged for ahead: as long as its tenant's answers
+        """Each answer a request is charged for ahead: as long as its tenant's answers
         have lately been, no longer than its client allows (none before its tenant's
         first answer: it is charged as it streams). Not the client's limit alone: clients
         set it far past what they use, or set none."""
@@ -453,8 +469,9 @@ class FlowGate:
         expected = math.ceil(mean)
         return min(expected, limit) if limit > 0 else expected
 
-    def answered(self, model: str, tenant: str, tokens: int) -> None:
-        """One of `tenant`'s answers came out `tokens` long."""
+    def answered(self, model: str, tenant: str, tokens: float) -> None:
+        """One of `tenant`'s requests' answers came out `tokens` long (each, where it
+        asked for several)."""
         key = (model, tenant)
         mean = self._answer_means.get(key)
         self._answer_means[key] = (
@@ -539,6 +556,7 @@ class FlowGate:
                     waiter.prompt_tokens,
                     waiting.band,
                     answer_tokens=waiter.answer_tokens,
+                    answers=waiter.answers,
                     backlogged=backlogged,
                 )
             )

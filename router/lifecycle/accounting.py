@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kvplane.core.types import Incarnation
 from router.lifecycle.bodies import Usage
 from router.lifecycle.legs import Leg
 from router.metrics import RouterMetrics
@@ -26,8 +27,6 @@ from router.routing.pool import WorkerPool
 from router.routing.token_agreement import TokenCountAgreement
 
 log = logging.getLogger(__name__)
-
-Incarnation = tuple[str, int]  # a worker id and its incarnation
 
 
 @dataclass(frozen=True, slots=True)

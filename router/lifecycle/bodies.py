@@ -63,7 +63,17 @@ class ParsedRequest:
         limit = self.body.get("max_completion_tokens")
         if limit is None:
             limit = self.body.get("max_tokens")
-        return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+        return _positive_whole(limit) or 0
+
+    @property
+    def answers(self) -> int:
+        """How many answers the client asks for, each up to `answer_limit` (its `n`; 1
+        where it set none, or not as a positive whole number: the engine refuses that)."""
+        return _positive_whole(self.body.get("n")) or 1
+
+
+def _positive_whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 _decoder = msgspec.json.Decoder()

@@ -261,6 +261,7 @@ class RequestLifecycle:
                     tokens,
                     waiting_for,
                     answer_limit=parsed.answer_limit,
+                    answers=parsed.answers,
                 )
             except RequestRefused as shed:
                 raise flow.refused(shed) from None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvplane.core.clock import Clock
-from kvplane.core.types import LoadReport, WorkerInfo
+from kvplane.core.types import Incarnation, LoadReport, WorkerInfo
 from router.control_plane.workers import WorkerRecord, WorkerView
 from router.flow_control.saturation import (
     ANY_MODEL,
@@ -156,11 +156,13 @@ class WorkerPool:
         self._traffic: dict[str, WorkerTraffic] = {}
         self._unreachable_until: dict[str, float] = {}
         self._drained: set[str] = set()  # by an operator, through this router
-        self._batch_limits: dict[str, BatchLimit] = {}  # learnt from load reports
-        # The last load report read from each worker's agent: when it came, and the
-        # replicas' requests in flight there then (kept across rosters: a report read
-        # again into a new roster would count as a second one).
-        self._reports_read: dict[str, tuple[float, float]] = {}
+        # Learnt from each incarnation's load reports: a restarted engine may run
+        # another batch (and the limit only ever rises).
+        self._batch_limits: dict[Incarnation, BatchLimit] = {}
+        # The last load report read from each incarnation's agent: when it came, and
+        # the replicas' requests in flight there then (kept across rosters: a report
+        # read again into a new roster would count as a second one).
+        self._reports_read: dict[Incarnation, tuple[float, float]] = {}
         # What other router replicas shared for flow control (shared_engines).
         self._others = ReplicaTraffic({}, {}, {})
         self._roster = Roster([])
@@ -179,7 +181,8 @@ class WorkerPool:
             raise
         self._last_read_failed = False
         self._statuses = {status.info.worker_id: status for status in statuses}
-        for gone in (self._batch_limits.keys() | self._reports_read.keys()) - self._statuses.keys():
+        registered = {(status.info.worker_id, status.info.incarnation) for status in statuses}
+        for gone in (self._batch_limits.keys() | self._reports_read.keys()) - registered:
             self._batch_limits.pop(gone, None)
             self._reports_read.pop(gone, None)
         self.refreshed_at = self._clock()
@@ -525,25 +528,26 @@ class WorkerPool:
         roster.gone_in_view[row] = record is not None and record.state is not WorkerState.LIVE
         roster.unreachable_until[row] = self._unreachable_until.get(worker_id, 0.0)
         roster.reported[row] = load is not None and received_at is not None
-        read = self._reports_read.get(worker_id)
+        incarnation = (worker_id, info.incarnation)
+        read = self._reports_read.get(incarnation)
         if (
             load is not None
             and received_at is not None
             and (read is None or read[0] != received_at)
         ):
             others = self._others
-            read = self._reports_read[worker_id] = (
+            read = self._reports_read[incarnation] = (
                 received_at,
                 traffic.in_flight
                 - traffic.handed_off_in_flight
                 + others.in_flight.get(worker_id, 0)
                 - others.handed_off.get(worker_id, 0),
             )
-            self._batch_limits[worker_id] = learnt_batch_limit(
-                self._batch_limits.get(worker_id, BatchLimit()), load.running, load.waiting
+            self._batch_limits[incarnation] = learnt_batch_limit(
+                self._batch_limits.get(incarnation, BatchLimit()), load.running, load.waiting
             )
         roster.in_flight_at_report[row] = 0.0 if read is None else read[1]
-        roster.batch_limit[row] = self._batch_limits.get(worker_id, BatchLimit()).limit
+        roster.batch_limit[row] = self._batch_limits.get(incarnation, BatchLimit()).limit
         roster.report_waiting[row] = load.waiting if load is not None else 0
         roster.report_running[row] = load.running if load is not None else 0
         roster.kv_usage[row] = load.kv_usage if load is not None else 0.0

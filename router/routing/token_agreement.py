@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvplane.core.types import Incarnation
+
 WINDOW = 32
 """Comparisons kept per worker: the verdict follows the recent requests."""
 MIN_SAMPLES = 4
@@ -47,10 +49,6 @@ class _Window:
     matched: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
     last_difference: tuple[int, int] | None = None
     warned_at: float | None = None
-
-
-Incarnation = tuple[str, int]
-"""A worker id and incarnation: an agent restarted beside another engine starts afresh."""
 
 
 class TokenCountAgreement:

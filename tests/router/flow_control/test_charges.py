@@ -32,6 +32,8 @@ def test_each_generated_token_costs_the_context_it_holds() -> None:
     # Four times the prompt and the answer: ten times the cost, not four.
     short, long = answer_cost(SETTINGS, 1152, 16), answer_cost(SETTINGS, 4608, 64)
     assert long / short > 10
+    # Three answers of four tokens share the prompt, each holds its own answer.
+    assert answer_cost(SETTINGS, 100, 12, 3) == pytest.approx(3 * answer_cost(SETTINGS, 100, 4))
 
 
 async def answered(gate: FlowGate, who: Tenant, tokens: int) -> None:
@@ -102,6 +104,55 @@ async def test_a_tenant_brought_down_to_the_others_keeps_its_charges_ahead() -> 
     for future in waiting:
         future.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_request_for_several_answers_is_charged_ahead_for_each() -> None:
+    gate = FlowGate(SETTINGS, OneEngine(), RouterMetrics())
+    acme = tenant("acme")
+    await answered(gate, acme, 6)  # acme's answers: 6 tokens lately
+    before = gate.counters.value(MODEL, "acme")
+
+    three = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answers=3)
+    assert three is not None
+    each = answer_cost(SETTINGS, PROMPT_TOKENS, 6)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + PROMPT_TOKENS + 3 * each)
+    three.dispatched(PROMPT_TOKENS)
+    three.generated(15)  # five each: one short of what was charged ahead
+    three.close()
+    five_each = 3 * answer_cost(SETTINGS, PROMPT_TOKENS, 5)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + PROMPT_TOKENS + five_each)
+
+    # Its answers were five tokens each, not fifteen: the next single answer is charged
+    # ahead for about six (the moving mean), capped per answer by the client's limit.
+    after = gate.counters.value(MODEL, "acme")
+    single = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS)
+    assert single is not None
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(after + charged(6))
+    single.close()
+    capped = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answer_limit=2, answers=4)
+    assert capped is not None
+    capped_ahead = answer_cost(SETTINGS, PROMPT_TOKENS, 8, 4)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(after + PROMPT_TOKENS + capped_ahead)
+    capped.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "answers"),
+    [
+        ({"n": 3}, 3),
+        ({}, 1),
+        ({"n": None}, 1),
+        ({"n": 0}, 1),
+        ({"n": -2}, 1),
+        ({"n": True}, 1),
+        ({"n": "3"}, 1),
+        ({"n": 3.0}, 1),
+    ],
+)
+def test_the_answers_asked_for_are_the_clients_n_when_it_is_a_positive_whole_number(
+    body: dict[str, object], answers: int
+) -> None:
+    assert ParsedRequest("completions", "m", stream=False, body=body).answers == answers
 
 
 @pytest.mark.parametrize(

@@ -450,3 +450,31 @@ async def test_a_new_roster_keeps_what_the_reports_read_so_far_taught() -> None:
     await setup.register("w2")
     await setup.pool.refresh()
     assert queues() == (math.inf, -1.0)
+
+
+async def test_a_restarted_engines_batch_limit_is_learnt_afresh() -> None:
+    # The limit only ever rises: learnt from the incarnation before, a larger batch
+    # would let through more than the restarted engine runs.
+    setup = Setup()
+
+    def batch_limit() -> float:
+        pool = setup.pool
+        return float(
+            pool.engine_queues(np.array([pool.row_of("w1")], dtype=np.intp)).batch_limit[0]
+        )
+
+    async def reports(incarnation: int, running: int) -> None:
+        for _ in range(2):  # two in a row with requests waiting
+            setup.clock.advance(1.0)
+            setup.view.load("w1", incarnation, load(running=running, waiting=1), setup.clock.now)
+            setup.pool.candidates()  # read
+
+    await setup.register("w1")
+    await setup.pool.refresh()
+    await reports(1, running=8)
+    assert batch_limit() == 8.0
+    await setup.register("w1", 2)
+    await setup.pool.refresh()
+    assert batch_limit() == math.inf  # not known yet: nothing waits for it
+    await reports(2, running=4)
+    assert batch_limit() == 4.0

@@ -442,10 +442,13 @@ class FlowGate:
 
     def _lift(self, model: str, tenant: Tenant, band: int, queue: ModelQueue) -> None:
         """A tenant that starts waiting in `band` is brought within the counters of the
-        tenants waiting there: no credit for idling, no debt beyond theirs."""
-        if queue.waits(tenant.name, band):
+        tenants waiting there: no credit for idling, no debt beyond theirs. Not one that
+        waits at another replica: it has not stopped waiting (brought down each time its
+        requests here had all gone through, a flood spread over replicas shed its debt)."""
+        elsewhere = self._elsewhere.waiting(model, band)
+        if queue.waits(tenant.name, band) or tenant.name in elsewhere:
             return
-        waiting = set(queue.backlogged(band)) | self._elsewhere.waiting(model, band).keys()
+        waiting = set(queue.backlogged(band)) | elsewhere.keys()
         waiting.discard(tenant.name)
         # Counters less what was charged ahead here for answers still to come (refunded
         # where they come out shorter): a tenant lowered to a counter with its own

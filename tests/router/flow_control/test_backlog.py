@@ -294,3 +294,23 @@ async def test_a_replica_whose_requests_go_first_takes_all_the_room(
             flow_pass = future.result()
             assert flow_pass is not None
             flow_pass.close()
+
+
+async def test_a_tenant_waiting_at_another_replica_is_not_lifted_here(
+    index: RedisLocationIndex,
+) -> None:
+    # Its requests reach both replicas. Brought down to the counters waiting here each
+    # time none of its own waited here, a flood spread over two replicas shed its debt.
+    engine = OneEngine()
+    here, there = gate_on(engine, index, 0.02), gate_on(engine, index, 0.02)
+    engine.held = 2.0  # full: whatever comes waits
+    acme_here, noisy_there = waiting_in(here, "acme", 1), waiting_in(there, "noisy", 2)
+    async with cancelled_after(here.run_forever(), there.run_forever(), *acme_here, *noisy_there):
+        await sees_waiting_elsewhere(here, "noisy")
+        here.charge(MODEL, tenant("noisy"), 100 * PROMPT_TOKENS)  # served far more than acme
+        before = here.counters.value(MODEL, "noisy")
+        async with cancelled_after(*waiting_in(here, "noisy", 1)):
+            await wait_until(
+                "noisy waiting here", lambda: "noisy" in here.snapshot().models[0].waiting[0]
+            )
+            assert here.counters.value(MODEL, "noisy") == before

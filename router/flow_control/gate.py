@@ -63,6 +63,10 @@ ShedReason = Literal["queue_full", "displaced", "queue_timeout", "deadline", "pr
 TICK_S = 0.02  # while requests wait: how often room is looked for without a request ending
 LEFT_TO_ELSEWHERE_EXCHANGES = 2  # see FlowGate._left_to_elsewhere
 ANSWER_MEAN_WEIGHT = 0.1  # of a tenant's latest answer, in the mean it is charged ahead by
+# The most answers a request is counted for (OpenAI's API takes `n` up to 128; past it,
+# its answers count as fewer and longer): a client's absurd `n` must not charge, then
+# refund, a sum that rounds its tenant's counter away, or make its demand hide a flood's.
+MAX_ANSWERS = 128
 _RATE_SAMPLES = 64  # grants the dispatch rate (for Retry-After and deadlines) is read over
 _T = TypeVar("_T")
 
@@ -350,6 +354,7 @@ class FlowGate:
         model = queued_as
         now = self._clock()
         settings = self.settings
+        answers = min(answers, MAX_ANSWERS)
         answer_tokens = self._expected_answer(model, tenant.name, answer_limit) * answers
         cost = (
             prompt_tokens * settings.input_token_cost

@@ -344,8 +344,7 @@ def test_the_report_shows_the_situation_in_its_own_tables() -> None:
     same = text[text.index("noisy-same (") : text.index("noisy-long (")]
     row = next(line for line in same.splitlines() if line.startswith(f"{FLOW}, run 1  "))
     assert " 1.20 " in row  # p90 over solo's
-    assert " 90.0 " in row  # the well-behaved tenants' hit rate ...
-    assert " 50.0 " in row  # ... and the noisy tenant's
+    assert row.index(" 90.0 ") < row.index(" 50.0 ")  # the WB tenants' hit rate, the noisy's
     assert f"{FLOW}, run 1: targets: 4 of 4 met" in text
     assert "0 of 4 met" in text  # the long variant's
     assert f"{FLOW}, run 1: shed noisy queue_full 5; tenant-2 displaced 1" in text

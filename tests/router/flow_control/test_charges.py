@@ -12,7 +12,7 @@ import pytest
 
 from kvplane.core.config import FlowControlSettings
 from router.flow_control.bands import Placement
-from router.flow_control.gate import FlowGate, answer_cost
+from router.flow_control.gate import MAX_ANSWERS, FlowGate, answer_cost
 from router.lifecycle.bodies import ParsedRequest
 from router.metrics import RouterMetrics
 from router.tenants import Tenant
@@ -134,6 +134,16 @@ async def test_a_request_for_several_answers_is_charged_ahead_for_each() -> None
     capped_ahead = answer_cost(SETTINGS, PROMPT_TOKENS, 8, 4)
     assert gate.counters.value(MODEL, "acme") == pytest.approx(after + PROMPT_TOKENS + capped_ahead)
     capped.close()
+
+    # An absurd n is charged ahead as MAX_ANSWERS answers, and the counter comes back
+    # whole when it is refunded (never sent).
+    before = gate.counters.value(MODEL, "acme")
+    absurd = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answers=10**18)
+    assert absurd is not None
+    most = answer_cost(SETTINGS, PROMPT_TOKENS, 6 * MAX_ANSWERS, MAX_ANSWERS)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + PROMPT_TOKENS + most)
+    absurd.close()
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before)
 
 
 @pytest.mark.parametrize(

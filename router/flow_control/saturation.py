@@ -57,6 +57,9 @@ class EngineQueues:
 class SharedReport:
     """A worker's load as the replica its agent reports to shares it."""
 
+    # The engine the report is of: a replica that still has an older incarnation of the
+    # worker in its roster (it reads the registry once a second) must not apply it there.
+    incarnation: int
     running: float
     waiting: float
     kv_usage: float

@@ -39,6 +39,7 @@ class _Report(msgspec.Struct, array_like=True, frozen=True):
     kv_usage: float
     batch_limit: float  # -1: not learnt (msgpack has no infinity to spare)
     in_flight_at_report: float  # the replicas' requests there when it came
+    incarnation: int = -1  # the engine the report is of; -1: shared by an older router
 
 
 class _ReplicaState(msgspec.Struct, array_like=True, frozen=True):
@@ -151,6 +152,7 @@ class FlowExchange:
                     r.kv_usage,
                     -1.0 if math.isinf(r.batch_limit) else r.batch_limit,
                     r.in_flight_at_report,
+                    r.incarnation,
                 )
                 for worker, r in reports.items()
             },
@@ -182,7 +184,12 @@ class FlowExchange:
                 if worker not in reports and _sane(r):
                     limit = math.inf if r.batch_limit < 0 else r.batch_limit
                     others_reports[worker] = SharedReport(
-                        r.running, r.waiting, r.kv_usage, limit, r.in_flight_at_report
+                        r.incarnation,
+                        r.running,
+                        r.waiting,
+                        r.kv_usage,
+                        limit,
+                        r.in_flight_at_report,
                     )
             for model, bands in other.backlog.items():
                 for band, tenants in bands.items():
@@ -202,5 +209,6 @@ def _sane(report: _Report) -> bool:
         and 0 <= report.kv_usage <= 1
         and (report.batch_limit == -1 or report.batch_limit > 0)
         and report.in_flight_at_report >= 0
+        and report.incarnation >= -1
         and all(map(math.isfinite, (report.running, report.waiting, report.in_flight_at_report)))
     )

@@ -380,6 +380,7 @@ class WorkerPool:
         }
         reports = {
             roster.infos[row].worker_id: SharedReport(
+                incarnation=roster.infos[row].incarnation,
                 running=float(roster.report_running[row]),
                 waiting=float(roster.report_waiting[row]),
                 kv_usage=float(roster.kv_usage[row]),
@@ -404,7 +405,7 @@ class WorkerPool:
         ids = roster.worker_ids
         roster.others_in_flight[:] = [others.in_flight.get(worker_id, 0) for worker_id in ids]
         roster.others_handed_off[:] = [others.handed_off.get(worker_id, 0) for worker_id in ids]
-        shared = [others.reports.get(worker_id) for worker_id in ids]
+        shared = [_report_of(info, others.reports.get(info.worker_id)) for info in roster.infos]
         roster.shared_reported[:] = [report is not None for report in shared]
         for column, field_name in (
             (roster.shared_running, "running"),
@@ -599,3 +600,11 @@ class WorkerPool:
             ticket = traffic.handed_off.popleft()
             if not ticket.ended:
                 self.finished(ticket)
+
+
+def _report_of(info: WorkerInfo, report: SharedReport | None) -> SharedReport | None:
+    """Another replica's report of the worker, where it is of the incarnation in this
+    roster (-1: shared by a router too old to say, taken as before)."""
+    if report is None or report.incarnation not in (-1, info.incarnation):
+        return None
+    return report

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from router.flow_control.saturation import ReplicaTraffic, SharedReport, room
+from router.flow_control.saturation import UNBOUNDED, ReplicaTraffic, SharedReport, room
 from router.flow_control.shared import FlowExchange, SharedCounters
 from router.index.base import CounterStep
 from router.index.redis import RedisLocationIndex
@@ -62,12 +62,14 @@ async def test_a_failed_exchange_keeps_its_changes_for_the_next() -> None:
 async def test_other_replicas_states_are_summed_and_expire(index: RedisLocationIndex) -> None:
     here = FlowExchange(index, refresh_s=0.01)  # states live 0.2 s
     there = FlowExchange(index, refresh_s=0.01)
-    report = SharedReport(running=4, waiting=1, kv_usage=0.5, batch_limit=4, in_flight_at_report=5)
+    report = SharedReport(
+        incarnation=7, running=4, waiting=1, kv_usage=0.5, batch_limit=4, in_flight_at_report=5
+    )
     await there.exchange(
         ReplicaTraffic({"w1": 3}, {"w1": 1}, {"w2": report}), {"m": {0: {"acme": 2}}}, {}
     )
     _, elsewhere, others = await here.exchange(
-        ReplicaTraffic({"w1": 1}, {}, {"w1": SharedReport(0, 0, 0.0, math.inf, 0)}), {}, {}
+        ReplicaTraffic({"w1": 1}, {}, {"w1": SharedReport(1, 0, 0, 0.0, math.inf, 0)}), {}, {}
     )
     assert (others.in_flight, others.handed_off) == ({"w1": 3}, {"w1": 1})
     assert others.reports == {"w2": report}  # w1's is this router's own
@@ -93,6 +95,7 @@ async def test_a_state_that_does_not_decode_or_cannot_be_true_is_skipped(
                 "w2": [1.0, 0.0, 0.2, -1.0, 1.0],
                 "w3": [1.0, 0.0, 0.2, -1.0, -3.0],
                 "w4": [1.0, 0.0, 0.2, -1.0, math.inf],
+                "w5": [1.0, 0.0, 0.2, -1.0, 1.0, -5],
             },
             {},
             {"w1": 3, "w2": 5},
@@ -103,8 +106,9 @@ async def test_a_state_that_does_not_decode_or_cannot_be_true_is_skipped(
     assert here.undecodable == 1
     assert others.in_flight == {"w1": 0, "w2": 2}  # a negative count counts as none
     assert others.handed_off == {"w1": 0, "w2": 2}  # never more than in flight
-    # w1's KV use of 750%, w3's -3 requests in flight and w4's infinity: out
-    assert others.reports == {"w2": SharedReport(1.0, 0.0, 0.2, math.inf, 1.0)}
+    # w1's KV use of 750%, w3's -3 requests in flight, w4's infinity and w5's
+    # incarnation: out; w2's, from a router too old to name the incarnation: read as before
+    assert others.reports == {"w2": SharedReport(-1, 1.0, 0.0, 0.2, math.inf, 1.0)}
 
 
 class TwoReplicas:
@@ -190,3 +194,26 @@ async def test_requests_handed_off_make_no_room_until_a_report_says_they_ended(
     assert replicas.free_places() == (0, 0)
     await replicas.report(running=1, waiting=0)
     assert replicas.free_places() == (1, 1)
+
+
+async def test_a_report_of_another_incarnation_is_not_read_as_the_one_listed_here(
+    index: RedisLocationIndex,
+) -> None:
+    # The agent restarted and registered through `here`; `there` lists the old engine
+    # until it reads the registry again, and must not take the new engine's report (its
+    # batch limit and queue) as the old one's.
+    replicas = TwoReplicas(index)
+    await replicas.start()
+    here = replicas.here
+    await here.register("w1", incarnation=2)
+    await here.pool.refresh()
+    for _ in range(2):
+        here.clock.now += 1.0
+        here.view.load("w1", 2, load(running=2, waiting=1), here.clock.now)
+        here.pool.candidates()
+    await replicas.exchange()
+    assert replicas.free_places() == (0, UNBOUNDED)
+    await replicas.there.register("w1", incarnation=2)
+    await replicas.there.pool.refresh()
+    await replicas.exchange()
+    assert replicas.free_places() == (0, 0)

@@ -111,6 +111,7 @@ class FlowPass:
         "_gate",
         "_input_charge",
         "_prompt_tokens",
+        "_prompts",
         "_tenant",
         "backlogged",
         "band",
@@ -133,9 +134,12 @@ class FlowPass:
         *,
         answer_tokens: int = 0,
         answers: int = 1,
+        prompts: int = 1,
         backlogged: bool = False,
     ) -> None:
-        """`answer_tokens`: its `answers` answers' tokens charged for ahead."""
+        """`answer_tokens`: its `answers` answers' tokens charged for ahead; `prompts`:
+        the prompts of a batch, each charged as the first (`prompt_tokens`, what routing
+        reads), and each asking for its own answers."""
         self._gate = gate
         self.model = model
         self._tenant = tenant
@@ -154,7 +158,8 @@ class FlowPass:
         self._prompt_tokens = prompt_tokens
         self._answer_tokens = answer_tokens
         self._answers = answers
-        self._input_charge = prompt_tokens * gate.settings.input_token_cost
+        self._prompts = prompts
+        self._input_charge = prompt_tokens * prompts * gate.settings.input_token_cost
         gate.charge(model, tenant, self._input_charge)
         self._answer_charge = 0.0
         self._charged_ahead = 0.0  # of the answer's charge, for tokens not generated yet
@@ -175,7 +180,7 @@ class FlowPass:
         self.dispatched_once = True
         gate = self._gate
         gate.releasing[self.model] -= 1
-        charge = computed_tokens * gate.settings.input_token_cost
+        charge = computed_tokens * self._prompts * gate.settings.input_token_cost
         gate.charge(self.model, self._tenant, charge - self._input_charge)
         gate.served(self._tenant, "input", charge)
         self._input_charge = charge
@@ -277,6 +282,7 @@ class _Waiter:
     prompt_tokens: int
     answer_tokens: int
     answers: int
+    prompts: int
     future: asyncio.Future[FlowPass | Shed]
 
 
@@ -341,11 +347,13 @@ class FlowGate:
         *,
         answer_limit: int = 0,
         answers: int = 1,
+        prompts: int = 1,
     ) -> FlowPass | None:
         """Let through now, or once the engines make room (`waiting_for` wraps the
         wait: the proxy's ends it when the client leaves; `answer_limit`: the longest
         answer its client allows, 0 where it set none; `answers`: how many it asks
-        for, its `n`); raises the Shed's
+        for, its `n`, for each of the `prompts` of a batch, charged as long as the
+        first, `prompt_tokens`); raises the Shed's
         RequestRefused when the request cannot wait. None: no worker can take it, and
         it is not held (routing refuses it at once)."""
         queued_as = self._engines.queue_model(model)
@@ -354,10 +362,10 @@ class FlowGate:
         model = queued_as
         now = self._clock()
         settings = self.settings
-        answers = min(answers, MAX_ANSWERS)
+        answers = min(answers, MAX_ANSWERS) * prompts
         answer_tokens = self._expected_answer(model, tenant.name, answer_limit) * answers
         cost = (
-            prompt_tokens * settings.input_token_cost
+            prompt_tokens * prompts * settings.input_token_cost
             + answer_cost(settings, prompt_tokens, answer_tokens, answers)
         ) / tenant.share
         self._demand.asked(model, tenant.name, cost, now)
@@ -378,12 +386,15 @@ class FlowGate:
                 placement.band,
                 answer_tokens=answer_tokens,
                 answers=answers,
+                prompts=prompts,
             )
         deadline_at = None if placement.deadline_s is None else now + placement.deadline_s
         waiting = queue.new(tenant.name, placement.band, now, deadline_at, cost)
         self._admit_to_queue(model, queue, waiting, tenant, placement.deadline_s)
         future: asyncio.Future[FlowPass | Shed] = asyncio.get_running_loop().create_future()
-        self._waiters[waiting] = _Waiter(tenant, prompt_tokens, answer_tokens, answers, future)
+        self._waiters[waiting] = _Waiter(
+            tenant, prompt_tokens, answer_tokens, answers, prompts, future
+        )
         queue.push(waiting)
         self._busy.set()
         self.dispatch(model)  # its turn may be now (another replica's requests waited)
@@ -565,6 +576,7 @@ class FlowGate:
                     waiting.band,
                     answer_tokens=waiter.answer_tokens,
                     answers=waiter.answers,
+                    prompts=waiter.prompts,
                     backlogged=backlogged,
                 )
             )

@@ -71,6 +71,14 @@ class ParsedRequest:
         where it set none, or not as a positive whole number: the engine refuses that)."""
         return _positive_whole(self.body.get("n")) or 1
 
+    @property
+    def prompts(self) -> int:
+        """How many prompts a completions batch sends (1 for one prompt, and for chat):
+        each is answered, and routing reads only the first."""
+        if self.endpoint is not Endpoint.COMPLETIONS:
+            return 1
+        return _batch_length(self.body.get("prompt"))
+
 
 def _positive_whole(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -208,6 +216,14 @@ def _flatten_text_parts(message: Any) -> Any:
     ):
         return message
     return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+def _batch_length(prompt: Any) -> int:
+    """A batch is a list of prompts, each text or token ids; one list of token ids is
+    one prompt."""
+    if not isinstance(prompt, list) or not prompt or type(prompt[0]) is int:
+        return 1
+    return len(prompt)
 
 
 def _first_prompt(prompt: Any) -> str | Sequence[int] | None:

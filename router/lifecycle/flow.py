@@ -262,6 +262,7 @@ class RequestLifecycle:
                     waiting_for,
                     answer_limit=parsed.answer_limit,
                     answers=parsed.answers,
+                    prompts=parsed.prompts,
                 )
             except RequestRefused as shed:
                 raise flow.refused(shed) from None

@@ -13,7 +13,7 @@ import pytest
 from kvplane.core.config import FlowControlSettings
 from router.flow_control.bands import Placement
 from router.flow_control.gate import MAX_ANSWERS, FlowGate, answer_cost
-from router.lifecycle.bodies import ParsedRequest
+from router.lifecycle.bodies import Endpoint, ParsedRequest
 from router.metrics import RouterMetrics
 from router.tenants import Tenant
 from tests.router.flow_control.engine_view import OneEngine, tenant
@@ -144,6 +144,40 @@ async def test_a_request_for_several_answers_is_charged_ahead_for_each() -> None
     assert gate.counters.value(MODEL, "acme") == pytest.approx(before + PROMPT_TOKENS + most)
     absurd.close()
     assert gate.counters.value(MODEL, "acme") == pytest.approx(before)
+
+
+async def test_a_batch_is_charged_for_every_prompt_and_its_answers() -> None:
+    # Routing reads the first prompt; the others are charged as long, and each is
+    # answered (n answers each).
+    gate = FlowGate(SETTINGS, OneEngine(), RouterMetrics())
+    acme = tenant("acme")
+    await answered(gate, acme, 6)  # acme's answers: 6 tokens lately
+    before = gate.counters.value(MODEL, "acme")
+    batch = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, answers=2, prompts=3)
+    assert batch is not None
+    ahead = answer_cost(SETTINGS, PROMPT_TOKENS, 6 * 6, 6)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + 3 * PROMPT_TOKENS + ahead)
+    batch.dispatched(40)  # the first prompt mostly cached: the others, charged as it
+    batch.generated(6 * 5)
+    batch.close()
+    answers = answer_cost(SETTINGS, PROMPT_TOKENS, 6 * 5, 6)
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + 3 * 40 + answers)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ("one", 1),
+        ([1, 2, 3], 1),
+        (["one", "two"], 2),
+        ([[1, 2], [3], [4]], 3),
+        ([], 1),
+    ],
+)
+def test_a_completions_batch_counts_its_prompts(prompt: object, prompts: int) -> None:
+    body = {"prompt": prompt}
+    assert ParsedRequest(Endpoint.COMPLETIONS, "m", stream=False, body=body).prompts == prompts
+    assert ParsedRequest(Endpoint.CHAT, "m", stream=False, body=body).prompts == 1
 
 
 @pytest.mark.parametrize(

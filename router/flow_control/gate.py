@@ -67,6 +67,9 @@ ANSWER_MEAN_WEIGHT = 0.1  # of a tenant's latest answer, in the mean it is charg
 # its answers count as fewer and longer): a client's absurd `n` must not charge, then
 # refund, a sum that rounds its tenant's counter away, or make its demand hide a flood's.
 MAX_ANSWERS = 128
+# The most prompts a completions batch is counted for (OpenAI's API takes up to 2,048),
+# for the same reason: only the body's size bounds a batch.
+MAX_PROMPTS = 2048
 _RATE_SAMPLES = 64  # grants the dispatch rate (for Retry-After and deadlines) is read over
 _T = TypeVar("_T")
 
@@ -362,6 +365,7 @@ class FlowGate:
         model = queued_as
         now = self._clock()
         settings = self.settings
+        prompts = min(prompts, MAX_PROMPTS)
         answers = min(answers, MAX_ANSWERS) * prompts
         answer_tokens = self._expected_answer(model, tenant.name, answer_limit) * answers
         cost = (

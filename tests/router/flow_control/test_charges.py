@@ -12,7 +12,7 @@ import pytest
 
 from kvplane.core.config import FlowControlSettings
 from router.flow_control.bands import Placement
-from router.flow_control.gate import MAX_ANSWERS, FlowGate, answer_cost
+from router.flow_control.gate import MAX_ANSWERS, MAX_PROMPTS, FlowGate, answer_cost
 from router.lifecycle.bodies import Endpoint, ParsedRequest
 from router.metrics import RouterMetrics
 from router.tenants import Tenant
@@ -162,6 +162,17 @@ async def test_a_batch_is_charged_for_every_prompt_and_its_answers() -> None:
     batch.close()
     answers = answer_cost(SETTINGS, PROMPT_TOKENS, 6 * 5, 6)
     assert gate.counters.value(MODEL, "acme") == pytest.approx(before + 3 * 40 + answers)
+
+    # A batch of millions (only the body's size bounds it) is counted as MAX_PROMPTS,
+    # and comes back whole when refunded.
+    before = gate.counters.value(MODEL, "acme")
+    huge = await gate.enter(acme, MODEL, Placement(0), PROMPT_TOKENS, prompts=10**7)
+    assert huge is not None
+    answers = answer_cost(SETTINGS, PROMPT_TOKENS, 6 * MAX_PROMPTS, MAX_PROMPTS)
+    most = MAX_PROMPTS * PROMPT_TOKENS + answers
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before + most)
+    huge.close()
+    assert gate.counters.value(MODEL, "acme") == pytest.approx(before)
 
 
 @pytest.mark.parametrize(

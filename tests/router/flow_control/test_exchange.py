@@ -135,11 +135,12 @@ class TwoReplicas:
                 _, _, others = await exchange.exchange(replica.pool.local_engines(), {}, {})
                 replica.pool.shared_engines(others)
 
-    async def report(self, running: int, waiting: int) -> None:
+    async def report(self, running: int, waiting: int, incarnation: int = 1) -> None:
         """A load report to `here` (two with requests waiting teach the batch limit)."""
         here = self.here
         here.clock.now += 1.0
-        here.view.load("w1", 1, load(running=running, waiting=waiting), here.clock.now)
+        report = load(running=running, waiting=waiting)
+        here.view.load("w1", incarnation, report, here.clock.now)
         here.pool.candidates()
         await self.exchange()
 
@@ -208,10 +209,7 @@ async def test_a_report_of_another_incarnation_is_not_read_as_the_one_listed_her
     await here.register("w1", incarnation=2)
     await here.pool.refresh()
     for _ in range(2):
-        here.clock.now += 1.0
-        here.view.load("w1", 2, load(running=2, waiting=1), here.clock.now)
-        here.pool.candidates()
-    await replicas.exchange()
+        await replicas.report(running=2, waiting=1, incarnation=2)
     assert replicas.free_places() == (0, UNBOUNDED)
     await replicas.there.register("w1", incarnation=2)
     await replicas.there.pool.refresh()

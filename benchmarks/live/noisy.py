@@ -27,6 +27,7 @@ from benchmarks.live.fairness import (
     NOISY_GROUP,
     WELL_BEHAVED_GROUP,
     TenantFigures,
+    group_of,
 )
 from benchmarks.live.grid import NOISY_SITUATION
 from benchmarks.live.routers import FLOW_ROUTERS
@@ -62,6 +63,17 @@ class Flood:
         if self.solo is None or self.solo.tenancy is None:
             return math.nan
         return self.solo.tenancy.ttft_ms_by_group.get(WELL_BEHAVED_GROUP, {}).get("p90", math.nan)
+
+    def router_wait_ms(self, group: str) -> float:
+        """The mean time the group's requests that queued in the router waited there,
+        over every replica (NaN where none queued: no flow control)."""
+        seconds = requests = 0.0
+        for evidence in self.run.evidence.values():
+            for tenant, wait in evidence.get("flow_wait", {}).items():
+                if group_of(tenant, NOISY_TENANT) == group:
+                    seconds += wait.get("seconds", 0.0)
+                    requests += wait.get("requests", 0.0)
+        return seconds / requests * 1000 if requests else math.nan
 
     @property
     def p90_ratio(self) -> float:
@@ -152,6 +164,7 @@ FLOOD_COLUMNS = (
     "WB p99 ms",
     "solo p90 ms",
     "p90/solo",
+    "WB wait ms",
     "noisy p90 ms",
     "shed WB",
     "shed noisy",
@@ -177,6 +190,7 @@ def _flood_row(flood: Flood) -> tuple[str, ...]:
         *(_ms(flood.ttft(WELL_BEHAVED_GROUP, p)) for p in ("p50", "p90", "p99")),
         _ms(flood.solo_p90_ms),
         _figure(flood.p90_ratio, ".2f"),
+        _ms(flood.router_wait_ms(WELL_BEHAVED_GROUP)),
         _ms(flood.ttft(NOISY_GROUP, "p90")),
         str(flood.shed_well_behaved),
         str(flood.shed_noisy),
@@ -225,7 +239,9 @@ def render_floods(found: Sequence[Flood]) -> str:
         sections.append(
             "WB: the four well-behaved tenants, pooled. TTFT over every request of the run "
             "but those shed, one never answered (failed: cancelled at the cell's end) as "
-            "infinite; "
+            "infinite; WB wait ms: the mean time the well-behaved requests that queued in "
+            "the router's flow control waited there (every replica's "
+            "kvplane_flow_wait_seconds; one that found room at once never queued); "
             "req/s and out tok/s: answered over the schedule; tput/kvplane, hit pts: "
             f"against {CAPACITY_ROUTER} (no flow control), same variant and run (hit %: the "
             "engines' prefix-cache hits over lookups, a request that waits in an engine "

@@ -375,6 +375,8 @@ def launch_kvplane(
                 # The cache-loss funnel since it started: what was lost where, copies
                 # and evictions among it.
                 "funnel": _admin_get(url, "/fleet/funnel"),
+                # How long each tenant's requests waited in flow control's queue here.
+                "flow_wait": flow_waits(url),
             }
         return evidence
 
@@ -462,6 +464,29 @@ _ROUTING_SERIES = frozenset(
         "kvplane_prediction_verdicts_total",
     }
 )
+
+
+_FLOW_WAIT_SUM, _FLOW_WAIT_COUNT = (
+    "kvplane_flow_wait_seconds_sum",
+    "kvplane_flow_wait_seconds_count",
+)
+
+
+def flow_waits(url: str, token: str = ADMIN_TOKEN) -> dict[str, dict[str, float]]:
+    """One replica's `kvplane_flow_wait_seconds` by tenant, over bands: the `seconds` its
+    requests waited in flow control's queue, and how many `requests` waited there (let
+    through or shed; one that found room at once never queued); empty where none did."""
+    wanted = {_FLOW_WAIT_SUM, _FLOW_WAIT_COUNT}
+    totals = _metric_totals(url, wanted.__contains__, ("tenant",), token)
+    if "metrics" in totals:  # unreadable
+        raise RuntimeError(f"{url}/metrics: {totals['metrics']}")
+    waits: dict[str, dict[str, float]] = {}
+    for name, value in totals.items():
+        series, _, labels = name.partition("{")
+        tenant = labels.partition("tenant=")[2].rstrip("}")
+        figure = "seconds" if series == _FLOW_WAIT_SUM else "requests"
+        waits.setdefault(tenant, {})[figure] = value
+    return waits
 
 
 def requests_by_outcome(url: str) -> dict[str, float]:
@@ -674,13 +699,17 @@ def _peer_metrics(metrics_url: str) -> dict[str, Any]:
 
 
 def _metric_totals(
-    metrics_url: str, keep: Callable[[str], bool], labels: Sequence[str] | None = None
+    metrics_url: str,
+    keep: Callable[[str], bool],
+    labels: Sequence[str] | None = None,
+    token: str = ADMIN_TOKEN,
 ) -> dict[str, Any]:
     """The samples whose names `keep` picks, summed over every label but their own (or
     but `labels`, where given)."""
     try:
         # kvplane's /metrics on its client port needs the admin token; the peers' ignore it.
-        text = httpx2.get(metrics_url + "/metrics", headers=_ADMIN_HEADERS, timeout=5).text
+        headers = {"Authorization": f"Bearer {token}"}
+        text = httpx2.get(metrics_url + "/metrics", headers=headers, timeout=5).text
     except httpx2.HTTPError as error:
         return {"metrics": f"unreadable: {type(error).__name__}"}
     totals: dict[str, float] = {}

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import math
 import random
+import re
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -36,7 +37,7 @@ from benchmarks.live.grid import (
 from benchmarks.live.main import resume_points
 from benchmarks.live.noisy import floods, render_noisy_tenant
 from benchmarks.live.report import read_json, render_summary_markdown, render_tables, write_json
-from benchmarks.live.routers import FLOW_CONTROL_SETTINGS, api_key, tenants_file
+from benchmarks.live.routers import FLOW_CONTROL_SETTINGS, api_key, flow_waits, tenants_file
 from benchmarks.live.standings import standings
 from benchmarks.live.workloads import (
     BURST_OFF_S,
@@ -51,6 +52,9 @@ from benchmarks.live.workloads import (
     burst_starts,
 )
 from router.tenants import api_key_digest
+from tests.router.flow_control.test_gate import complete, engines_idle, slow_fleet
+from tests.router.proxy.conftest import ADMIN_TOKEN
+from tests.waiting import wait_until
 
 C = 20.0  # req/s, the fleet's sustainable rate in these tests
 FLOW, FLOW_X2, KVPLANE, SMG = (
@@ -282,6 +286,7 @@ def _run(
     tokens_per_s: float = 300.0,
     hit: float = 0.85,
     answered_hit: float = 0.8,
+    waits: list[dict[str, dict[str, float]]] | None = None,
 ) -> CellResult:
     family, _, policy = router.partition(" ")
     result = CellResult(router, family, policy, workload, CALIBRATED, C, NOISY_SITUATION, run)
@@ -299,6 +304,8 @@ def _run(
     )
     result.client_cached_share = answered_hit
     result.engine_hit_rate, result.capacity_per_s, result.ttft_p90_ms = hit, C, p90
+    # Each router replica's flow-control waits, as the evidence holds them.
+    result.evidence = {f"replica-{n}": {"flow_wait": wait} for n, wait in enumerate(waits or [])}
     return result
 
 
@@ -356,6 +363,40 @@ def test_the_report_shows_the_situation_in_its_own_tables() -> None:
     assert tables.startswith(NOISY_SITUATION)
     assert standings(results) == []
     assert f"Flow control (`{NOISY_SITUATION}`)" in render_summary_markdown(results)
+
+
+def test_the_well_behaved_tenants_wait_in_the_router_is_read_over_every_replica() -> None:
+    waits: list[dict[str, dict[str, float]]] = [
+        {"tenant-1": {"seconds": 3.0, "requests": 10.0}, "noisy": {"seconds": 90, "requests": 9}},
+        {"tenant-2": {"seconds": 1.0, "requests": 10.0}, "tenant-3": {"requests": 5.0}},
+    ]
+    results = [
+        _run(FLOW_X2, NOISY_SOLO),
+        _run(FLOW_X2, "noisy-same", waits=waits),
+        _run(KVPLANE, "noisy-same"),
+    ]
+    (flood, without) = floods(results)
+    assert flood.router_wait_ms(WELL_BEHAVED_GROUP) == pytest.approx(4.0 / 25 * 1000)
+    assert flood.router_wait_ms(NOISY_GROUP) == pytest.approx(10_000)
+    assert math.isnan(without.router_wait_ms(WELL_BEHAVED_GROUP))  # no flow control
+    lines = render_noisy_tenant(results).splitlines()
+    at = next(n for n, line in enumerate(lines) if line.startswith("noisy-same ("))
+    header, row = lines[at], lines[at + 2]
+    columns = dict(zip(re.split(r"\s{2,}", header), re.split(r"\s{2,}", row), strict=True))
+    assert columns["WB wait ms"] == "160"
+
+
+async def test_the_evidence_counts_each_tenants_wait_in_flow_control() -> None:
+    async with slow_fleet(max_engine_waiting=0) as fleet:
+        running = asyncio.ensure_future(complete(fleet, "acme", "running", max_tokens=12))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        waited = await complete(fleet, "globex", "waiting for it")
+        assert (await running).status_code == waited.status_code == 200
+        waits = await asyncio.to_thread(flow_waits, fleet.url, ADMIN_TOKEN)
+    # acme's found room at once, and never queued; globex's waited for it to end.
+    assert list(waits) == ["globex"]
+    assert waits["globex"]["requests"] == 1
+    assert 0.1 < waits["globex"]["seconds"] < 5  # acme's 12 tokens of 25 ms
 
 
 def test_the_shares_table_sets_measured_against_configured_shares() -> None:

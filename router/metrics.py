@@ -205,7 +205,8 @@ class RouterMetrics:
         )
         self.flow_wait_seconds = Histogram(
             "kvplane_flow_wait_seconds",
-            "Time requests of a saturated model waited in the router (shed ones included)",
+            "Time requests of a saturated model waited in the router (shed ones, and those "
+            "whose client left, included)",
             ["band", "tenant"],
             buckets=_WAIT_BUCKETS,
             registry=r,

@@ -475,7 +475,8 @@ _FLOW_WAIT_SUM, _FLOW_WAIT_COUNT = (
 def flow_waits(url: str, token: str = ADMIN_TOKEN) -> dict[str, dict[str, float]]:
     """One replica's `kvplane_flow_wait_seconds` by tenant, over bands: the `seconds` its
     requests waited in flow control's queue, and how many `requests` waited there (let
-    through or shed; one that found room at once never queued); empty where none did."""
+    through, shed, or their client gone; one that found room at once never queued);
+    empty where none did."""
     wanted = {_FLOW_WAIT_SUM, _FLOW_WAIT_COUNT}
     totals = _metric_totals(url, wanted.__contains__, ("tenant",), token)
     if "metrics" in totals:  # unreadable

@@ -318,6 +318,23 @@ async def test_a_request_that_cannot_wait_long_enough_is_shed_with_its_reason() 
     assert late.headers["x-kvplane-shed-reason"] == "deadline"
 
 
+async def test_a_request_whose_client_leaves_while_it_waits_counts_its_wait() -> None:
+    async with slow_fleet(max_engine_waiting=0) as fleet:
+        running = asyncio.ensure_future(complete(fleet, "acme", "running", max_tokens=20))
+        await wait_until("the engine runs it", lambda: not engines_idle(fleet))
+        leaving = asyncio.ensure_future(complete(fleet, "globex", "leaving before its turn"))
+        await queued(fleet, 1)
+        leaving.cancel()
+
+        async def gone() -> bool:
+            return await metric(fleet, "kvplane_flow_queued_requests", model=MODEL) == 0
+
+        await wait_until("the router lets it go", gone)
+        waits = await metric(fleet, "kvplane_flow_wait_seconds_count", tenant="globex")
+        assert (await running).status_code == 200
+    assert waits == 1
+
+
 async def test_a_request_no_worker_can_take_is_refused_at_once() -> None:
     # It must not wait max_wait_s (60 s: the client gives up after 30) for a room that
     # never comes, nor leave a queue behind.

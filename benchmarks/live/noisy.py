@@ -30,7 +30,7 @@ from benchmarks.live.fairness import (
     group_of,
 )
 from benchmarks.live.grid import NOISY_SITUATION
-from benchmarks.live.routers import FLOW_ROUTERS
+from benchmarks.live.routers import FLOW_ROUTERS, FLOW_WAIT_EVIDENCE
 from benchmarks.live.workloads import NOISY_SOLO, NOISY_TENANT, NOISY_VARIANTS, SHARES_WORKLOAD
 from simulations.reporting import format_table
 
@@ -69,7 +69,7 @@ class Flood:
         over every replica (NaN where none queued: no flow control)."""
         seconds = requests = 0.0
         for evidence in self.run.evidence.values():
-            for tenant, wait in evidence.get("flow_wait", {}).items():
+            for tenant, wait in evidence.get(FLOW_WAIT_EVIDENCE, {}).items():
                 if group_of(tenant, NOISY_TENANT) == group:
                     seconds += wait.get("seconds", 0.0)
                     requests += wait.get("requests", 0.0)
@@ -241,7 +241,8 @@ def render_floods(found: Sequence[Flood]) -> str:
             "but those shed, one never answered (failed: cancelled at the cell's end) as "
             "infinite; WB wait ms: the mean time the well-behaved requests that queued in "
             "the router's flow control waited there (every replica's "
-            "kvplane_flow_wait_seconds; one that found room at once never queued); "
+            "kvplane_flow_wait_seconds; one that found room at once never queued; -: none "
+            "queued, or no replica recorded it); "
             "req/s and out tok/s: answered over the schedule; tput/kvplane, hit pts: "
             f"against {CAPACITY_ROUTER} (no flow control), same variant and run (hit %: the "
             "engines' prefix-cache hits over lookups, a request that waits in an engine "

@@ -376,7 +376,7 @@ def launch_kvplane(
                 # and evictions among it.
                 "funnel": _admin_get(url, "/fleet/funnel"),
                 # How long each tenant's requests waited in flow control's queue here.
-                "flow_wait": flow_waits(url),
+                FLOW_WAIT_EVIDENCE: flow_waits(url),
             }
         return evidence
 
@@ -466,6 +466,7 @@ _ROUTING_SERIES = frozenset(
 )
 
 
+FLOW_WAIT_EVIDENCE = "flow_wait"  # a replica's evidence of flow_waits, by this key
 _FLOW_WAIT_SUM, _FLOW_WAIT_COUNT = (
     "kvplane_flow_wait_seconds_sum",
     "kvplane_flow_wait_seconds_count",

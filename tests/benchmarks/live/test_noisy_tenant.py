@@ -37,7 +37,13 @@ from benchmarks.live.grid import (
 from benchmarks.live.main import resume_points
 from benchmarks.live.noisy import floods, render_noisy_tenant
 from benchmarks.live.report import read_json, render_summary_markdown, render_tables, write_json
-from benchmarks.live.routers import FLOW_CONTROL_SETTINGS, api_key, flow_waits, tenants_file
+from benchmarks.live.routers import (
+    FLOW_CONTROL_SETTINGS,
+    FLOW_WAIT_EVIDENCE,
+    api_key,
+    flow_waits,
+    tenants_file,
+)
 from benchmarks.live.standings import standings
 from benchmarks.live.workloads import (
     BURST_OFF_S,
@@ -305,7 +311,9 @@ def _run(
     result.client_cached_share = answered_hit
     result.engine_hit_rate, result.capacity_per_s, result.ttft_p90_ms = hit, C, p90
     # Each router replica's flow-control waits, as the evidence holds them.
-    result.evidence = {f"replica-{n}": {"flow_wait": wait} for n, wait in enumerate(waits or [])}
+    result.evidence = {
+        f"replica-{n}": {FLOW_WAIT_EVIDENCE: wait} for n, wait in enumerate(waits or [])
+    }
     return result
 
 

@@ -143,6 +143,7 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
             routers=args.routers,
             request_rate=args.request_rate,
             window_s=args.duration,
+            directory=args.directory,
         )
     return run_scale_benchmark(
         json_path=args.json,
@@ -154,6 +155,7 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
         request_blocks=args.request_blocks,
         request_rate=args.request_rate,
         plot=args.plot,
+        directory=args.directory,
     )
 
 
@@ -213,7 +215,8 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         "--index",
         type=lambda text: [part for part in text.split(",") if part],
         default=["memory", "redis"],
-        help="index backends for the decisions, comma-separated (default memory,redis)",
+        help="index backends for the decisions, comma-separated, of memory, redis and "
+        "redis-directory (its groups keeping directories) (default memory,redis)",
     )
     router_bench.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     router_bench.add_argument(
@@ -388,6 +391,11 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         help="at each point, kill the busiest Redis master, then restart a router, each "
         "under --duration seconds of load: failover and recovery timings, and an audit of "
         "the index against the workers' caches (instead of the steady phases)",
+    )
+    scale.add_argument(
+        "--directory",
+        action="store_true",
+        help="the index's groups keep directories (index.redis_directory)",
     )
     scale.set_defaults(handler=_run_bench_scale)
     return parser

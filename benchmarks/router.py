@@ -510,16 +510,23 @@ async def _measure_memory(case: DecisionCase) -> DecisionFigures:
         await index.close()
 
 
-async def _measure_redis(url: str, case: DecisionCase) -> DecisionFigures:
+async def _measure_redis(url: str, case: DecisionCase, backend: str) -> DecisionFigures:
+    """`backend`: "redis", or "redis-directory" (the layout whose groups keep one)."""
     import redis.asyncio as aioredis
 
     from router.index.redis import RedisLocationIndex
 
     prefix = f"kvpbench-{uuid.uuid4().hex[:8]}"
-    index = RedisLocationIndex.from_url(url, cluster=False, prefix=prefix, max_entries=None)
+    index = RedisLocationIndex.from_url(
+        url,
+        cluster=False,
+        prefix=prefix,
+        directory=backend == "redis-directory",
+        max_entries=None,
+    )
     admin = aioredis.Redis.from_url(url)
     try:
-        return await measure_decisions(index, "redis", case)
+        return await measure_decisions(index, backend, case)
     finally:
         for worker in range(case.workers):
             await index.drop_worker(f"worker-{worker}")
@@ -549,7 +556,7 @@ def measure_all_decisions(
                 if backend == "memory":
                     rows.append(asyncio.run(_measure_memory(case)))
                 else:
-                    rows.append(asyncio.run(_measure_redis(redis_url, case)))
+                    rows.append(asyncio.run(_measure_redis(redis_url, case, backend)))
     return rows
 
 
@@ -1015,7 +1022,7 @@ def run_router_benchmark(
     peer: bool = True,
     seed: int = 1,
 ) -> int:
-    unknown = set(backends) - {"memory", "redis"}
+    unknown = set(backends) - {"memory", "redis", "redis-directory"}
     if unknown:
         raise ValueError(f"unknown index backends: {', '.join(sorted(unknown))}")
     rows = measure_all_decisions(

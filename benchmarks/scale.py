@@ -67,6 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.core.serving import free_port
 from router.check import TOKEN_VARIABLE
+from router.index.redis import KeyLayout
 from simulations.engine_sim.process import spawn_engine_sim
 from simulations.processes import start_kvplane
 from simulations.redis_servers import RunningCluster, redis_cluster
@@ -84,6 +85,7 @@ from simulations.synthetic_fleet import (
 
 MODEL = "kvplane-tiny"  # the engine simulator's default model name
 ADMIN_TOKEN = "bench-scale-admin"  # loopback only
+REDIS_PREFIX = "kvp"  # the routers' default index.redis_prefix
 WORKER_SECRET = "bench-scale-worker-secret-of-32-chars-at-least"
 DECISION_TARGET_S = 0.005
 SATURATED_IDLE_SHARE = 0.1
@@ -254,6 +256,7 @@ class RouterReplica:
     args: list[str]
     url: str
     grpc_address: str
+    directory: bool = False  # the index's groups keep directories
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, redis_url: str) -> None:
@@ -261,6 +264,7 @@ class RouterReplica:
         env = {
             TOKEN_VARIABLE: ADMIN_TOKEN,
             "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET": WORKER_SECRET,
+            "KVPLANE_INDEX__REDIS_DIRECTORY": "true" if self.directory else "false",
         }
         args = [*self.args, "--index", "redis-cluster", "--redis-url", redis_url]
         self.process = start_kvplane(args, self.url + "/healthz", env=env)
@@ -281,6 +285,7 @@ class RunningPoint:
     cluster: RunningCluster
     replicas: list[RouterReplica]
     engine_url: str
+    layout: KeyLayout  # the index's keys, as the routers name them
 
     @property
     def routers(self) -> list[RouterProbe]:
@@ -292,7 +297,7 @@ class RunningPoint:
 
 
 @contextmanager
-def running_point(workdir: Path, routers: int) -> Iterator[RunningPoint]:
+def running_point(workdir: Path, routers: int, directory: bool = False) -> Iterator[RunningPoint]:
     quiet = ("--log-level", "WARNING")
     with ExitStack() as stack:
         cluster = stack.enter_context(redis_cluster(workdir, masters=3, replicas=1))
@@ -304,11 +309,13 @@ def running_point(workdir: Path, routers: int) -> Iterator[RunningPoint]:
                 ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port), *quiet],
                 f"http://127.0.0.1:{http_port}",
                 f"127.0.0.1:{grpc_port}",
+                directory,
             )  # fmt: skip
             stack.callback(replica.kill)
             replica.start(cluster.url)
             replicas.append(replica)
-        yield RunningPoint(cluster, replicas, engine.base_url)
+        layout = KeyLayout(REDIS_PREFIX, directory=directory)
+        yield RunningPoint(cluster, replicas, engine.base_url, layout)
 
 
 @contextmanager
@@ -472,8 +479,9 @@ def measure_point(
     *,
     duration_s: float,
     request_rate: float,
+    directory: bool = False,
 ) -> ScaleFigures:
-    with running_point(workdir, routers) as point:
+    with running_point(workdir, routers, directory) as point:
         shape = dataclasses.replace(shape, base_url=point.engine_url)
         memory_before, _ = _redis_totals(point.cluster)
         with fleet_process(shape, point.grpc_addresses) as fleet:
@@ -662,6 +670,7 @@ def run_scale_benchmark(
     request_blocks: int,
     request_rate: float,
     plot: Path | None = None,
+    directory: bool = False,
 ) -> int:
     shapes = [
         fleet_shape(count, capacity_blocks, request_blocks, batches_per_s) for count in workers
@@ -672,7 +681,12 @@ def run_scale_benchmark(
         with tempfile.TemporaryDirectory(prefix="kvplane-bench-scale-") as workdir:
             print(f"{count} workers, {replicas} routers ...", flush=True)
             figures = measure_point(
-                Path(workdir), shape, replicas, duration_s=duration_s, request_rate=request_rate
+                Path(workdir),
+                shape,
+                replicas,
+                duration_s=duration_s,
+                request_rate=request_rate,
+                directory=directory,
             )
         results.append(figures)
         print(_table([figures]), flush=True)
@@ -687,6 +701,7 @@ def run_scale_benchmark(
             "capacity_blocks": capacity_blocks,
             "request_blocks": request_blocks,
             "requests_per_s": request_rate,
+            "index_directory": directory,
         },
         "points": [asdict(figures) for figures in results],
     }

@@ -69,7 +69,6 @@ from simulations.synthetic_fleet import (
     FleetShape,
 )
 
-REDIS_PREFIX = "kvp"  # the routers' default index.redis_prefix
 WARM_S = 3.0  # of load before each fault
 FAILOVER_TIMEOUT_S = 60.0
 RESTART_DOWN_S = 3.0
@@ -217,22 +216,22 @@ def _audit(fleet: Connection, point: RunningPoint) -> tuple[Audit, Audit]:
     good."""
     fleet.send(PAUSE)
     time.sleep(SETTLE_S)
-    first = last = _ask(fleet, (AUDIT, point.cluster.live_url(), REDIS_PREFIX))
+    first = last = _ask(fleet, (AUDIT, point.cluster.live_url(), point.layout))
     for _ in range(AUDITS - 1):
         if not last.mismatched_workers:
             break
         time.sleep(AUDIT_RETRY_S)
-        last = _ask(fleet, (AUDIT, point.cluster.live_url(), REDIS_PREFIX))
+        last = _ask(fleet, (AUDIT, point.cluster.live_url(), point.layout))
     fleet.send(RESUME)
     return first, last
 
 
 def _busiest_master(point: RunningPoint, shape: FleetShape) -> ClusterNode:
-    """The master serving the most workers' hashes."""
+    """The master serving the most workers' hashes (their groups' slots)."""
     counts: dict[int, int] = {}
     masters = point.cluster.masters()
     for number in range(shape.workers):
-        slot = key_slot(f"{REDIS_PREFIX}:{{synthetic-{number:05d}}}".encode())
+        slot = key_slot(point.layout.worker(f"synthetic-{number:05d}"))
         for index, master in enumerate(masters):
             if master.serves(slot):
                 counts[index] = counts.get(index, 0) + 1
@@ -353,10 +352,16 @@ def _restart(
 
 
 def measure_faults(
-    workdir: Path, shape: FleetShape, routers: int, *, request_rate: float, window_s: float
+    workdir: Path,
+    shape: FleetShape,
+    routers: int,
+    *,
+    request_rate: float,
+    window_s: float,
+    directory: bool = False,
 ) -> FaultFigures:
     """Both faults at one point; `window_s`: the load's length from each fault on."""
-    with running_point(workdir, routers) as point:
+    with running_point(workdir, routers, directory) as point:
         shape = dataclasses.replace(shape, base_url=point.engine_url)
         with fleet_process(shape, point.grpc_addresses) as fleet:
             await_message(fleet, FILLED, FILL_TIMEOUT_S)
@@ -412,13 +417,19 @@ def run_fault_benchmark(
     routers: Sequence[int],
     request_rate: float,
     window_s: float,
+    directory: bool = False,
 ) -> int:
     results: list[FaultFigures] = []
     for shape, replicas in itertools.product(shapes, routers):
         with tempfile.TemporaryDirectory(prefix="kvplane-bench-faults-") as workdir:
             print(f"{shape.workers} workers, {replicas} routers: faults ...", flush=True)
             figures = measure_faults(
-                Path(workdir), shape, replicas, request_rate=request_rate, window_s=window_s
+                Path(workdir),
+                shape,
+                replicas,
+                request_rate=request_rate,
+                window_s=window_s,
+                directory=directory,
             )
         results.append(figures)
         print(fault_table([figures]), flush=True)
@@ -434,6 +445,7 @@ def run_fault_benchmark(
             "requests_per_s": request_rate,
             "restart_down_s": RESTART_DOWN_S,
             "window_s": window_s,
+            "index_directory": directory,
         },
         "points": [asdict(figures) for figures in results],
     }

@@ -26,6 +26,7 @@ from chaos.stack import (
     process_resources,
 )
 from kvplane.core.keys import BlockKey, KeyNamespace, block_keys
+from router.index.redis import KeyLayout
 from worker_agent.engines.base import metric_samples, total
 
 _KEY_FIELD_BYTES = 8
@@ -62,7 +63,7 @@ async def index_keys(fleet: ChaosStack, worker: Worker) -> set[int]:
     client: aioredis.Redis = aioredis.Redis.from_url(fleet.redis.url)
     try:
         fields: dict[bytes | str, bytes | str] = await client.hgetall(
-            f"{REDIS_PREFIX}:{{{worker.worker_id}}}"
+            KeyLayout(REDIS_PREFIX).worker(worker.worker_id)
         )
     finally:
         await client.aclose()

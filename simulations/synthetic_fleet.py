@@ -57,6 +57,7 @@ from kvplane.core.worker_credentials import worker_token
 from kvplane.wire.codec import events_message, load_message, register_message
 from kvplane.wire.stream import AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
+from router.index.redis import KeyLayout, member_incarnation
 
 BLOCK_SIZE = 16
 TOKEN_IDS = 500  # token ids drawn below this: within the engine simulator's vocabulary
@@ -443,7 +444,7 @@ class FleetReport:
 def run_fleet_process(shape: FleetShape, grpc_addresses: Sequence[str], conn: Connection) -> None:
     """A child process's body: runs the fleet, says FILLED once every cache is full,
     starts timing at STEADY, stops sending batches at PAUSE (until RESUME), answers
-    REPORT with a FleetReport and (AUDIT, Redis URL, prefix) with an Audit, and at STOP
+    REPORT with a FleetReport and (AUDIT, Redis URL, KeyLayout) with an Audit, and at STOP
     sends a FleetReport and returns."""
     asyncio.run(_serve_parent(shape, grpc_addresses, conn))
 
@@ -477,10 +478,11 @@ async def _serve_parent(shape: FleetShape, grpc_addresses: Sequence[str], conn: 
     conn.send(fleet.report())
 
 
-async def audit(fleet: SyntheticFleet, redis_url: str, prefix: str) -> Audit:
-    """Every worker's hash in the index (`prefix`, a Redis Cluster at `redis_url`) against
+async def audit(fleet: SyntheticFleet, redis_url: str, layout: KeyLayout) -> Audit:
+    """Every worker's hash in the index (named by `layout`, a Redis Cluster at `redis_url`) against
     the blocks the worker holds (docs/redis-layout.md: a held block is an 8-byte field,
-    its key little-endian, whose tier mask, the value's first byte, is not 0)."""
+    its key little-endian, whose tier mask, the value's first byte, is not 0; its
+    incarnation is in its group's roster)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while not all(worker.settled() for worker in fleet.workers):
         if time.monotonic() > deadline:
@@ -491,17 +493,17 @@ async def audit(fleet: SyntheticFleet, redis_url: str, prefix: str) -> Audit:
     missing = extra = wrong = mismatched = 0
     try:
         for worker in fleet.workers:
-            name = f"{prefix}:{{{worker.worker_id}}}".encode()
+            name = layout.worker(worker.worker_id)
             stored = cast(dict[bytes, bytes], await client.hgetall(name))
             indexed = {
                 BlockKey(int.from_bytes(field, "little"))
                 for field, value in stored.items()
                 if len(field) == 8 and value[0] != 0
             }
-            lease = stored.get(b"meta.lease", b"")
+            member = cast(bytes | None, await client.hget(layout.roster_of(worker.worker_id), name))
             held = worker.held_keys()
             lost, surplus = len(held - indexed), len(indexed - held)
-            other = lease[9:] != b"%020d" % worker.incarnation
+            other = member is None or member_incarnation(member) != worker.incarnation
             missing, extra, wrong = missing + lost, extra + surplus, wrong + other
             mismatched += bool(lost or surplus or other)
     finally:

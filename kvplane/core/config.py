@@ -40,6 +40,11 @@ class IndexSettings(_Section):
     backend: Literal["memory", "redis", "redis-cluster"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = Field(default="kvp", pattern=r"^[A-Za-z0-9._-]{1,32}$")
+    # The layout (docs/redis-layout.md), the same on every router of a fleet: groups the
+    # workers are placed in, and whether each keeps a directory (cheaper lookups in a
+    # large fleet, for dearer writes and more memory).
+    redis_groups: int = Field(default=16, ge=1, le=256)
+    redis_directory: bool = False
     max_entries: int = Field(default=20_000_000, ge=1)
 
     @field_validator("redis_url")

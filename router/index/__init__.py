@@ -20,6 +20,8 @@ def open_index(settings: IndexSettings, clock: Clock = time.monotonic) -> Locati
         settings.redis_url,
         cluster=settings.backend == "redis-cluster",
         prefix=settings.redis_prefix,
+        groups=settings.redis_groups,
+        directory=settings.redis_directory,
         max_entries=settings.max_entries,
         clock=clock,
     )

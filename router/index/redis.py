@@ -1,10 +1,14 @@
 """The location index in Redis or Redis Cluster: one view shared by every router replica.
 
-Each worker is one hash (its record and its entries) named with its id as the hash
-tag, so every script that writes touches one hash slot; a small registry set lists the
-worker ids. Each write is one EVALSHA (fencing, leases on the server's clock, all-or-
-nothing batches); a lookup is one script call per node, over every worker on that node.
-The layout, the scripts, the eviction policy and the round trips: docs/redis-layout.md.
+Workers are placed in a fixed number of groups by their id. Each worker is one hash
+(its record and its entries); each group has a roster (its members' leases) and, where
+the layout says so, a directory (block -> the members holding it), all under the group's
+hash tag, so every script that writes touches one hash slot; a small registry set lists
+the worker ids. Each write is one EVALSHA (fencing, leases on the server's clock,
+all-or-nothing batches); a lookup is one script call per node, reading each group's
+roster and then its directory once for all its members, or without one each member's
+hash. The layout, the scripts, the eviction policy and the round trips:
+docs/redis-layout.md.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import random
 import struct
 import sys
 import time
+import zlib
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from functools import cache
 from importlib import resources
 from typing import Any, NamedTuple, NoReturn, assert_never
 from urllib.parse import urlsplit
@@ -77,6 +83,13 @@ from router.index.base import (
 )
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GROUPS = 16
+"""Groups the workers are placed in. A lookup reads each group's roster (and directory)
+once; more groups spread a cluster's load more evenly, fewer make lookups in a small
+fleet cheaper. Every router of a fleet must use the same layout (the count and the
+directory are part of the key names: routers that differ share no worker)."""
+MAX_GROUPS = 256
 
 DEFAULT_GRACE_S = 60.0
 """How long a worker's keys outlive its lease: a dead worker stays visible (and fenced)
@@ -174,6 +187,7 @@ _LOOKUP = _Script("lookup", flags="no-writes,allow-cross-slot-keys")
 _STATUS = _Script("status", flags="no-writes")
 _HOLDERS = _Script("holders", flags="no-writes")
 _FLOW = _Script("flow")
+_SWEEP = _Script("sweep")
 _SCRIPTS = (
     _REGISTER,
     _RENEW,
@@ -186,22 +200,84 @@ _SCRIPTS = (
     _STATUS,
     _HOLDERS,
     _FLOW,
+    _SWEEP,
 )
 _FLOW_COUNTERS_KEPT_MS = 24 * 3600 * 1000  # a model's counters, once no router charges them
 
 
+_CLUSTER_SLOTS = 16384
+_GROUP_KEYS = ("roster", "directory", "retiring")  # a group's keys, by suffix (common.lua)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyLayout:
+    """The key names of one index (docs/redis-layout.md, "Keys"): where tools that read
+    Redis directly (audits, tests) find a worker's hash and its group's roster."""
+
+    prefix: str
+    groups: int = DEFAULT_GROUPS
+    directory: bool = False  # groups keep a directory (block -> members holding it)
+
+    def group_of(self, worker_id: str) -> int:
+        return zlib.crc32(worker_id.encode()) % self.groups
+
+    def group_base(self, group: int) -> str:
+        """`<prefix>:{<tag>}`: every key of the group is this and a suffix."""
+        return f"{self.prefix}:{{{_group_tag(group, self.groups, self.directory)}}}"
+
+    def group_keys(self, group: int) -> tuple[bytes, bytes, bytes]:
+        """The group's roster, directory and retiring keys, as its scripts take them."""
+        base = self.group_base(group)
+        roster, directory, retiring = (f"{base}:{name}".encode() for name in _GROUP_KEYS)
+        return roster, directory, retiring
+
+    def worker(self, worker_id: str) -> bytes:
+        """The worker's hash: its record and entries."""
+        return f"{self.group_base(self.group_of(worker_id))}:w:{worker_id}".encode()
+
+    def roster_of(self, worker_id: str) -> bytes:
+        """The roster that holds the worker's member record, under its hash's name."""
+        return self.group_keys(self.group_of(worker_id))[0]
+
+
+@cache
+def _group_tag(group: int, groups: int, directory: bool) -> str:
+    """The group's hash tag: one whose slot lies in the group-th of `groups` equal
+    ranges of a cluster's slots, so that groups spread over the masters as evenly as
+    the slots do. The count and the directory ('d', which the scripts read) are in the
+    tag, so different layouts share no key."""
+    low, high = group * _CLUSTER_SLOTS // groups, (group + 1) * _CLUSTER_SLOTS // groups
+    attempt = 0
+    while True:
+        tag = f"g{group}of{groups}{'d' if directory else ''}.{attempt}"
+        if low <= key_slot(tag.encode()) < high:
+            return tag
+        attempt += 1
+
+
+def member_incarnation(record: bytes) -> int:
+    """The incarnation in a roster's member record (common.lua: '>HdB', then the
+    incarnation as 20 digits)."""
+    return int(record[_MEMBER_HEADER:])
+
+
+_MEMBER_HEADER = struct.calcsize(">HdB")
+
+
 class _WorkerKey(NamedTuple):
-    name: bytes
-    slot: int  # its cluster hash slot
+    name: bytes  # the worker's hash
+    group: int
+    slot: int  # the group's cluster hash slot
+    script_keys: tuple[bytes, bytes, bytes, bytes]  # roster, directory, retiring, worker
 
 
 class _NodeWorkers(NamedTuple):
-    """The known workers whose keys one node holds, as a lookup sends and reads them."""
+    """The known workers whose groups one node holds, as a lookup sends and reads them."""
 
     node: ClusterNode | None  # None: no node in particular (a single server)
-    workers: list[tuple[str, _WorkerKey]]
-    worker_ids: list[str]
-    names: bytes  # their key names, separated by spaces (lookup.lua)
+    groups: list[tuple[int, list[tuple[str, _WorkerKey]]]]  # by group, its workers
+    worker_ids: list[str]  # in the order of the lookup's reply
+    spec: bytes  # per group a line: its base and its workers' key names (lookup.lua)
 
 
 class RedisLocationIndex:
@@ -216,6 +292,8 @@ class RedisLocationIndex:
         client: Client,
         *,
         prefix: str,
+        groups: int = DEFAULT_GROUPS,
+        directory: bool = False,
         max_entries: int | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         exact_key_count_limit: int = EXACT_KEY_COUNT_LIMIT,
@@ -225,12 +303,15 @@ class RedisLocationIndex:
         """`clock` ages this router's copy of the registry; leases run on the server's."""
         if max_entries is not None and max_entries < 1:
             raise ValueError("max_entries must be positive")
-        # No braces (they would move the hash tag), no spaces (lookup.lua splits names
-        # on them).
-        if not prefix or any(character in prefix for character in "{} "):
+        # No braces (they would move the hash tag), no spaces or newlines (lookup.lua
+        # splits its groups and names on them).
+        if not prefix or any(character in prefix for character in "{} \n"):
             raise ValueError(f"invalid key prefix {prefix!r}")
+        if not 1 <= groups <= MAX_GROUPS:
+            raise ValueError(f"groups must be within 1..{MAX_GROUPS}")
         self._client = client
         self._prefix = prefix
+        self._layout = KeyLayout(prefix, groups, directory)
         self._max_entries = max_entries
         self._grace_ms = round(grace_s * 1000)
         self._exact_key_count_limit = exact_key_count_limit
@@ -262,6 +343,8 @@ class RedisLocationIndex:
         *,
         cluster: bool = False,
         prefix: str = "kvp",
+        groups: int = DEFAULT_GROUPS,
+        directory: bool = False,
         max_entries: int | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         clock: Clock = time.monotonic,
@@ -285,6 +368,8 @@ class RedisLocationIndex:
         return cls(
             client,
             prefix=prefix,
+            groups=groups,
+            directory=directory,
             max_entries=max_entries,
             grace_s=grace_s,
             location=_redacted(url),
@@ -298,7 +383,7 @@ class RedisLocationIndex:
         reply, _ = await self._run(
             [
                 _REGISTER.call(
-                    (key.name,),
+                    key.script_keys,
                     _incarnation(info.incarnation),
                     round(lease_s * 1_000_000),
                     self._grace_ms,
@@ -307,6 +392,10 @@ class RedisLocationIndex:
                 self._enlist(info.worker_id, lease_s),
             ]
         )
+        if reply[0] == b"full":
+            raise IndexUnavailable(
+                f"{self._location}: worker {info.worker_id}'s group has no member index left"
+            )
         applied = int(_check(reply, info.worker_id, info.incarnation)[1])
         if info.worker_id not in self._workers:
             self._workers[info.worker_id] = key
@@ -327,7 +416,7 @@ class RedisLocationIndex:
         reply, _ = await self._run(
             [
                 _RENEW.call(
-                    (self._worker_key(worker_id).name,),
+                    self._worker_key(worker_id).script_keys,
                     _incarnation(incarnation),
                     round(lease_s * 1_000_000),
                     self._grace_ms,
@@ -342,7 +431,7 @@ class RedisLocationIndex:
     async def drop_worker(self, worker_id: str, incarnation: int | None = None) -> None:
         expected = "" if incarnation is None else _incarnation(incarnation)
         key = self._worker_key(worker_id)
-        (dropped,) = await self._run([_DROP.call((key.name,), expected)])
+        (dropped,) = await self._run([_DROP.call(key.script_keys, expected)])
         if dropped:
             # A second round trip: the id must stay listed when the drop did not happen.
             await self._run([("SREM", self._registry, worker_id)])
@@ -352,7 +441,12 @@ class RedisLocationIndex:
     async def purge_expired(self, grace_s: float = 0.0) -> list[str]:
         workers = await self._read_registry()
         grace_us = round(grace_s * 1_000_000)
-        outcomes = await self._run([_PURGE.call((key.name,), grace_us) for _, key in workers])
+        purges = [_PURGE.call(key.script_keys, grace_us) for _, key in workers]
+        # Each group's directory is swept of the members that left it, a bounded
+        # amount a call (the drops and purges that retire them sweep too).
+        groups = self._groups_in_use() if self._layout.directory else []
+        sweeps = [_SWEEP.call(self._layout.group_keys(group)) for group in groups]
+        outcomes = (await self._run([*purges, *sweeps]))[: len(purges)]
         purged = [w for (w, _), outcome in zip(workers, outcomes, strict=True) if outcome == 1]
         # -1: an id without a record (its keys expired, or a drop raced a registration).
         unlisted = [w for (w, _), outcome in zip(workers, outcomes, strict=True) if outcome != 0]
@@ -365,7 +459,7 @@ class RedisLocationIndex:
 
     async def workers(self) -> list[WorkerStatus]:
         workers = await self._read_registry()
-        records = await self._run([_STATUS.call((key.name,)) for _, key in workers])
+        records = await self._run([_STATUS.call(key.script_keys) for _, key in workers])
         return [
             _status(worker_id, record)
             for (worker_id, _), record in zip(workers, records, strict=True)
@@ -377,14 +471,19 @@ class RedisLocationIndex:
         return _ENLIST.call((self._registry,), worker_id, ttl_ms)
 
     def _worker_key(self, worker_id: str) -> _WorkerKey:
-        """The hash of the worker's record and entries; the hash tag is its id."""
+        """The hash of the worker's record and entries, and its group's keys."""
         key = self._workers.get(worker_id)
         if key is not None:
             return key
         if not _usable_worker_id(worker_id):
             raise ValueError(f"invalid worker id {worker_id!r}")
-        name = f"{self._prefix}:{{{worker_id}}}".encode()
-        return _WorkerKey(name, key_slot(name))
+        group = self._layout.group_of(worker_id)
+        roster, directory, retiring = self._layout.group_keys(group)
+        name = self._layout.worker(worker_id)
+        return _WorkerKey(name, group, key_slot(roster), (roster, directory, retiring, name))
+
+    def _groups_in_use(self) -> list[int]:
+        return sorted({key.group for key in self._workers.values()})
 
     # -- events ----------------------------------------------------------------------
 
@@ -398,7 +497,7 @@ class RedisLocationIndex:
     ) -> None:
         key = self._worker_key(worker_id)
         command = _APPLY.call(
-            (key.name,),
+            key.script_keys,
             _incarnation(incarnation),
             self._grace_ms,
             _encode_batch(events),
@@ -426,7 +525,7 @@ class RedisLocationIndex:
         limit = cap
         while True:
             ((evicted, left),) = await self._run(
-                [_EVICT.call((key.name,), limit, target, _EVICT_SAMPLE, _EVICT_BUDGET)]
+                [_EVICT.call(key.script_keys, limit, target, _EVICT_SAMPLE, _EVICT_BUDGET)]
             )
             if evicted == 0 or left <= target:
                 return
@@ -442,32 +541,40 @@ class RedisLocationIndex:
         packed_keys = _pack_keys(keys)
         if self._registry_older_than(REGISTRY_MAX_AGE_S):
             await self._read_registry()
-        groups = await self._workers_by_node()
-        commands = [_LOOKUP.call((), packed_keys, group.names) for group in groups]
-        nodes = [group.node for group in groups]
+        by_node = await self._workers_by_node()
+        commands = [_LOOKUP.call((), packed_keys, node.spec) for node in by_node]
+        nodes = [node.node for node in by_node]
         replies = await self._replies_reading_registry(commands, nodes, self._registry_read_due())
         matches: dict[str, PrefixMatch] = {}
-        misrouted: list[tuple[str, _WorkerKey]] = []
-        for group, reply in zip(groups, replies, strict=True):
+        misrouted: list[tuple[int, list[tuple[str, _WorkerKey]]]] = []
+        for node, reply in zip(by_node, replies, strict=True):
             if isinstance(reply, ResponseError) and isinstance(self._client, RedisCluster):
-                # Slots moved since the client last looked: ask per worker, which the
-                # client routes (and follows redirections) by the declared keys, and
-                # group again next time, by the slot map those redirections mended.
-                misrouted += group.workers
+                # Slots moved since the client last looked: ask per group, which the
+                # client routes (and follows redirections) by the declared roster, and
+                # group by node again next time, by the slot map those redirections
+                # mended.
+                misrouted += node.groups
                 self._node_workers = None
                 continue
-            _collect_matches(matches, group.worker_ids, self._raise_failure(reply))
+            _collect_matches(matches, node.worker_ids, self._raise_failure(reply))
         if misrouted:
             replies = await self._run(
-                [_LOOKUP.call((key.name,), packed_keys) for _, key in misrouted]
+                [
+                    _LOOKUP.call(
+                        self._layout.group_keys(group)[:1],
+                        packed_keys,
+                        self._group_spec(group, members),
+                    )
+                    for group, members in misrouted
+                ]
             )
-            for (worker_id, _), reply in zip(misrouted, replies, strict=True):
-                _collect_matches(matches, [worker_id], reply)
+            for (_, members), reply in zip(misrouted, replies, strict=True):
+                _collect_matches(matches, [worker_id for worker_id, _ in members], reply)
         return matches
 
     async def _workers_by_node(self) -> list[_NodeWorkers]:
-        """The known workers grouped by the node that holds their keys (one group, for
-        no node in particular, on a single server)."""
+        """The known workers by group, the groups by the node that holds their keys
+        (one, for no node in particular, on a single server)."""
         slots: dict[int, list[ClusterNode]] | None = None
         if isinstance(self._client, RedisCluster):
             with self._mapped_errors():
@@ -479,30 +586,35 @@ class RedisLocationIndex:
             slots = self._client.nodes_manager.slots_cache
         if self._node_workers is not None and self._node_workers[0] is slots:
             return self._node_workers[1]
-        workers = list(self._workers.items())
-        by_node: dict[str | None, tuple[ClusterNode | None, list[tuple[str, _WorkerKey]]]] = {}
-        for worker in workers:
-            if slots is None:
-                owner = None
-            else:
-                owners = slots.get(worker[1].slot)
+        by_group: dict[int, list[tuple[str, _WorkerKey]]] = {}
+        for worker in sorted(self._workers.items()):
+            by_group.setdefault(worker[1].group, []).append(worker)
+        by_node: dict[str | None, tuple[ClusterNode | None, list[int]]] = {}
+        for group, members in sorted(by_group.items()):
+            owner = None
+            if slots is not None:
+                slot = members[0][1].slot
+                owners = slots.get(slot)
                 if not owners:
-                    raise IndexUnavailable(
-                        f"{self._location}: no node serves hash slot {worker[1].slot}"
-                    )
+                    raise IndexUnavailable(f"{self._location}: no node serves hash slot {slot}")
                 owner = owners[0]
-            by_node.setdefault(owner.name if owner else None, (owner, []))[1].append(worker)
-        groups = [
+            by_node.setdefault(owner.name if owner else None, (owner, []))[1].append(group)
+        nodes = [
             _NodeWorkers(
                 node,
-                members,
-                [worker_id for worker_id, _ in members],
-                b" ".join(key.name for _, key in members),
+                [(group, by_group[group]) for group in groups],
+                [worker_id for group in groups for worker_id, _ in by_group[group]],
+                b"\n".join(self._group_spec(group, by_group[group]) for group in groups),
             )
-            for node, members in by_node.values()
+            for node, groups in by_node.values()
         ]
-        self._node_workers = (slots, groups)
-        return groups
+        self._node_workers = (slots, nodes)
+        return nodes
+
+    def _group_spec(self, group: int, members: list[tuple[str, _WorkerKey]]) -> bytes:
+        """One group as lookup.lua reads it: its base and its workers' key names."""
+        base = self._layout.group_base(group).encode()
+        return b" ".join([base, *(key.name for _, key in members)])
 
     # -- the registry ----------------------------------------------------------------
 
@@ -556,16 +668,20 @@ class RedisLocationIndex:
 
     async def stats(self) -> IndexStats:
         workers = await self._read_registry()
-        commands: list[Command] = [("MEMORY USAGE", self._registry)]
+        group_keys = [
+            name for group in self._groups_in_use() for name in self._layout.group_keys(group)
+        ]
+        commands: list[Command] = [("MEMORY USAGE", name) for name in (self._registry, *group_keys)]
         for _, key in workers:
-            commands += [_STATUS.call((key.name,)), ("MEMORY USAGE", key.name)]
+            commands += [_STATUS.call(key.script_keys), ("MEMORY USAGE", key.name)]
         replies = await self._run(commands)
-        used_bytes = replies[0] or 0
+        head = 1 + len(group_keys)
+        used_bytes = sum(reply or 0 for reply in replies[:head])
         entries = 0
         holding: list[tuple[bytes, int]] = []  # (worker's key, blocks it holds)
         recorded = 0
         for (_, key), record, worker_bytes in zip(
-            workers, replies[1::2], replies[2::2], strict=True
+            workers, replies[head::2], replies[head + 1 :: 2], strict=True
         ):
             used_bytes += worker_bytes or 0
             if record is not None:

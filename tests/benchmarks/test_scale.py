@@ -28,7 +28,9 @@ def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
          "--batches-per-s", "5", "--request-rate", "20", "--json", str(report_path)]
     )  # fmt: skip
     assert status == 0
-    (point,) = json.loads(report_path.read_text())["points"]
+    report = json.loads(report_path.read_text())
+    assert report["shape"]["index_directory"] is False
+    (point,) = report["points"]
     assert (point["workers"], point["routers"]) == (4, 2)
     assert point["failed_workers"] == 0
     assert point["reconnects"] == 0
@@ -53,10 +55,13 @@ def test_bench_scale_faults_lose_nothing_the_agents_hold(tmp_path: Path) -> None
     status = main(
         ["bench", "scale", "--faults", "--workers", "4", "--routers", "2", "--duration", "4",
          "--capacity-blocks", str(CAPACITY), "--request-blocks", str(REQUEST),
-         "--batches-per-s", "5", "--request-rate", "20", "--json", str(report_path)]
+         "--batches-per-s", "5", "--request-rate", "20", "--directory",
+         "--json", str(report_path)]
     )  # fmt: skip
     assert status == 0
-    (point,) = json.loads(report_path.read_text())["points"]
+    report = json.loads(report_path.read_text())
+    assert report["shape"]["index_directory"] is True  # the layout whose groups keep one
+    (point,) = report["points"]
     clean = {"settled": True, "workers": 4, "missing": 0, "extra": 0, "wrong_incarnation": 0,
              "mismatched_workers": 0}  # fmt: skip
     failover, restart = point["failover"], point["restart"]

@@ -1,6 +1,7 @@
 -- apply: one event batch of one worker, in order, all of it or none.
--- KEYS: the worker. ARGV: incarnation (20 digits), grace in milliseconds, the batch,
--- the batch's sequence ('': none, nothing recorded or checked).
+-- KEYS: the worker's group's roster, directory and retiring keys, then the worker.
+-- ARGV: incarnation (20 digits), grace in milliseconds, the batch, the batch's sequence
+-- ('': none, nothing recorded or checked).
 -- The batch is the events back to back, each a 9-byte header '<BBHI4B' (operation,
 -- tier, depth of its first key, key count, parent kind), then for a stored run whose
 -- parent kind is PARENT_KEY the parent's 8-byte key, then the 8-byte keys.
@@ -12,17 +13,17 @@
 local STORE, REMOVE, CLEAR = 1, 2, 3
 local FIRST_BLOCK, PARENT_KEY = 0, 1 -- parent kinds; any other: parent unknown
 
-local worker = KEYS[1]
+local worker = WORKER
 local now = now_us()
 local sequence = ARGV[4]
-local refusal, deadline = fence(worker, ARGV[1], now)
+local refusal, index, deadline = fence(worker, ARGV[1], now)
 if not refusal and sequence ~= '' then
   refusal = check_applied(worker, integer_string(tonumber(sequence) - 1))
 end
 if refusal then
   return refusal
 end
-open_entries(worker)
+open_entries(worker, index)
 
 local batch = ARGV[3]
 local position, size = 1, #batch
@@ -62,6 +63,7 @@ end
 load_entries(named)
 load_parents(named)
 
+local cleared = false
 -- Apply the events in order. The loads below find what the bulk loads above did not
 -- foresee (blocks stored earlier in the batch under another parent; everything after a
 -- clear): usually nothing, at no cost.
@@ -69,6 +71,7 @@ for _, event in ipairs(events) do
   local fields, tier_bit = event.fields, event.tier_bit
   if event.operation == CLEAR then
     clear_entries()
+    cleared = true
   elseif event.operation == STORE then
     -- The run is a chain: each key's parent is the key before it.
     local parent = event.parent
@@ -95,5 +98,8 @@ if sequence ~= '' then
   redis.call('HSET', worker, APPLIED, sequence)
 end
 -- After a clear too: that recreated the hash without a TTL.
-expire_worker(worker, deadline, now, tonumber(ARGV[2]))
+expire_member(worker, deadline, now, tonumber(ARGV[2]))
+if cleared then
+  sweep_retired(SWEEP_BUDGET) -- the entries the clear retired, as far as it goes
+end
 return {'ok', counters.entries}

@@ -13,19 +13,22 @@ local UNKNOWN_PARENT = 'unknown-parent' -- not 8 bytes: never held, so never ado
 local FASTEST_TIER = {1, 2, 1, 3, 1, 2, 1, 4, 1, 2, 1, 3, 1, 2, 1} -- lowest bit, by mask
 local HELD_TIERS = {[0] = 0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4} -- bits, by mask
 local MAX_DEPTH = 65535
-local CALL_CHUNK = 1024 -- fields per HMGET/HSET/HDEL: bounded by Lua's unpack() limit
 -- The value's format by the parent's length ('c' packs the parent whole: far cheaper
 -- than concatenating it).
 local VALUE_FORMAT = {[0] = '>BHI4', [8] = '>BHI4c8',
   [#UNKNOWN_PARENT] = '>BHI4c' .. #UNKNOWN_PARENT}
 
 local worker_key
+local member_index -- the worker's bit in its group's directory
 local entry_cache = {} -- field -> {mask, depth, children, parent}, or false: absent
 local dirty = {} -- field -> true for entries to write back
+local flipped = {} -- field -> true for blocks that became held or stopped being held:
+-- their bit in the directory is written back with them
 local counters -- the worker's counters (ENTRIES, ORPHANS, FASTEST), as read and to write
 
-local function open_entries(worker)
+local function open_entries(worker, index)
   worker_key = worker
+  member_index = index
   local stored = redis.call('HMGET', worker, ENTRIES, ORPHANS, unpack(FASTEST))
   counters = {
     entries = tonumber(stored[1]),
@@ -95,6 +98,9 @@ local function set_mask(field, entry, mask, depth, parent)
   end
   entry.mask = mask
   dirty[field] = true
+  if (old == 0) ~= (mask == 0) then
+    flipped[field] = true
+  end
   if old == 0 then
     -- Now held: its held children stop being orphans, and it is a child of its parent.
     counters.orphans = counters.orphans - entry.children
@@ -121,6 +127,7 @@ local function store_entry(field, tier_bit, depth, parent)
     entry_cache[field] = {mask = tier_bit, depth = math.min(depth, MAX_DEPTH), children = 0,
       parent = parent}
     dirty[field] = true
+    flipped[field] = true
     counters.entries = counters.entries + 1
     local fastest = FASTEST_TIER[tier_bit]
     counters.fastest[fastest] = counters.fastest[fastest] + 1
@@ -166,17 +173,29 @@ local function flush_entries()
   call_chunked('HSET', writes, 2)
   call_chunked('HDEL', removals, 1)
   dirty = {}
+  local blocks, holding = {}, {}
+  for field in pairs(flipped) do
+    blocks[#blocks + 1] = field
+    holding[#holding + 1] = entry_cache[field].mask ~= 0
+  end
+  update_directory(blocks, holding, member_index)
+  flipped = {}
 end
 
--- Forget every entry, keeping the worker's record.
+-- Forget every entry, keeping the worker's record: the entries retire with the
+-- member's index (their bits are swept later), and the worker takes a free one.
 local function clear_entries()
-  local record = redis.call('HMGET', worker_key, LEASE, DRAINING, INFO, APPLIED)
-  redis.call('DEL', worker_key)
-  redis.call('HSET', worker_key, LEASE, record[1], DRAINING, record[2], INFO, record[3])
-  if record[4] then
-    redis.call('HSET', worker_key, APPLIED, record[4])
+  local record = redis.call('HMGET', worker_key, DRAINING, INFO, APPLIED)
+  local _, deadline, search_tier, incarnation = read_member(worker_key)
+  local index = free_index()
+  retire(worker_key, member_index)
+  member_index = index
+  redis.call('HSET', ROSTER, worker_key, encode_member(index, deadline, search_tier, incarnation))
+  redis.call('HSET', worker_key, DRAINING, record[1], INFO, record[2])
+  if record[3] then
+    redis.call('HSET', worker_key, APPLIED, record[3])
   end
-  entry_cache, dirty = {}, {}
+  entry_cache, dirty, flipped = {}, {}, {}
   counters = {entries = 0, orphans = 0, fastest = {0, 0, 0, 0}}
 end
 
@@ -195,12 +214,14 @@ local function search_tier()
   return counters.orphans == 0 and only or 0
 end
 
--- Write the entries and counters back, and the search tier into the lease field.
+-- Write the entries and counters back, and the search tier into the member record.
 local function close_entries()
   flush_entries()
-  local deadline, _, incarnation = decode_lease(redis.call('HGET', worker_key, LEASE))
+  local _, deadline, _, incarnation = read_member(worker_key)
+  redis.call('HSET', ROSTER, worker_key,
+    encode_member(member_index, deadline, search_tier(), incarnation))
   local fastest = counters.fastest
-  redis.call('HSET', worker_key, LEASE, encode_lease(deadline, search_tier(), incarnation),
+  redis.call('HSET', worker_key,
     ENTRIES, integer_string(counters.entries), ORPHANS, integer_string(counters.orphans),
     FASTEST[1], integer_string(fastest[1]), FASTEST[2], integer_string(fastest[2]),
     FASTEST[3], integer_string(fastest[3]), FASTEST[4], integer_string(fastest[4]))

@@ -1,6 +1,6 @@
 -- evict: bring a worker that holds more entries than its share of max_entries back
 -- under it, taking the deepest blocks of random samples.
--- KEYS: the worker. ARGV: limit (evict only above it), target (evict down to it),
+-- KEYS: the worker's group's roster, directory and retiring keys, then the worker. ARGV: limit (evict only above it), target (evict down to it),
 -- sample size, budget (most entries to evict in this call, so one call never blocks
 -- the server for long; the caller calls again while the worker is above the target).
 -- Returns {entries evicted, entries left}.
@@ -11,14 +11,15 @@
 local EVICTED_SHARE = 8 -- evict the first 1/8 of each sample: the smaller the share,
 -- the closer to "deepest first" (and the more samples drawn per block evicted)
 local MAX_ROUNDS = 1000 -- a sample may hold no block, only placeholders: do not spin
-local worker = KEYS[1]
+local worker = WORKER
 local limit, target = tonumber(ARGV[1]), tonumber(ARGV[2])
 local sample_size, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
 
-if not redis.call('HGET', worker, LEASE) then
+local index = read_member(worker)
+if not index then
   return {0, 0} -- dropped or purged since the apply that asked for room
 end
-open_entries(worker)
+open_entries(worker, index)
 if counters.entries <= limit then
   return {0, counters.entries}
 end

@@ -19,6 +19,7 @@ from kvplane.wire.stream import AgentStream
 from kvplane.wire.v1 import control_plane_pb2 as pb
 from router.app import running_router
 from router.index.base import WorkerState
+from router.index.redis import KeyLayout
 from tests.clock import ManualClock
 from tests.router.conftest import (
     body,
@@ -168,7 +169,8 @@ async def test_writes_the_index_lost_make_the_worker_resync(redis_index: IndexSe
         await stream.request(events_message(2, [stored(KEYS_B)]))
         client = aioredis.Redis.from_url(redis_index.redis_url)
         try:  # what the promoted replica holds: batch 1 recorded, batch 2 never seen
-            await client.hset(f"{redis_index.redis_prefix}:{{w1}}", "meta.applied", "1")
+            layout = KeyLayout(redis_index.redis_prefix)
+            await client.hset(layout.worker("w1"), "meta.applied", "1")  # type: ignore[misc]
         finally:
             await client.aclose()
 

@@ -1,13 +1,15 @@
 """`make_index`: one fixture that builds every LocationIndex backend, so each test in
-this folder runs against the in-memory index, Redis and Redis Cluster alike, and the
-in-memory index wrapped as the router wraps its index (metrics and spans), which must
-keep the contract too; and `pass_time`, which lets their leases run."""
+this folder runs against the in-memory index, Redis and Redis Cluster alike (each in
+both layouts: with and without group directories), and the in-memory index wrapped as
+the router wraps its index (metrics and spans), which must keep the contract too; and
+`pass_time`, which lets their leases run."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -23,7 +25,34 @@ from tests.clock import ManualClock
 IndexFactory = Callable[..., Awaitable[LocationIndex]]
 PassTime = Callable[[float], Awaitable[None]]
 
-BACKENDS = ["memory", "instrumented-memory", "redis", "redis-cluster"]
+BACKENDS = [
+    "memory",
+    "instrumented-memory",
+    "redis",
+    "redis-cluster",
+    "redis-directory",
+    "redis-cluster-directory",
+]
+
+
+def redis_url_for(backend: str, request: pytest.FixtureRequest) -> str | None:
+    """The Redis a backend name stands for (None: not a Redis one)."""
+    if not backend.startswith("redis"):
+        return None
+    cluster = backend.startswith("redis-cluster")
+    return str(request.getfixturevalue("redis_cluster_url" if cluster else "redis_url"))
+
+
+def open_redis_index(backend: str, url: str, prefix: str, **options: Any) -> LocationIndex:
+    from router.index.redis import RedisLocationIndex
+
+    return RedisLocationIndex.from_url(
+        url,
+        cluster=backend.startswith("redis-cluster"),
+        directory=backend.endswith("directory"),
+        prefix=prefix,
+        **options,
+    )
 
 
 @pytest.fixture(params=BACKENDS)
@@ -57,11 +86,7 @@ async def make_index(
 ) -> AsyncIterator[IndexFactory]:
     created: list[LocationIndex] = []
     prefix = f"kvptest-{uuid.uuid4().hex[:10]}"
-    url = None
-    if backend == "redis":
-        url = request.getfixturevalue("redis_url")
-    elif backend == "redis-cluster":
-        url = request.getfixturevalue("redis_cluster_url")
+    url = redis_url_for(backend, request)
 
     async def factory(*, max_entries: int | None = None) -> LocationIndex:
         index: LocationIndex
@@ -71,15 +96,8 @@ async def make_index(
             memory = MemoryLocationIndex(max_entries=max_entries, clock=clock)
             index = InstrumentedIndex(memory, RouterMetrics(), trace.NoOpTracer())
         else:
-            from router.index.redis import RedisLocationIndex
-
             assert url is not None
-            index = RedisLocationIndex.from_url(
-                url,
-                cluster=backend == "redis-cluster",
-                prefix=prefix,
-                max_entries=max_entries,
-            )
+            index = open_redis_index(backend, url, prefix, max_entries=max_entries)
         created.append(index)
         return index
 
@@ -87,7 +105,7 @@ async def make_index(
     for index in created:
         await index.close()
     if url is not None:
-        await delete_prefix(url, backend == "redis-cluster", prefix)
+        await delete_prefix(url, backend.startswith("redis-cluster"), prefix)
 
 
 async def delete_prefix(url: str, cluster: bool, prefix: str) -> None:

@@ -24,6 +24,7 @@ from kvplane.core.types import (
 )
 from router.index.base import LocationIndex, StaleIncarnation, UnknownWorker
 from router.index.memory import MemoryLocationIndex
+from tests.router.index.conftest import delete_prefix, open_redis_index, redis_url_for
 
 T = TypeVar("T")
 WORKERS = ["w0", "w1", "w2"]
@@ -218,36 +219,26 @@ def _machine_for(backend: str, url: str | None) -> type[IndexModel]:
         async def open_index(self) -> LocationIndex:
             if backend == "memory":
                 return MemoryLocationIndex()
-            from router.index.redis import RedisLocationIndex
-
             assert url is not None
             # A fresh prefix per run keeps hypothesis' examples from seeing each other.
             self.run_prefix = f"{self.prefix}-{uuid.uuid4().hex[:6]}"
-            return RedisLocationIndex.from_url(
-                url, cluster=backend == "redis-cluster", prefix=self.run_prefix
-            )
+            return open_redis_index(backend, url, self.run_prefix)
 
         async def close_backend(self) -> None:
             if backend != "memory":
-                from tests.router.index.conftest import delete_prefix
-
                 assert url is not None
-                await delete_prefix(url, backend == "redis-cluster", self.run_prefix)
+                await delete_prefix(url, backend.startswith("redis-cluster"), self.run_prefix)
 
     return Machine
 
 
-EXAMPLES = {"memory": 600, "redis": 40, "redis-cluster": 20}
+EXAMPLES = {"memory": 600, "redis": 40, "redis-cluster": 20, "redis-directory": 40}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(EXAMPLES))
 def test_index_matches_model(backend: str, request: pytest.FixtureRequest) -> None:
-    url = None
-    if backend == "redis":
-        url = request.getfixturevalue("redis_url")
-    elif backend == "redis-cluster":
-        url = request.getfixturevalue("redis_cluster_url")
+    url = redis_url_for(backend, request)
     machine = _machine_for(backend, url)
     machine.TestCase.settings = settings(
         max_examples=EXAMPLES[backend],

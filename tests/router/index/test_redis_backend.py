@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import redis.asyncio as aioredis
@@ -23,6 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
+from kvplane.core.config import IndexSettings
 from kvplane.core.serving import free_port
 from kvplane.core.types import (
     AllBlocksCleared,
@@ -32,6 +33,7 @@ from kvplane.core.types import (
     Tier,
     WorkerInfo,
 )
+from router.index import open_index
 from router.index.base import (
     IndexUnavailable,
     LocationIndex,
@@ -40,10 +42,15 @@ from router.index.base import (
     UnknownWorker,
 )
 from router.index.memory import MemoryLocationIndex
-from router.index.redis import REGISTRY_MAX_AGE_S, ROUND_TRIP_TIMEOUT_S, RedisLocationIndex
+from router.index.redis import (
+    REGISTRY_MAX_AGE_S,
+    ROUND_TRIP_TIMEOUT_S,
+    KeyLayout,
+    RedisLocationIndex,
+)
 from tests.clock import ManualClock
 from tests.redis_servers import stoppable_redis
-from tests.router.index.conftest import delete_prefix
+from tests.router.index.conftest import delete_prefix, redis_url_for
 
 LEASE = 30.0
 UNKNOWN_PARENT = b"unknown-parent"  # entries.lua's placeholder for runs without a parent
@@ -67,18 +74,25 @@ def run(keys: list[int], start: int = 0, tier: Tier = Tier.DEVICE) -> BlocksStor
 class Redises:
     """Indexes over one Redis (or cluster) and one key prefix, closed and wiped after."""
 
-    def __init__(self, url: str, cluster: bool) -> None:
+    def __init__(self, url: str, cluster: bool, directory: bool = False) -> None:
         self.url = url
         self.cluster = cluster
         self.prefix = f"kvptest-{uuid.uuid4().hex[:10]}"
+        self.layout = KeyLayout(self.prefix, directory=directory)
         self.opened: list[RedisLocationIndex] = []
         self.admin: aioredis.Redis | RedisCluster = (
             RedisCluster.from_url(url) if cluster else aioredis.Redis.from_url(url)
         )
 
     def index(self, **options: Any) -> RedisLocationIndex:
+        if "groups" in options:  # every index of a test shares one layout
+            self.layout = KeyLayout(self.prefix, options["groups"], self.layout.directory)
         opened = RedisLocationIndex.from_url(
-            self.url, cluster=self.cluster, prefix=self.prefix, **options
+            self.url,
+            cluster=self.cluster,
+            prefix=self.prefix,
+            directory=self.layout.directory,
+            **options,
         )
         self.opened.append(opened)
         return opened
@@ -87,15 +101,58 @@ class Redises:
         client = (
             RedisCluster.from_url(self.url) if self.cluster else aioredis.Redis.from_url(self.url)
         )
-        opened = RedisLocationIndex(client, prefix=self.prefix, **options)
+        opened = RedisLocationIndex(
+            client, prefix=self.prefix, directory=self.layout.directory, **options
+        )
         self.opened.append(opened)
         return opened
 
     def worker_key(self, worker_id: str) -> str:
-        return f"{self.prefix}:{{{worker_id}}}"
+        return self.layout.worker(worker_id).decode()
 
     async def worker_hash(self, worker_id: str) -> dict[bytes, bytes]:
-        content = await self.admin.hgetall(self.worker_key(worker_id))
+        return await self._hash(self.layout.worker(worker_id))
+
+    async def member(self, worker_id: str) -> Member:
+        """The worker's member record in its group's roster."""
+        roster = self.layout.roster_of(worker_id)
+        record = await self.admin.hget(roster, self.layout.worker(worker_id))  # type: ignore[misc]
+        assert record is not None, f"{worker_id} is not in its group's roster"
+        return decode_member(_as_bytes(record))
+
+    async def check_directories(self) -> None:
+        """Every group's directory holds exactly its members' held blocks, once the
+        retired ones are swept: a block's bit set is the members holding it."""
+        for group in range(self.layout.groups):
+            roster_key, directory_key, retiring_key = self.layout.group_keys(group)
+            assert await self.admin.exists(retiring_key) == 0, "retired members not swept"
+            if not self.layout.directory:
+                assert await self.admin.exists(directory_key) == 0
+                continue
+            roster = await self._hash(roster_key)
+            expected: dict[bytes, int] = {}
+            for name, record in roster.items():
+                bit = 1 << decode_member(record).index
+                for field, value in (await self._hash(name)).items():
+                    if len(field) == 8 and value[0]:  # held, not a placeholder
+                        expected[field] = expected.get(field, 0) | bit
+            directory = {
+                field: int.from_bytes(bits, "little")
+                for field, bits in (await self._hash(directory_key)).items()
+            }
+            assert directory == expected, f"group {group}"
+
+    async def keys(self) -> list[bytes]:
+        """Every key under the prefix, on every node."""
+        pattern = f"{self.prefix}:*"
+        if isinstance(self.admin, RedisCluster):
+            found = await self.admin.keys(pattern, target_nodes=RedisCluster.PRIMARIES)
+        else:
+            found = await self.admin.keys(pattern)
+        return sorted(found)
+
+    async def _hash(self, key: bytes) -> dict[bytes, bytes]:
+        content = await self.admin.hgetall(key)  # type: ignore[misc]
         return {_as_bytes(field): _as_bytes(value) for field, value in content.items()}
 
     async def close(self) -> None:
@@ -111,13 +168,30 @@ def _as_bytes(value: bytes | str) -> bytes:
     return value
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
+@pytest.fixture(params=["redis", "redis-cluster", "redis-directory", "redis-cluster-directory"])
 async def redises(request: pytest.FixtureRequest) -> AsyncIterator[Redises]:
-    cluster = request.param == "redis-cluster"
-    url = request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
-    target = Redises(url, cluster)
-    yield target
-    await target.close()
+    """A Redis or a cluster, in each layout (with and without group directories)."""
+    async with _redises(request) as target:
+        yield target
+
+
+@pytest.fixture(params=["redis-directory", "redis-cluster-directory"])
+async def directory_redises(request: pytest.FixtureRequest) -> AsyncIterator[Redises]:
+    """As `redises`, in the layout with group directories only."""
+    async with _redises(request) as target:
+        yield target
+
+
+@contextlib.asynccontextmanager
+async def _redises(request: pytest.FixtureRequest) -> AsyncIterator[Redises]:
+    backend = str(request.param)
+    url = redis_url_for(backend, request)
+    assert url is not None
+    target = Redises(url, backend.startswith("redis-cluster"), backend.endswith("directory"))
+    try:
+        yield target
+    finally:
+        await target.close()
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])
@@ -144,12 +218,19 @@ async def cluster(redis_cluster_url: str) -> AsyncIterator[Redises]:
 # -- the worker's record, entries and counters, read back raw -----------------------
 
 
-def decode_lease(value: bytes) -> tuple[float, int, int]:
-    deadline, search_tier = struct.unpack(">dB", value[:9])
-    return deadline, search_tier, int(value[9:])
+class Member(NamedTuple):
+    index: int
+    deadline: float
+    search_tier: int
+    incarnation: int
 
 
-def check_bookkeeping(content: dict[bytes, bytes]) -> None:
+def decode_member(value: bytes) -> Member:
+    index, deadline, search_tier = struct.unpack(">HdB", value[:11])
+    return Member(index, deadline, search_tier, int(value[11:]))
+
+
+def check_bookkeeping(content: dict[bytes, bytes], member: Member) -> None:
     """Recompute every counter of entries.lua from the entries themselves."""
     entries = {f: v for f, v in content.items() if len(f) == 8 or f == UNKNOWN_PARENT}
     decoded = {f: (*struct.unpack(">BHI", v[:7]), v[7:]) for f, v in entries.items()}
@@ -174,7 +255,7 @@ def check_bookkeeping(content: dict[bytes, bytes]) -> None:
     assert [int(content[f"meta.tier{t}".encode()]) for t in range(1, 5)] == fastest
     searchable = orphans == 0 and sum(1 for count in fastest if count) == 1
     expected_tier = fastest.index(max(fastest)) + 1 if searchable else 0
-    assert decode_lease(content[b"meta.lease"])[1] == expected_tier
+    assert member.search_tier == expected_tier
 
 
 def held_prefix(content: dict[bytes, bytes], keys: list[int]) -> int:
@@ -198,7 +279,7 @@ async def test_a_worker_is_one_hash_with_a_ttl_beyond_its_lease(redises: Redises
     content = await redises.worker_hash("a")
     blocks = {field for field in content if len(field) == 8}
     assert blocks == {struct.pack("<Q", key) for key in keys}
-    assert decode_lease(content[b"meta.lease"])[1:] == (Tier.DEVICE, 1)
+    assert (await redises.member("a"))[2:] == (Tier.DEVICE, 1)
     ttl_ms = await redises.admin.pttl(redises.worker_key("a"))
     assert 60_000 < ttl_ms <= 65_000
     assert await redises.admin.smembers(f"{redises.prefix}:workers") == {b"a"}
@@ -206,6 +287,39 @@ async def test_a_worker_is_one_hash_with_a_ttl_beyond_its_lease(redises: Redises
 
     await index.renew("a", 1, 20)
     assert 75_000 < await redises.admin.pttl(redises.worker_key("a")) <= 80_000
+
+
+async def test_the_layout_comes_from_the_settings_and_layouts_never_mix(
+    redis_url: str,
+) -> None:
+    prefix = f"kvptest-{uuid.uuid4().hex[:10]}"
+    settings = IndexSettings(
+        backend="redis",
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        redis_groups=4,
+        redis_directory=True,
+    )
+    index = open_index(settings)
+    other = RedisLocationIndex.from_url(redis_url, prefix=prefix, groups=4)  # no directories
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        prompt = chain(3, 5)
+        await index.register(info("a"), LEASE)
+        await index.apply("a", 1, [run(prompt)])
+
+        layout = KeyLayout(prefix, 4, directory=True)
+        roster, directory, _ = layout.group_keys(layout.group_of("a"))
+        assert await admin.exists(layout.worker("a"), roster, directory) == 3
+        assert (await index.lookup(prompt))["a"].blocks == 5
+        # A router of another layout lists the worker (one registry) but finds none of
+        # its keys: it scores nothing rather than reading a layout it does not write.
+        assert await other.lookup(prompt) == {}
+    finally:
+        await index.close()
+        await other.close()
+        await admin.aclose()
+        await delete_prefix(redis_url, False, prefix)
 
 
 async def test_every_key_expires_when_no_router_purges(redises: Redises) -> None:
@@ -217,6 +331,7 @@ async def test_every_key_expires_when_no_router_purges(redises: Redises) -> None
 
     assert await redises.admin.exists(redises.worker_key("a")) == 0
     assert await redises.admin.exists(f"{redises.prefix}:workers") == 0
+    assert await redises.keys() == []
     assert await index.workers() == []
     assert await index.purge_expired() == []
 
@@ -542,30 +657,91 @@ async def _move_slot(cluster: Redises, slot: int) -> None:
 # -- lookups against the reference ---------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_lookups_and_bookkeeping_match_the_memory_index(redises: Redises, seed: int) -> None:
-    """Random runs, removals, gaps, orphans adopted later, tiers and clears: every
-    lookup (searched or walked) and every count equal the reference's."""
+@pytest.mark.parametrize(("seed", "groups"), [(1, 1), (2, 1), (3, 16)])
+async def test_lookups_and_bookkeeping_match_the_memory_index(
+    redises: Redises, seed: int, groups: int
+) -> None:
+    """Random runs, removals, gaps, orphans adopted later, tiers, clears and restarts:
+    every lookup (searched or walked) and every count equal the reference's, and the
+    directories hold exactly what the workers do (one group: every worker shares it)."""
     rng = random.Random(seed)
-    index, reference = redises.index(), MemoryLocationIndex()
+    index, reference = redises.index(groups=groups), MemoryLocationIndex()
     workers = ["a", "b", "c", "d"]
+    incarnations = dict.fromkeys(workers, 1)
     chains = [chain(100 * seed + n, 40) for n in range(3)]
     for worker in workers:
         for backend in (index, reference):
             await backend.register(info(worker), LEASE)
     for _ in range(40):
         worker = rng.choice(workers)
+        if rng.random() < 0.1:  # a restart: the old incarnation's entries retire
+            incarnations[worker] += 1
+            for backend in (index, reference):
+                await backend.register(info(worker, incarnations[worker]), LEASE)
         batch = [_random_event(rng, chains) for _ in range(rng.randint(1, 3))]
         for backend in (index, reference):
-            await backend.apply(worker, 1, batch)
+            await backend.apply(worker, incarnations[worker], batch)
         await _assert_same_lookups(rng, chains, index, reference)
-        check_bookkeeping(await redises.worker_hash(worker))
+        check_bookkeeping(await redises.worker_hash(worker), await redises.member(worker))
+        await redises.check_directories()
     stats, expected = await index.stats(), await reference.stats()
     assert (stats.keys, stats.entries, stats.workers) == (
         expected.keys,
         expected.entries,
         expected.workers,
     )
+
+
+async def test_a_dropped_workers_index_is_reused_only_once_swept(
+    directory_redises: Redises,
+) -> None:
+    redises = directory_redises
+    # One group, so that the workers share a directory; a cache larger than one sweep
+    # (SWEEP_BUDGET in common.lua), so that the drop leaves bits to sweep later.
+    index = redises.index(groups=1)
+    cached, other = chain(60, 3000), chain(61, 4)
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [run(cached)])
+    await index.register(info("b"), LEASE)
+    await index.apply("b", 1, [run(other)])
+
+    await index.drop_worker("a")
+    _, _, retiring = redises.layout.group_keys(0)
+    assert await redises.admin.hkeys(retiring) == [b"0"]  # type: ignore[misc]
+    # While a's bits are being swept its index is not given out again.
+    await index.register(info("c"), LEASE)
+    await index.apply("c", 1, [run(cached[:3])])
+    assert (await redises.member("c")).index == 2
+    assert {w: m.blocks for w, m in (await index.lookup(cached)).items()} == {"c": 3}
+
+    for _ in range(5):
+        await index.purge_expired()  # sweeps as it purges
+    await redises.check_directories()
+    await index.register(info("d"), LEASE)
+    assert (await redises.member("d")).index == 0
+    await index.apply("d", 1, [run(cached[:7])])
+    assert {w: m.blocks for w, m in (await index.lookup(cached)).items()} == {"c": 3, "d": 7}
+
+
+async def test_bits_of_a_retired_cache_that_expired_are_found_in_the_directory(
+    directory_redises: Redises,
+) -> None:
+    redises = directory_redises
+    index = redises.index(groups=1)
+    cached = chain(62, 3000)
+    for worker in ("a", "b"):
+        await index.register(info(worker), LEASE)
+        await index.apply(worker, 1, [run(cached)])
+    await index.drop_worker("a")
+    # What a retired cache's expiry leaves: its bits, and nothing that names them.
+    await redises.admin.delete(f"{redises.layout.group_base(0)}:retired:0")
+
+    for _ in range(30):
+        await index.purge_expired()
+    await redises.check_directories()
+    await index.register(info("c"), LEASE)
+    assert (await redises.member("c")).index == 0
+    assert {w: m.blocks for w, m in (await index.lookup(cached)).items()} == {"b": 3000}
 
 
 def _random_event(rng: random.Random, chains: list[list[int]]) -> KvEvent:
@@ -636,7 +812,7 @@ async def test_eviction_keeps_heads_and_exact_lookups(redises: Redises) -> None:
         await index.apply("a", 1, [run(prompt)])
 
     content = await redises.worker_hash("a")
-    check_bookkeeping(content)
+    check_bookkeeping(content, await redises.member("a"))
     assert int(content[b"meta.entries"]) <= 300
     for prompt in prompts:
         prefix = held_prefix(content, prompt)

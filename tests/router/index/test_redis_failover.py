@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from router.index.base import IndexUnavailable, SequenceMismatch
-from router.index.redis import RedisLocationIndex
+from router.index.redis import KeyLayout, RedisLocationIndex
 from simulations.redis_servers import ClusterNode, redis_cluster
 from tests.router.index.test_conformance import chain, info, stored
 
@@ -57,7 +57,7 @@ async def test_a_failover_that_lost_writes_makes_the_worker_resync(tmp_path: Pat
             prompt = chain(70, 8)
             await index.register(info("w"), 60.0)
             await index.apply("w", 1, [stored(prompt[:4])], sequence=1)
-            master = cluster.master_of(f"{PREFIX}:{{w}}".encode())
+            master = cluster.master_of(KeyLayout(PREFIX).worker("w"))
             (replica,) = cluster.replicas_of(master)
             assert _replicated(master)
 

@@ -392,10 +392,6 @@ class RedisLocationIndex:
                 self._enlist(info.worker_id, lease_s),
             ]
         )
-        if reply[0] == b"full":
-            raise IndexUnavailable(
-                f"{self._location}: worker {info.worker_id}'s group has no member index left"
-            )
         applied = int(_check(reply, info.worker_id, info.incarnation)[1])
         if info.worker_id not in self._workers:
             self._workers[info.worker_id] = key
@@ -1021,14 +1017,16 @@ def _check(
     if outcome == b"sequence":
         assert expected is not None  # the scripts check only a sequence they were given
         raise SequenceMismatch(worker_id, expected, int(reply[1]))
+    if outcome == b"full":  # 65,536 members in one group: more groups are needed
+        raise IndexUnavailable(f"the group of worker {worker_id} has no member index left")
     return reply
 
 
 def _usable_worker_id(worker_id: str) -> bool:
     """Ids are validated upstream (kvplane/wire/codec.py); here only what would break
-    the layout is refused: a brace moves the hash tag, lookup.lua splits names on
-    spaces."""
-    return bool(worker_id) and not any(character in worker_id for character in "{} ")
+    the layout is refused: a brace moves the hash tag, lookup.lua splits its groups on
+    newlines and names on spaces."""
+    return bool(worker_id) and not any(character in worker_id for character in "{} \n")
 
 
 def _is_block(field: bytes) -> bool:

@@ -5,11 +5,12 @@
 -- The batch is the events back to back, each a 9-byte header '<BBHI4B' (operation,
 -- tier, depth of its first key, key count, parent kind), then for a stored run whose
 -- parent kind is PARENT_KEY the parent's 8-byte key, then the 8-byte keys.
--- Returns {'ok', entries of the worker afterwards}, {'stale', current}, {'unknown'} or
--- {'sequence', recorded} (the recorded sequence is not the one before this batch's).
--- Atomicity: the fence and the sequence check are the only refusals, and both run
--- before the first write; the writes after them cannot fail (the script carries no
--- allow-oom flag, so an out-of-memory server refuses it before it starts).
+-- Returns {'ok', entries of the worker afterwards}, {'stale', current}, {'unknown'},
+-- {'sequence', recorded} (the recorded sequence is not the one before this batch's) or
+-- {'full'} (a clear needs a member index, and the group has none left).
+-- Atomicity: the fence, the sequence check and the spare index are the only refusals,
+-- and all run before the first write; the writes after them cannot fail (the script
+-- carries no allow-oom flag, so an out-of-memory server refuses it before it starts).
 local STORE, REMOVE, CLEAR = 1, 2, 3
 local FIRST_BLOCK, PARENT_KEY = 0, 1 -- parent kinds; any other: parent unknown
 
@@ -63,6 +64,18 @@ end
 load_entries(named)
 load_parents(named)
 
+-- A clear retires the member's entries under its index: the worker goes on under another.
+local spare_index
+for _, event in ipairs(events) do
+  if event.operation == CLEAR then
+    spare_index = free_index()
+    if not spare_index then
+      return {'full'}
+    end
+    break
+  end
+end
+
 local cleared = false
 -- Apply the events in order. The loads below find what the bulk loads above did not
 -- foresee (blocks stored earlier in the batch under another parent; everything after a
@@ -70,7 +83,7 @@ local cleared = false
 for _, event in ipairs(events) do
   local fields, tier_bit = event.fields, event.tier_bit
   if event.operation == CLEAR then
-    clear_entries()
+    clear_entries(spare_index)
     cleared = true
   elseif event.operation == STORE then
     -- The run is a chain: each key's parent is the key before it.

@@ -122,25 +122,54 @@ local function has_directory(group)
 end
 local WITH_DIRECTORY = GROUP ~= nil and has_directory(GROUP)
 
--- At least `ttl` milliseconds; extended by a quarter more, so that the group's keys are
--- not extended again by every write of every member.
+local function retired_key(index)
+  return GROUP .. ':retired:' .. index
+end
+
 local function extend_ttl(key, ttl)
   if redis.call('PTTL', key) < ttl then
-    redis.call('PEXPIRE', key, integer_string(math.ceil(ttl * 1.25)))
+    redis.call('PEXPIRE', key, ttl)
   end
 end
 
 -- Keep the worker's hash until its lease has run out plus the grace period, and its
 -- group's keys at least as long, so data that no router purges (every router died)
--- still goes away by itself.
+-- still goes away by itself. The group's keys share one expiry, the roster's: a
+-- directory must never outlive the roster that says whose its bits are (an index
+-- would be given out again with bits set). Extended by a quarter more than needed, so
+-- that not every write of every member extends it.
 local function expire_member(worker, deadline, now, grace_ms)
   local ttl = math.ceil(math.max(deadline - now, 0) / 1000) + grace_ms
   redis.call('PEXPIRE', worker, integer_string(ttl))
-  extend_ttl(ROSTER, ttl)
-  if WITH_DIRECTORY then
-    extend_ttl(DIRECTORY, ttl)
-    extend_ttl(RETIRING, ttl)
+  local roster_ttl = redis.call('PTTL', ROSTER)
+  local extended = roster_ttl < ttl
+  if extended then
+    roster_ttl = math.ceil(ttl * 1.25)
+    redis.call('PEXPIRE', ROSTER, integer_string(roster_ttl))
   end
+  if WITH_DIRECTORY then
+    for _, key in ipairs({DIRECTORY, RETIRING}) do
+      local left = redis.call('PTTL', key)
+      -- -1: made since the roster's last extension, without an expiry of its own
+      if left ~= -2 and (extended or left == -1) then
+        redis.call('PEXPIRE', key, integer_string(roster_ttl))
+      end
+    end
+  end
+end
+
+-- Before a group without members takes one: whatever its directory still holds is
+-- stale (the roster that said whose the bits are expired or emptied), so it goes, with
+-- the sweeps that were left.
+local function forget_stale_directory()
+  if not WITH_DIRECTORY or redis.call('EXISTS', ROSTER) == 1 then
+    return
+  end
+  local retiring = redis.call('HKEYS', RETIRING)
+  for i = 1, #retiring do
+    redis.call('UNLINK', retired_key(retiring[i]))
+  end
+  redis.call('UNLINK', DIRECTORY, RETIRING)
 end
 
 -- The directory: one bit set per block, a bit per member index, lowest index in the
@@ -213,10 +242,6 @@ local function free_index()
   return index < MAX_MEMBERS and index or nil
 end
 
-local function retired_key(index)
-  return GROUP .. ':retired:' .. index
-end
-
 -- Take the worker out of its group: its entries wait under its index until
 -- sweep_retired() has cleared their bits from the directory; the index is reused after.
 -- (A whole cache at once would block the server for as long as it has blocks.)
@@ -236,7 +261,7 @@ local function retire(worker, index)
     -- whole directory instead.
     redis.call('HSET', RETIRING, index, 'd0')
   end
-  extend_ttl(RETIRING, directory_ttl)
+  extend_ttl(RETIRING, directory_ttl) -- the group's expiry (expire_member)
 end
 
 local SWEEP_SCAN = 256 -- fields per HSCAN
@@ -286,7 +311,7 @@ local function sweep_retired(budget)
       if redis.call('HEXISTS', RETIRING, index) == 1 then
         redis.call('HSET', RETIRING, index, progress)
       end
-      return true
+      return redis.call('HLEN', RETIRING) > 0
     end
   end
   return false

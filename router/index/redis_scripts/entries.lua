@@ -182,18 +182,25 @@ local function flush_entries()
   flipped = {}
 end
 
--- Forget every entry, keeping the worker's record: the entries retire with the
--- member's index (their bits are swept later), and the worker takes a free one.
-local function clear_entries()
-  local record = redis.call('HMGET', worker_key, DRAINING, INFO, APPLIED)
-  local _, deadline, search_tier, incarnation = read_member(worker_key)
-  local index = free_index()
-  retire(worker_key, member_index)
-  member_index = index
-  redis.call('HSET', ROSTER, worker_key, encode_member(index, deadline, search_tier, incarnation))
-  redis.call('HSET', worker_key, DRAINING, record[1], INFO, record[2])
-  if record[3] then
-    redis.call('HSET', worker_key, APPLIED, record[3])
+local retired_in_script = false
+
+-- Forget every entry, keeping the worker's record: the entries written so far retire
+-- with the member's index (their bits are swept later), and the worker takes
+-- `spare_index`, free (the caller found it before its first write). Later clears in the
+-- same script find nothing written under it yet: they only drop what is cached.
+local function clear_entries(spare_index)
+  if not retired_in_script then
+    local record = redis.call('HMGET', worker_key, DRAINING, INFO, APPLIED)
+    local _, deadline, search_tier, incarnation = read_member(worker_key)
+    retire(worker_key, member_index)
+    member_index = spare_index
+    redis.call('HSET', ROSTER, worker_key,
+      encode_member(spare_index, deadline, search_tier, incarnation))
+    redis.call('HSET', worker_key, DRAINING, record[1], INFO, record[2])
+    if record[3] then
+      redis.call('HSET', worker_key, APPLIED, record[3])
+    end
+    retired_in_script = true
   end
   entry_cache, dirty, flipped = {}, {}, {}
   counters = {entries = 0, orphans = 0, fastest = {0, 0, 0, 0}}

@@ -16,8 +16,8 @@ local limit, target = tonumber(ARGV[1]), tonumber(ARGV[2])
 local sample_size, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
 
 local index = read_member(worker)
-if not index then
-  return {0, 0} -- dropped or purged since the apply that asked for room
+if not index or redis.call('EXISTS', worker) == 0 then
+  return {0, 0} -- dropped, purged or expired since the apply that asked for room
 end
 open_entries(worker, index)
 if counters.entries <= limit then

@@ -28,6 +28,9 @@ if current then
 end
 
 -- New, newer, or the same incarnation after its lease ran out: start from nothing.
+if not current then
+  forget_stale_directory() -- a group without members holds nobody's bits
+end
 local fresh = free_index()
 if not fresh then
   return {'full'}

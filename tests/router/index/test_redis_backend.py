@@ -619,8 +619,9 @@ async def test_an_id_in_the_registry_no_router_wrote_is_left_out(redises: Redise
     prompt = chain(7, 4)
     await writer.register(info("w1"), LEASE)
     await writer.apply("w1", 1, [run(prompt)])
-    # A brace would move the hash tag; lookup.lua splits names on spaces.
-    await redises.admin.sadd(f"{redises.prefix}:workers", "a b", "{c}", "")
+    # A brace would move the hash tag; lookup.lua splits names on spaces, groups on
+    # newlines.
+    await redises.admin.sadd(f"{redises.prefix}:workers", "a b", "{c}", "", "d\ne")
     reader = redises.index()  # reads the registry at its first lookup
     assert {w: m.blocks for w, m in (await reader.lookup(prompt)).items()} == {"w1": 4}
 
@@ -721,6 +722,42 @@ async def test_a_dropped_workers_index_is_reused_only_once_swept(
     assert (await redises.member("d")).index == 0
     await index.apply("d", 1, [run(cached[:7])])
     assert {w: m.blocks for w, m in (await index.lookup(cached)).items()} == {"c": 3, "d": 7}
+
+
+async def test_a_groups_keys_share_one_expiry(directory_redises: Redises) -> None:
+    # A directory that outlived its roster would hand a new member old bits.
+    redises = directory_redises
+    index = redises.index(groups=1, grace_s=60)
+    await index.register(info("a"), 5)
+    await index.apply("a", 1, [run(chain(63, 3000))])  # the directory made after the roster
+    await index.register(info("b"), 40)  # extends the group (past the quarter more)
+    await index.drop_worker("a")  # leaves a sweep to do: the retiring list made last
+
+    keys = redises.layout.group_keys(0)
+    ttls = [await redises.admin.pttl(key) for key in keys]
+    assert min(ttls) > 60_000
+    assert max(ttls) - min(ttls) < 100, ttls  # milliseconds apart at most
+
+
+async def test_a_directory_its_roster_left_behind_is_not_inherited(
+    directory_redises: Redises,
+) -> None:
+    redises = directory_redises
+    index = redises.index(groups=1)
+    cached = chain(64, 40)
+    await index.register(info("a"), LEASE)
+    await index.apply("a", 1, [run(cached)])
+    # What a roster expiring before its directory would leave: bits, and no record of
+    # whose they are.
+    roster, directory, _ = redises.layout.group_keys(0)
+    await redises.admin.delete(roster)
+
+    await index.register(info("b"), LEASE)
+    await index.apply("b", 1, [run(cached[:3])])
+
+    assert (await redises.member("b")).index == 0
+    assert {w: m.blocks for w, m in (await index.lookup(cached)).items()} == {"b": 3}
+    assert await redises.admin.hlen(directory) == 3  # type: ignore[misc]
 
 
 async def test_bits_of_a_retired_cache_that_expired_are_found_in_the_directory(

@@ -743,10 +743,8 @@ async def test_a_directory_its_roster_left_behind_is_not_inherited(
     directory_redises: Redises,
 ) -> None:
     redises = directory_redises
-    index = redises.index(groups=1)
     cached = chain(64, 40)
-    await index.register(info("a"), LEASE)
-    await index.apply("a", 1, [run(cached)])
+    index = await _one_group_holding(redises, ["a"], cached)
     # What a roster expiring before its directory would leave: bits, and no record of
     # whose they are.
     roster, directory, _ = redises.layout.group_keys(0)
@@ -764,11 +762,8 @@ async def test_bits_of_a_retired_cache_that_expired_are_found_in_the_directory(
     directory_redises: Redises,
 ) -> None:
     redises = directory_redises
-    index = redises.index(groups=1)
     cached = chain(62, 3000)
-    for worker in ("a", "b"):
-        await index.register(info(worker), LEASE)
-        await index.apply(worker, 1, [run(cached)])
+    index = await _one_group_holding(redises, ["a", "b"], cached)
     await index.drop_worker("a")
     # What a retired cache's expiry leaves: its bits, and nothing that names them.
     await redises.admin.delete(f"{redises.layout.group_base(0)}:retired:0")
@@ -779,6 +774,18 @@ async def test_bits_of_a_retired_cache_that_expired_are_found_in_the_directory(
     await index.register(info("c"), LEASE)
     assert (await redises.member("c")).index == 0
     assert {w: m.blocks for w, m in (await index.lookup(cached)).items()} == {"b": 3000}
+
+
+async def _one_group_holding(
+    redises: Redises, workers: list[str], cached: list[int]
+) -> RedisLocationIndex:
+    """An index whose workers all share one group (and its directory), each of
+    `workers` registered and holding `cached`."""
+    index = redises.index(groups=1)
+    for worker in workers:
+        await index.register(info(worker), LEASE)
+        await index.apply(worker, 1, [run(cached)])
+    return index
 
 
 def _random_event(rng: random.Random, chains: list[list[int]]) -> KvEvent:

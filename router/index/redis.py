@@ -664,8 +664,12 @@ class RedisLocationIndex:
 
     async def stats(self) -> IndexStats:
         workers = await self._read_registry()
+        # Without directories a group has its roster only.
+        kept = 3 if self._layout.directory else 1
         group_keys = [
-            name for group in self._groups_in_use() for name in self._layout.group_keys(group)
+            name
+            for group in self._groups_in_use()
+            for name in self._layout.group_keys(group)[:kept]
         ]
         commands: list[Command] = [("MEMORY USAGE", name) for name in (self._registry, *group_keys)]
         for _, key in workers:

@@ -27,7 +27,7 @@
 -- otherwise each member's own hash.
 local FASTEST_TIER = {1, 2, 1, 3, 1, 2, 1, 4, 1, 2, 1, 3, 1, 2, 1} -- lowest bit, by mask
 local FIRST_CHUNK, MAX_CHUNK = 8, 1024
-local NO_MATCH = struct.pack('>I4I4I4I4I4', 0, 0, 0, 0, 0) .. string.rep('0', 20)
+local NO_MATCH = string.rep('\0', 20) .. string.rep('0', 20) -- 0 blocks, no incarnation
 
 local blob = ARGV[1]
 local total = #blob / 8
@@ -45,7 +45,13 @@ local function held(value)
   return value and string.byte(value) ~= 0 -- a placeholder (mask 0) is not held
 end
 
--- Walk from the first key to the first miss, counting tiers.
+-- A reply record before its incarnation: matched blocks, then matched per tier.
+local function pack_record(matched, by_tier)
+  return struct.pack('>I4I4I4I4I4', matched, by_tier[1], by_tier[2], by_tier[3], by_tier[4])
+end
+
+-- Walk from the first key to the first miss, counting tiers: the worker's reply record
+-- before its incarnation.
 local function walk(worker)
   local matched, chunk = 0, FIRST_CHUNK
   local by_tier = {0, 0, 0, 0}
@@ -57,7 +63,7 @@ local function walk(worker)
     local values = redis.call('HMGET', worker, unpack(chosen))
     for i = 1, #values do
       if not held(values[i]) then
-        return matched, by_tier
+        return pack_record(matched, by_tier)
       end
       local tier = FASTEST_TIER[string.byte(values[i])]
       by_tier[tier] = by_tier[tier] + 1
@@ -65,7 +71,7 @@ local function walk(worker)
     end
     chunk = math.min(chunk * 4, MAX_CHUNK)
   end
-  return matched, by_tier
+  return pack_record(matched, by_tier)
 end
 
 -- The end of a worker's prefix between `low` (held, or 0) and `high` (not held, or
@@ -117,7 +123,7 @@ local function searched_record(matched, search_tier)
   if not record then
     local by_tier = {0, 0, 0, 0}
     by_tier[search_tier] = matched
-    record = struct.pack('>I4I4I4I4I4', matched, by_tier[1], by_tier[2], by_tier[3], by_tier[4])
+    record = pack_record(matched, by_tier)
     searched_records[key] = record
   end
   return record
@@ -193,9 +199,7 @@ local function match_members(base, names, now, results)
         if not held(values[1]) then
           results[#results + 1] = NO_MATCH
         elseif search_tier == 0 then
-          local matched, by_tier = walk(worker)
-          results[#results + 1] = struct.pack('>I4I4I4I4I4', matched, by_tier[1], by_tier[2],
-            by_tier[3], by_tier[4]) .. incarnation
+          results[#results + 1] = walk(worker) .. incarnation
         else
           local low, high = 1, total + 1
           for j = 2, #probes do
@@ -266,9 +270,7 @@ local function match_group(line, now, results)
           lows[k], highs[k], bytes[k], masks[k] = low, high, held_byte, mask
         end
       else
-        local matched, by_tier = walk(names[i])
-        results[#results + 1] = struct.pack('>I4I4I4I4I4', matched, by_tier[1], by_tier[2],
-          by_tier[3], by_tier[4]) .. incarnation
+        results[#results + 1] = walk(names[i]) .. incarnation
       end
     end
   end

@@ -1,15 +1,17 @@
 from collections.abc import Callable
 from typing import Any
 
-RECORD_BYTES: int  # one worker's record in lookup.lua's reply
+RECORD_BYTES: int  # one worker's record in a section of a group without a directory
+MEMBER_BYTES: int  # one roster record in a section of a group with a directory
 
 def read_matches(
     reply: bytes,
-    worker_ids: list[str],
+    groups: list[list[str]],
     out: dict[str, Any],
     match: type[tuple[object, ...]],
     by_tier: Callable[[tuple[int, ...]], object],
 ) -> None:
     """out[worker id] = match(worker id, incarnation, blocks, by_tier(blocks per tier)) for
-    each worker of `worker_ids` whose record in `reply` (lookup.lua's, in that order)
-    matched a block; ValueError if the reply is not one record per worker."""
+    each worker of `groups` (each group's worker ids, in the order lookup.lua was asked)
+    that matched a block in `reply` (lookup.lua's: a section per group); ValueError if the
+    reply is not one section per group."""

@@ -276,7 +276,7 @@ class _NodeWorkers(NamedTuple):
 
     node: ClusterNode | None  # None: no node in particular (a single server)
     groups: list[tuple[int, list[tuple[str, _WorkerKey]]]]  # by group, its workers
-    worker_ids: list[str]  # in the order of the lookup's reply
+    worker_ids: list[list[str]]  # by group, in the order of the lookup's reply
     spec: bytes  # per group a line: its base and its workers' key names (lookup.lua)
 
 
@@ -565,7 +565,7 @@ class RedisLocationIndex:
                 ]
             )
             for (_, members), reply in zip(misrouted, replies, strict=True):
-                _collect_matches(matches, [worker_id for worker_id, _ in members], reply)
+                _collect_matches(matches, [[worker_id for worker_id, _ in members]], reply)
         return matches
 
     async def _workers_by_node(self) -> list[_NodeWorkers]:
@@ -599,7 +599,7 @@ class RedisLocationIndex:
             _NodeWorkers(
                 node,
                 [(group, by_group[group]) for group in groups],
-                [worker_id for group in groups for worker_id, _ in by_group[group]],
+                [[worker_id for worker_id, _ in by_group[group]] for group in groups],
                 b"\n".join(self._group_spec(group, by_group[group]) for group in groups),
             )
             for node, groups in by_node.values()
@@ -1003,8 +1003,10 @@ def _status(worker_id: str, record: list[Any]) -> WorkerStatus:
     )
 
 
-def _collect_matches(matches: dict[str, PrefixMatch], worker_ids: list[str], reply: bytes) -> None:
-    """Add the matches of one lookup.lua reply (one record per worker, in order)."""
+def _collect_matches(
+    matches: dict[str, PrefixMatch], worker_ids: list[list[str]], reply: bytes
+) -> None:
+    """Add the matches of one lookup.lua reply (a section per group, in order)."""
     read_matches(reply, worker_ids, matches, PrefixMatch, blocks_by_tier)
 
 

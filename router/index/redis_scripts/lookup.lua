@@ -8,26 +8,32 @@
 -- allow-cross-slot-keys flag lets one call read many groups' slots (their keys cannot be
 -- declared: declared keys must share one slot). KEYS are not read: a caller may declare
 -- one group's roster, so that a cluster client routes the call to its node.
--- Returns one 40-byte record per worker, in order: '>I4I4I4I4I4' (matched blocks,
--- matched on DEVICE, HOST, DISK, REMOTE) and the 20-digit incarnation; 0 blocks when
--- the worker is unknown, its lease ran out, or it holds not even the first key. Reads
--- only. (One flat string: far cheaper for the client to parse than nested arrays.)
+-- Returns one string (far cheaper for the client to parse than nested arrays): per
+-- group, in order, a section. Reads only.
 --
 -- Every field read costs about as much as a call, so a member is read with as few as
--- possible. Its record (lease, search tier, incarnation) comes from one HMGET of its
--- group's roster. Then the probes: the first key, and the prefix length most often
--- found so far in this call with the position after it (members that share a system
--- prompt end at the same place, so for most members the probes settle it). A member
--- whose record names a search tier (its blocks are closed under "parent of" and all
--- fastest on that tier, see entries.lua) holds key i only if it holds every key before
--- it, so the probes bound the end of its prefix and a binary search finds it; any other
--- member is walked in its own hash from the first key in growing chunks up to its first
--- miss, counting tiers. Where the group keeps a directory, the probes and the searches
--- read it, for all the group's members at once (one HMGET of the directory a round);
--- otherwise each member's own hash.
+-- possible. Its record (index, lease, search tier, incarnation) comes from one HMGET of
+-- its group's roster. A member whose record names a search tier (its blocks are closed
+-- under "parent of" and all fastest on that tier, see entries.lua) holds key i only if
+-- it holds every key before it, so the end of its prefix can be found by bisection;
+-- any other member is walked in its own hash from the first key in growing chunks up
+-- to its first miss, counting tiers.
+--
+-- A group without a directory: 'R', then one 40-byte record per worker, in order:
+-- '>I4I4I4I4I4' (matched blocks, matched on DEVICE, HOST, DISK, REMOTE) and the 20-digit
+-- incarnation; 0 blocks when the worker is unknown, its lease ran out, or it holds not
+-- even the first key. Each member is read in its own hash: first the probes (the first
+-- key, and the prefix length most often found so far in this call with the position
+-- after it: members that share a system prompt end at the same place, so for most
+-- members the probes settle it), then its bisection.
+--
+-- A group with a directory: its members' roster records and the places where their
+-- prefixes end, searched in the directory for the whole group at once
+-- (match_directory_group); the router reads each member's match from them.
 local FASTEST_TIER = {1, 2, 1, 3, 1, 2, 1, 4, 1, 2, 1, 3, 1, 2, 1} -- lowest bit, by mask
 local FIRST_CHUNK, MAX_CHUNK = 8, 1024
 local NO_MATCH = string.rep('\0', 20) .. string.rep('0', 20) -- 0 blocks, no incarnation
+local ABSENT_MEMBER = string.rep('\0', MEMBER_HEADER + 20) -- no lease: never matched
 
 local blob = ARGV[1]
 local total = #blob / 8
@@ -129,56 +135,71 @@ local function searched_record(matched, search_tier)
   return record
 end
 
--- Bisect the pending members all at once: member k holds the request's keys up to
--- somewhere in lows[k] .. highs[k] - 1 (lows[k] held, highs[k] not held or total + 1),
--- and has bit masks[k] in byte bytes[k] of a directory value. One HMGET of the
--- directory a round, at every unsettled member's middle. Leaves each end in lows[k].
--- (The hot loop of a fleet whose members end at many places: plain arrays.)
-local function settle(directory, lows, highs, bytes, masks)
-  local floor, band, byte = math.floor, bit.band, string.byte
-  local unsettled = {}
-  for k = 1, #lows do
-    if highs[k] - lows[k] > 1 then
-      unsettled[#unsettled + 1] = k
+-- The directory's bit sets at `positions` into `bits` ('' where no member holds the key).
+local function read_bits(directory, positions, bits)
+  for first = 1, #positions, CALL_CHUNK do
+    local last = math.min(first + CALL_CHUNK - 1, #positions)
+    local chosen = {}
+    for j = first, last do
+      chosen[#chosen + 1] = field_at(positions[j])
+    end
+    local values = redis.call('HMGET', directory, unpack(chosen))
+    for j = first, last do
+      bits[positions[j]] = values[j - first + 1] or ''
     end
   end
-  while #unsettled > 0 do
-    local middles, positions, asked = {}, {}, {}
-    for u = 1, #unsettled do
-      local k = unsettled[u]
-      local middle = floor((lows[k] + highs[k]) / 2)
-      middles[u] = middle
-      if not asked[middle] then
-        asked[middle] = true
-        positions[#positions + 1] = middle
-      end
-    end
-    local bits = {}
-    for first = 1, #positions, CALL_CHUNK do
-      local last = math.min(first + CALL_CHUNK - 1, #positions)
-      local chosen = {}
-      for j = first, last do
-        chosen[#chosen + 1] = field_at(positions[j])
-      end
-      local values = redis.call('HMGET', directory, unpack(chosen))
-      for j = first, last do
-        bits[positions[j]] = values[j - first + 1] or ''
-      end
-    end
-    local still = {}
-    for u = 1, #unsettled do
-      local k, middle = unsettled[u], middles[u]
-      if band(byte(bits[middle], bytes[k]) or 0, masks[k]) ~= 0 then
-        lows[k] = middle
+end
+
+-- Where the group's prefixes end, found for all its members at once: flat triples of a
+-- position p and the bit sets at p and p + 1 ('' past the request's keys). A searchable
+-- member holds key i only if it holds every key before it, so its bit is set up to its
+-- end and clear after: where the bit sets at two positions are equal (one compare:
+-- Lua strings are interned) no searchable member ends between them. The spans where
+-- they differ are halved, one HMGET a round for all of them, down to single steps. A
+-- round reads a position per place some member ends, not one per member, and nothing
+-- here is done per member: the router reads each member's end from its bit.
+-- Also returns the bit sets read, by position.
+local function find_ends(directory)
+  local floor = math.floor
+  local bits, ends = {}, {}
+  read_bits(directory, total > 1 and {1, total} or {1}, bits)
+  if bits[1] == '' then
+    return ends, bits -- no member holds the first key
+  end
+  if bits[total] ~= '' then
+    ends[1], ends[2], ends[3] = total, bits[total], ''
+  end
+  local spans = {} -- flat pairs low, high: some member may end in low .. high - 1
+  if total > 1 and bits[1] ~= bits[total] then
+    spans = {1, total}
+  end
+  while #spans > 0 do
+    local middles = {}
+    for s = 1, #spans, 2 do
+      local low, high = spans[s], spans[s + 1]
+      if high - low == 1 then
+        ends[#ends + 1], ends[#ends + 2], ends[#ends + 3] = low, bits[low], bits[high]
       else
-        highs[k] = middle
-      end
-      if highs[k] - lows[k] > 1 then
-        still[#still + 1] = k
+        middles[#middles + 1] = floor((low + high) / 2)
       end
     end
-    unsettled = still
+    read_bits(directory, middles, bits)
+    local halves = {}
+    for s = 1, #spans, 2 do
+      local low, high = spans[s], spans[s + 1]
+      if high - low > 1 then
+        local middle = floor((low + high) / 2)
+        if bits[low] ~= bits[middle] then
+          halves[#halves + 1], halves[#halves + 2] = low, middle
+        end
+        if bits[middle] ~= bits[high] then
+          halves[#halves + 1], halves[#halves + 2] = middle, high
+        end
+      end
+    end
+    spans = halves
   end
+  return ends, bits
 end
 
 -- Append the records of a group without a directory: each member read in its own hash.
@@ -218,66 +239,60 @@ local function match_members(base, names, now, results)
   end
 end
 
--- Append the records of one group's workers (a line of lookup's ARGV[2]) to `results`.
--- Per member this is the hot path of every lookup: plain arrays, no table per member.
+-- Append the section of a group with a directory: 'D', the server's clock ('>d'), the
+-- members' records from the roster in the order asked (ABSENT_MEMBER for one not in
+-- it), the ends (find_ends: a count '>I4', then per end its position '>I4' and the two
+-- bit sets, each after its length '>H'), and the walked members (a count '>I4', then
+-- each one's place in the group '>I4' and its record before the incarnation). Leases
+-- and ends are read by the router (router/index/_lookup_reply.c): per member the script
+-- only copies its record, and walks the rare member that cannot be searched.
+local function match_directory_group(base, names, now, results)
+  local ends, bits = find_ends(base .. ':directory')
+  local first_bits = bits[1]
+  local byte = string.byte
+  results[#results + 1] = 'D' .. struct.pack('>d', now)
+  local walked = {}
+  for first = 1, #names, CALL_CHUNK do
+    local last = math.min(first + CALL_CHUNK - 1, #names)
+    local records = redis.call('HMGET', base .. ':roster', unpack(names, first, last))
+    for i = first, last do
+      local record = records[i - first + 1]
+      if not record then
+        record = ABSENT_MEMBER
+      elseif byte(record, MEMBER_HEADER) == 0 then -- no search tier
+        local index, deadline = decode_member(record)
+        local held_byte, mask = math.floor(index / 8) + 1, bit.lshift(1, index % 8)
+        if deadline > now and bit.band(byte(first_bits, held_byte) or 0, mask) ~= 0 then
+          walked[#walked + 1] = struct.pack('>I4', i - 1) .. walk(names[i])
+        end
+      end
+      results[#results + 1] = record
+    end
+  end
+  results[#results + 1] = struct.pack('>I4', #ends / 3)
+  for e = 1, #ends, 3 do
+    local held, after = ends[e + 1], ends[e + 2]
+    results[#results + 1] = struct.pack('>I4H', ends[e], #held)
+    results[#results + 1] = held
+    results[#results + 1] = struct.pack('>H', #after)
+    results[#results + 1] = after
+  end
+  results[#results + 1] = struct.pack('>I4', #walked)
+  results[#results + 1] = table.concat(walked)
+end
+
+-- Append the section of one group (a line of lookup's ARGV[2]) to `results`.
 local function match_group(line, now, results)
   local names = {}
   for name in string.gmatch(line, '[^ ]+') do
     names[#names + 1] = name
   end
   local base = table.remove(names, 1)
-  if not has_directory(base) then
+  if has_directory(base) then
+    match_directory_group(base, names, now, results)
+  else
+    results[#results + 1] = 'R'
     match_members(base, names, now, results)
-    return
-  end
-  local directory = base .. ':directory'
-  if probed_hint ~= hint then
-    set_probes()
-  end
-  local probe_bits = redis.call('HMGET', directory, unpack(probe_fields))
-  local first_bits = probe_bits[1] or ''
-  local floor, band, byte, lshift = math.floor, bit.band, string.byte, bit.lshift
-  -- The searchable members the probes left unsettled: where they are in `results`,
-  -- their search tier and incarnation, the range of their end and their bit.
-  local at, tiers, incarnations, lows, highs, bytes, masks = {}, {}, {}, {}, {}, {}, {}
-  for first = 1, #names, CALL_CHUNK do
-    local last = math.min(first + CALL_CHUNK - 1, #names)
-    local records = redis.call('HMGET', base .. ':roster', unpack(names, first, last))
-    for i = first, last do
-      local index, deadline, search_tier, incarnation = decode_member(records[i - first + 1])
-      local held_byte, mask
-      if index then
-        held_byte, mask = floor(index / 8) + 1, lshift(1, index % 8)
-      end
-      if not deadline or deadline <= now or band(byte(first_bits, held_byte) or 0, mask) == 0 then
-        results[#results + 1] = NO_MATCH
-      elseif search_tier > 0 then
-        local low, high = 1, total + 1
-        for j = 2, #probes do
-          if band(byte(probe_bits[j] or '', held_byte) or 0, mask) == 0 then
-            high = probes[j]
-            break
-          end
-          low = probes[j]
-        end
-        if high - low <= 1 then
-          remember(low)
-          results[#results + 1] = searched_record(low, search_tier) .. incarnation
-        else
-          results[#results + 1] = false -- settled below
-          local k = #lows + 1
-          at[k], tiers[k], incarnations[k] = #results, search_tier, incarnation
-          lows[k], highs[k], bytes[k], masks[k] = low, high, held_byte, mask
-        end
-      else
-        results[#results + 1] = walk(names[i]) .. incarnation
-      end
-    end
-  end
-  settle(directory, lows, highs, bytes, masks)
-  for k = 1, #lows do
-    remember(lows[k])
-    results[at[k]] = searched_record(lows[k], tiers[k]) .. incarnations[k]
   end
 end
 

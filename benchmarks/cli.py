@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvplane.core.config import IndexSettings
 from simulations.fleet_sim.cli import workload_arg
 
 
@@ -63,6 +64,7 @@ def _run_bench_router(args: argparse.Namespace) -> int:
         sequential=args.sequential,
         oversized=args.oversized,
         host_tier=args.host_tier,
+        groups=args.groups,
         streamed=args.streamed,
         peer=not args.no_peer,
     )
@@ -129,8 +131,10 @@ def _run_bench_event_rate(args: argparse.Namespace) -> int:
 
 
 def _run_bench_scale(args: argparse.Namespace) -> int:
-    from benchmarks.scale import fleet_shape, run_scale_benchmark
+    from benchmarks.scale import REDIS_PREFIX, fleet_shape, run_scale_benchmark
+    from router.index.redis import KeyLayout
 
+    layout = KeyLayout(REDIS_PREFIX, args.groups, args.directory)
     if args.faults:
         from benchmarks.scale_faults import run_fault_benchmark
 
@@ -143,7 +147,7 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
             routers=args.routers,
             request_rate=args.request_rate,
             window_s=args.duration,
-            directory=args.directory,
+            layout=layout,
         )
     return run_scale_benchmark(
         json_path=args.json,
@@ -155,8 +159,16 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
         request_blocks=args.request_blocks,
         request_rate=args.request_rate,
         plot=args.plot,
-        directory=args.directory,
+        layout=layout,
     )
+
+
+def _group_count(text: str) -> int:
+    """An index.redis_groups value, checked as the router's settings check it."""
+    try:
+        return IndexSettings(redis_groups=int(text)).redis_groups
+    except ValueError as error:  # pydantic's ValidationError is one
+        raise argparse.ArgumentTypeError(f"not a group count: {text}") from error
 
 
 def _int_list(text: str) -> list[int]:
@@ -253,6 +265,12 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         "--no-peer",
         action="store_true",
         help="leave out the peer (sglang-router cache_aware, from make peers-env)",
+    )
+    router_bench.add_argument(
+        "--groups",
+        type=_group_count,
+        default=IndexSettings().redis_groups,
+        help="the Redis index's groups (index.redis_groups)",
     )
     router_bench.add_argument(
         "--host-tier",
@@ -396,6 +414,12 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         "--directory",
         action="store_true",
         help="the index's groups keep directories (index.redis_directory)",
+    )
+    scale.add_argument(
+        "--groups",
+        type=_group_count,
+        default=IndexSettings().redis_groups,
+        help="the index's groups (index.redis_groups)",
     )
     scale.set_defaults(handler=_run_bench_scale)
     return parser

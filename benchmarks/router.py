@@ -510,8 +510,11 @@ async def _measure_memory(case: DecisionCase) -> DecisionFigures:
         await index.close()
 
 
-async def _measure_redis(url: str, case: DecisionCase, backend: str) -> DecisionFigures:
-    """`backend`: "redis", or "redis-directory" (the layout whose groups keep one)."""
+async def _measure_redis(
+    url: str, case: DecisionCase, backend: str, groups: int
+) -> DecisionFigures:
+    """`backend`: "redis", or "redis-directory" (the layout whose groups keep one), in
+    `groups` groups."""
     import redis.asyncio as aioredis
 
     from router.index.redis import RedisLocationIndex
@@ -521,6 +524,7 @@ async def _measure_redis(url: str, case: DecisionCase, backend: str) -> Decision
         url,
         cluster=False,
         prefix=prefix,
+        groups=groups,
         directory=backend == "redis-directory",
         max_entries=None,
     )
@@ -544,6 +548,7 @@ def measure_all_decisions(
     fleet_sizes: Sequence[int],
     decisions: int,
     host_tier: bool,
+    groups: int,
     seed: int,
 ) -> list[DecisionFigures]:
     rows = []
@@ -556,7 +561,7 @@ def measure_all_decisions(
                 if backend == "memory":
                     rows.append(asyncio.run(_measure_memory(case)))
                 else:
-                    rows.append(asyncio.run(_measure_redis(redis_url, case, backend)))
+                    rows.append(asyncio.run(_measure_redis(redis_url, case, backend, groups)))
     return rows
 
 
@@ -1017,6 +1022,7 @@ def run_router_benchmark(
     concurrency: int,
     sequential: int,
     oversized: int = 0,
+    groups: int,
     host_tier: bool = False,
     streamed: int = 0,
     peer: bool = True,
@@ -1032,6 +1038,7 @@ def run_router_benchmark(
         fleet_sizes=fleet_sizes,
         decisions=decisions,
         host_tier=host_tier,
+        groups=groups,
         seed=seed,
     )
     with_peer = peer and (requests > 0 or streamed > 0) and peers_python().exists()
@@ -1058,6 +1065,7 @@ def run_router_benchmark(
                 "cpus": os.cpu_count(),
             },
             "host_tier": host_tier,
+            "redis_groups": groups,
             "decisions": [asdict(row) for row in rows],
             "proxy": None if proxy is None else asdict(proxy),
             "streamed": None if stream_figures is None else asdict(stream_figures),

@@ -256,7 +256,7 @@ class RouterReplica:
     args: list[str]
     url: str
     grpc_address: str
-    directory: bool = False  # the index's groups keep directories
+    layout: KeyLayout  # the index's groups, and whether they keep directories
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, redis_url: str) -> None:
@@ -264,7 +264,8 @@ class RouterReplica:
         env = {
             TOKEN_VARIABLE: ADMIN_TOKEN,
             "KVPLANE_CONTROL_PLANE__WORKER_CREDENTIAL_SECRET": WORKER_SECRET,
-            "KVPLANE_INDEX__REDIS_DIRECTORY": "true" if self.directory else "false",
+            "KVPLANE_INDEX__REDIS_GROUPS": str(self.layout.groups),
+            "KVPLANE_INDEX__REDIS_DIRECTORY": "true" if self.layout.directory else "false",
         }
         args = [*self.args, "--index", "redis-cluster", "--redis-url", redis_url]
         self.process = start_kvplane(args, self.url + "/healthz", env=env)
@@ -297,7 +298,7 @@ class RunningPoint:
 
 
 @contextmanager
-def running_point(workdir: Path, routers: int, directory: bool = False) -> Iterator[RunningPoint]:
+def running_point(workdir: Path, routers: int, layout: KeyLayout) -> Iterator[RunningPoint]:
     quiet = ("--log-level", "WARNING")
     with ExitStack() as stack:
         cluster = stack.enter_context(redis_cluster(workdir, masters=3, replicas=1))
@@ -309,12 +310,11 @@ def running_point(workdir: Path, routers: int, directory: bool = False) -> Itera
                 ["router", "--grpc-port", str(grpc_port), "--http-port", str(http_port), *quiet],
                 f"http://127.0.0.1:{http_port}",
                 f"127.0.0.1:{grpc_port}",
-                directory,
+                layout,
             )  # fmt: skip
             stack.callback(replica.kill)
             replica.start(cluster.url)
             replicas.append(replica)
-        layout = KeyLayout(REDIS_PREFIX, directory=directory)
         yield RunningPoint(cluster, replicas, engine.base_url, layout)
 
 
@@ -479,9 +479,9 @@ def measure_point(
     *,
     duration_s: float,
     request_rate: float,
-    directory: bool = False,
+    layout: KeyLayout,
 ) -> ScaleFigures:
-    with running_point(workdir, routers, directory) as point:
+    with running_point(workdir, routers, layout) as point:
         shape = dataclasses.replace(shape, base_url=point.engine_url)
         memory_before, _ = _redis_totals(point.cluster)
         with fleet_process(shape, point.grpc_addresses) as fleet:
@@ -669,8 +669,8 @@ def run_scale_benchmark(
     capacity_blocks: int,
     request_blocks: int,
     request_rate: float,
+    layout: KeyLayout,
     plot: Path | None = None,
-    directory: bool = False,
 ) -> int:
     shapes = [
         fleet_shape(count, capacity_blocks, request_blocks, batches_per_s) for count in workers
@@ -686,7 +686,7 @@ def run_scale_benchmark(
                 replicas,
                 duration_s=duration_s,
                 request_rate=request_rate,
-                directory=directory,
+                layout=layout,
             )
         results.append(figures)
         print(_table([figures]), flush=True)
@@ -701,7 +701,8 @@ def run_scale_benchmark(
             "capacity_blocks": capacity_blocks,
             "request_blocks": request_blocks,
             "requests_per_s": request_rate,
-            "index_directory": directory,
+            "index_groups": layout.groups,
+            "index_directory": layout.directory,
         },
         "points": [asdict(figures) for figures in results],
     }

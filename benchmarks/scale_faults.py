@@ -55,6 +55,7 @@ from benchmarks.scale import (
     require_in_play,
     running_point,
 )
+from router.index.redis import KeyLayout
 from simulations.redis_servers import ClusterNode
 from simulations.synthetic_fleet import (
     AUDIT,
@@ -358,10 +359,10 @@ def measure_faults(
     *,
     request_rate: float,
     window_s: float,
-    directory: bool = False,
+    layout: KeyLayout,
 ) -> FaultFigures:
     """Both faults at one point; `window_s`: the load's length from each fault on."""
-    with running_point(workdir, routers, directory) as point:
+    with running_point(workdir, routers, layout) as point:
         shape = dataclasses.replace(shape, base_url=point.engine_url)
         with fleet_process(shape, point.grpc_addresses) as fleet:
             await_message(fleet, FILLED, FILL_TIMEOUT_S)
@@ -417,7 +418,7 @@ def run_fault_benchmark(
     routers: Sequence[int],
     request_rate: float,
     window_s: float,
-    directory: bool = False,
+    layout: KeyLayout,
 ) -> int:
     results: list[FaultFigures] = []
     for shape, replicas in itertools.product(shapes, routers):
@@ -429,7 +430,7 @@ def run_fault_benchmark(
                 replicas,
                 request_rate=request_rate,
                 window_s=window_s,
-                directory=directory,
+                layout=layout,
             )
         results.append(figures)
         print(fault_table([figures]), flush=True)
@@ -445,7 +446,8 @@ def run_fault_benchmark(
             "requests_per_s": request_rate,
             "restart_down_s": RESTART_DOWN_S,
             "window_s": window_s,
-            "index_directory": directory,
+            "index_groups": layout.groups,
+            "index_directory": layout.directory,
         },
         "points": [asdict(figures) for figures in results],
     }

@@ -29,7 +29,7 @@ def test_bench_scale_measures_a_fleet_that_filled_the_shared_index(
     )  # fmt: skip
     assert status == 0
     report = json.loads(report_path.read_text())
-    assert report["shape"]["index_directory"] is False
+    assert (report["shape"]["index_directory"], report["shape"]["index_groups"]) == (False, 16)
     (point,) = report["points"]
     assert (point["workers"], point["routers"]) == (4, 2)
     assert point["failed_workers"] == 0
@@ -55,12 +55,14 @@ def test_bench_scale_faults_lose_nothing_the_agents_hold(tmp_path: Path) -> None
     status = main(
         ["bench", "scale", "--faults", "--workers", "4", "--routers", "2", "--duration", "4",
          "--capacity-blocks", str(CAPACITY), "--request-blocks", str(REQUEST),
-         "--batches-per-s", "5", "--request-rate", "20", "--directory",
+         "--batches-per-s", "5", "--request-rate", "20", "--directory", "--groups", "3",
          "--json", str(report_path)]
     )  # fmt: skip
     assert status == 0
     report = json.loads(report_path.read_text())
-    assert report["shape"]["index_directory"] is True  # the layout whose groups keep one
+    # The layout whose groups keep one, in three groups: the audits find the routers'
+    # keys only where the routers were given the same layout.
+    assert (report["shape"]["index_directory"], report["shape"]["index_groups"]) == (True, 3)
     (point,) = report["points"]
     clean = {"settled": True, "workers": 4, "missing": 0, "extra": 0, "wrong_incarnation": 0,
              "mismatched_workers": 0}  # fmt: skip

@@ -24,6 +24,8 @@ def _run_bench_index(args: argparse.Namespace) -> int:
         lookups=args.lookups,
         redis_entries=args.redis_entries,
         repeats=args.repeats,
+        redis_groups=args.redis_groups,
+        redis_directory=args.redis_directory,
     )
 
 
@@ -198,6 +200,17 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         help="also run Dynamo's RadixTree on the same events and lookups (needs `make dynamo-env`)",
     )
     index.add_argument("--redis-entries", type=int, default=300_000)
+    index.add_argument(
+        "--redis-groups",
+        type=_group_count,
+        default=IndexSettings().redis_groups,
+        help="the Redis index's groups (index.redis_groups)",
+    )
+    index.add_argument(
+        "--redis-directory",
+        action="store_true",
+        help="the Redis index's groups keep directories (index.redis_directory)",
+    )
     index.add_argument("--entries", type=int, default=1_500_000)
     index.add_argument(
         "--workers", type=_int_list, default=[16, 64], help="fleet sizes, comma-separated"

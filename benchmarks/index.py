@@ -468,9 +468,9 @@ def _figures(
     )
 
 
-async def _redis_figures(url: str, fleet: Fleet) -> IndexFigures:
-    """The Redis backend on the same kind of fleet (its own size): apply, lookups and
-    Redis' used_memory per entry."""
+async def _redis_figures(url: str, fleet: Fleet, groups: int, directory: bool) -> IndexFigures:
+    """The Redis backend on the same kind of fleet (its own size), in `groups` groups that
+    keep directories or not: apply, lookups and Redis' used_memory per entry."""
     import redis.asyncio as aioredis
 
     from router.index.redis import RedisLocationIndex
@@ -479,9 +479,17 @@ async def _redis_figures(url: str, fleet: Fleet) -> IndexFigures:
     admin = aioredis.Redis.from_url(url)
 
     async def make() -> LocationIndex:
-        return RedisLocationIndex.from_url(url, cluster=False, prefix=prefix, max_entries=None)
+        return RedisLocationIndex.from_url(
+            url,
+            cluster=False,
+            prefix=prefix,
+            max_entries=None,
+            groups=groups,
+            directory=directory,
+        )
 
-    side = KvplaneIndex("redis", make)
+    name = "redis-directory" if directory else "redis"
+    side = KvplaneIndex(name, make)
     side.prepare(fleet)
     try:
         before = int((await admin.info("memory"))["used_memory"])
@@ -494,7 +502,7 @@ async def _redis_figures(url: str, fleet: Fleet) -> IndexFigures:
             index_only.append(index_us)
         entries = (await side.stats()).entries
         rate = (fleet.stored_blocks + fleet.removed_blocks) / seconds
-        figures = _figures("redis", fleet.workers, entries, [rate], with_hashing, index_only)
+        figures = _figures(name, fleet.workers, entries, [rate], with_hashing, index_only)
         figures.bytes_per_entry = used / max(1, entries)
         figures.apply_small_batches_per_s = await side.small_batches_per_s()
         return figures
@@ -563,6 +571,8 @@ def run_index_benchmark(
     lookups: int,
     redis_entries: int,
     repeats: int,
+    redis_groups: int,
+    redis_directory: bool = False,
     seed: int = 1,
 ) -> int:
     with_dynamo = against == "dynamo"
@@ -605,7 +615,9 @@ def run_index_benchmark(
                 seed=seed,
                 token_hashes=False,
             )
-            fleet_report.indexes.append(asyncio.run(_redis_figures(redis_url, redis_fleet)))
+            fleet_report.indexes.append(
+                asyncio.run(_redis_figures(redis_url, redis_fleet, redis_groups, redis_directory))
+            )
         if not with_dynamo:
             fleet_report.agreed_lookups = None
         _print_fleet(fleet_report)

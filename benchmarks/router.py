@@ -13,7 +13,9 @@ then decides for the eight prompts in turn, called as the proxy calls it (anonym
 tenant, shared scope, no-op tracer), and each winner is recorded as a predicted
 location, as the proxy does after sending. The figures are the wall time
 of `decide()` (block keys, index lookup, predictions, scoring) after a warm-up, with
-the keys and the lookup also timed alone. The prompts are token ids: tokenisation is
+the keys and the lookup also timed alone, and with Redis its own time a lookup call
+through the decisions (`INFO commandstats`: less shaken by a busy machine than the
+wall time). The prompts are token ids: tokenisation is
 a figure of its own, the proxy's tokenisation with the default tokenizer of English
 text of the same length: a `/v1/completions` prompt not seen before, the same prompt
 again, and a chat whose system message (15/16 of the text) was seen before and whose
@@ -151,6 +153,9 @@ class DecisionFigures:
     keys_p50_us: float
     lookup_p50_us: float
     lookup_cpu_us: float  # this process's CPU a lookup (mean): with Redis, the router's share
+    # Redis's own time a lookup call through the decisions (INFO commandstats); None for
+    # the memory index
+    lookup_server_us: float | None
     tokenize_p50_us: float
     tokenize_repeat_p50_us: float  # the same prompt again: the proxy's token cache
     tokenize_shared_p50_us: float  # a chat whose messages but the last were seen before
@@ -311,10 +316,14 @@ class DecisionCase:
     seed: int = 1
 
 
+ServerTime = Callable[[], Awaitable[tuple[int, int]]]  # (script calls, their µs) so far
+
+
 async def measure_decisions(
-    index: LocationIndex, index_name: str, case: DecisionCase
+    index: LocationIndex, index_name: str, case: DecisionCase, server_time: ServerTime | None = None
 ) -> DecisionFigures:
-    """Fill `index` with the case's pool, then time the router's decisions over it."""
+    """Fill `index` with the case's pool, then time the router's decisions over it
+    (`server_time`: the Redis server's, for a Redis index)."""
     async with contextlib.aclosing(_router(index)) as router:
         planner, pool = router.planner, router.pool
         prompts = bench_prompts(case.prompt_tokens, case.seed)
@@ -347,7 +356,12 @@ async def measure_decisions(
             await index.lookup(prompt_keys[0])
 
         await _timed_us(decide, WARM_UP)
+        calls_before, server_us_before = await server_time() if server_time else (0, 0)
         decide_us = await _timed_us(decide, case.decisions)
+        lookup_server_us = None
+        if server_time:
+            calls, server_us = await server_time()
+            lookup_server_us = round((server_us - server_us_before) / (calls - calls_before), 1)
         keys_us = await _timed_us(keys, max(10, case.decisions // 4))
         lookups = max(10, case.decisions // 4)
         cpu_before = time.process_time()
@@ -364,6 +378,7 @@ async def measure_decisions(
             keys_p50_us=round(statistics.median(keys_us), 1),
             lookup_p50_us=round(statistics.median(lookup_us), 1),
             lookup_cpu_us=round(lookup_cpu_us, 1),
+            lookup_server_us=lookup_server_us,
             tokenize_p50_us=round(case.tokenize.fresh_us, 1),
             tokenize_repeat_p50_us=round(case.tokenize.repeated_us, 1),
             tokenize_shared_p50_us=round(case.tokenize.shared_prefix_us, 1),
@@ -529,8 +544,14 @@ async def _measure_redis(
         max_entries=None,
     )
     admin = aioredis.Redis.from_url(url)
+
+    async def server_time() -> tuple[int, int]:
+        # Only the decisions' lookups run scripts meanwhile.
+        stats = (await admin.info("commandstats")).get("cmdstat_evalsha", {})
+        return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+
     try:
-        return await measure_decisions(index, backend, case)
+        return await measure_decisions(index, backend, case, server_time)
     finally:
         for worker in range(case.workers):
             await index.drop_worker(f"worker-{worker}")
@@ -933,6 +954,7 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
         print(
             f"{'prompt':>7} {'workers':>7} {'index':<6} {'entries':>9} {'decide p50':>11} "
             f"{'decide p99':>11} {'keys p50':>10} {'lookup p50':>11} {'lookup CPU':>11} "
+            f"{'Redis/lookup':>13} "
             f"{'tokenize p50':>13} "
             f"{'repeated':>9} {'shared':>9} {'route shared':>13} {'text shared':>12}"
         )
@@ -942,6 +964,7 @@ def _print_table(decisions: list[DecisionFigures], proxy: ProxyFigures | None) -
                 f"{row.decision_p50_us:>9.0f}µs {row.decision_p99_us:>9.0f}µs "
                 f"{row.keys_p50_us:>8.0f}µs {row.lookup_p50_us:>9.0f}µs "
                 f"{row.lookup_cpu_us:>9.0f}µs "
+                f"{_microseconds(row.lookup_server_us):>13} "
                 f"{row.tokenize_p50_us:>11.0f}µs {row.tokenize_repeat_p50_us:>7.0f}µs "
                 f"{row.tokenize_shared_p50_us:>7.0f}µs {row.route_shared_p50_us:>11.0f}µs "
                 f"{row.tokenize_shared_text_p50_us:>10.0f}µs"
@@ -1004,6 +1027,10 @@ def _print_streamed(streamed: StreamedFigures) -> None:
             f"{path.name:<28} {path.first_chunk_p50_ms:>12.2f} ms {added:>5.2f} ms "
             f"{path.answer_p50_ms:>8.2f} ms {path.requests_per_s:>11,.1f} {cpu:>14}"
         )
+
+
+def _microseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}µs"
 
 
 def _ratio(ours: float, theirs: float) -> str:

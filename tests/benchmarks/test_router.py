@@ -20,6 +20,7 @@ DECISION_FIELDS = {
     "decision_p50_us",
     "decision_p99_us",
     "lookup_cpu_us",
+    "lookup_server_us",
     "tokenize_p50_us",
     "tokenize_shared_p50_us",
     "tokenize_shared_text_p50_us",
@@ -42,7 +43,7 @@ def test_bench_router_writes_decisions_and_proxy_figures(
     status = main(
         [
             "bench", "router", "--json", str(report_path),
-            "--index", "memory,redis", "--redis-url", redis_url,
+            "--index", "memory,redis", "--redis-url", redis_url, "--groups", "2",
             "--prompt-tokens", "64,256", "--workers", "3",
             "--decisions", "20", "--requests", "60", "--concurrency", "4",
             "--sequential", "10", "--streamed", "24",
@@ -70,6 +71,10 @@ def test_bench_router_writes_decisions_and_proxy_figures(
         for field in ("decision_p50_us", "decision_p99_us", "lookup_cpu_us", "tokenize_p50_us"):
             assert row[field] > 0, field
         assert row["decision_p99_us"] >= row["decision_p50_us"]
+        # Redis's time a lookup, from its own counters: only where Redis answered.
+        assert (row["lookup_server_us"] is None) == (row["index"] == "memory")
+        assert row["index"] == "memory" or row["lookup_server_us"] > 0
+    assert report["redis_groups"] == 2
 
     proxy = report["proxy"]
     assert proxy.keys() >= PROXY_FIELDS

@@ -215,7 +215,8 @@ static int read_directory_section(Reader *reader, PyObject *members, Matches *ma
             if (walked[w] == NULL) continue; /* holds not even the first key */
             if (read_counts(walked[w], &blocks, by_tier) < 0) goto done;
         } else if (search_tier <= TIERS) {
-            blocks = ends[(Py_ssize_t)record[0] << 8 | record[1]];
+            Py_ssize_t index = (Py_ssize_t)record[0] << 8 | record[1];
+            blocks = index < indexes ? ends[index] : 0; /* always below: counted above */
             if (blocks > INT32_MAX) {
                 PyErr_SetString(PyExc_ValueError, "a lookup reply's end is out of range");
                 goto done;

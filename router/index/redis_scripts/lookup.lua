@@ -15,8 +15,8 @@
 -- possible. Its record (index, lease, search tier, incarnation) comes from one HMGET of
 -- its group's roster. A member whose record names a search tier (its blocks are closed
 -- under "parent of" and all fastest on that tier, see entries.lua) holds key i only if
--- it holds every key before it, so the end of its prefix can be found by bisection;
--- any other member is walked in its own hash from the first key in growing chunks up
+-- it holds every key before it, so the end of its prefix can be searched for (halving
+-- ranges of positions); any other member is walked in its own hash from the first key in growing chunks up
 -- to its first miss, counting tiers.
 --
 -- A group without a directory: 'R', then one 40-byte record per worker, in order:
@@ -271,11 +271,11 @@ local function match_directory_group(base, names, now, results)
   end
   results[#results + 1] = struct.pack('>I4', #ends / 3)
   for e = 1, #ends, 3 do
-    local held, after = ends[e + 1], ends[e + 2]
-    results[#results + 1] = struct.pack('>I4H', ends[e], #held)
-    results[#results + 1] = held
-    results[#results + 1] = struct.pack('>H', #after)
-    results[#results + 1] = after
+    local at_end, after_end = ends[e + 1], ends[e + 2]
+    results[#results + 1] = struct.pack('>I4H', ends[e], #at_end)
+    results[#results + 1] = at_end
+    results[#results + 1] = struct.pack('>H', #after_end)
+    results[#results + 1] = after_end
   end
   results[#results + 1] = struct.pack('>I4', #walked)
   results[#results + 1] = table.concat(walked)

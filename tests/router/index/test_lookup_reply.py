@@ -110,6 +110,22 @@ def test_a_directory_section_gives_each_live_member_the_end_its_bit_marks() -> N
     }
 
 
+def test_stray_bits_neither_move_an_end_nor_reach_past_the_live_members() -> None:
+    # Bits of members not asked about (a retiring member's being swept, a walked one's
+    # gaps) may make a member's bit change at several ends: the lowest is its end. Bits
+    # above every live searched member's index are skipped, not written past the ends.
+    ends = [
+        (6, bit_set(0, 1, 40), bit_set(1)),
+        (2, bit_set(0, 3, 7, 40), bit_set(3, 40)),
+        (4, bit_set(0, 1, 9, 60), bit_set(1, 9)),
+    ]
+    members = [member(0, LIVE, 1, 1), member(7, LIVE, 0, 2), member(9, EXPIRED, 1, 3)]
+    walked = [(0, RECORD.pack(9, 9, 0, 0, 0, b"")[:20])]  # names a searched member: ignored
+    assert read(directory_section(members, ends, walked), [["a", "walker", "expired"]]) == {
+        "a": PrefixMatch("a", 1, 2, {Tier.DEVICE: 2})
+    }
+
+
 def test_a_reply_holds_a_section_per_group_in_order() -> None:
     reply = b"".join(
         [

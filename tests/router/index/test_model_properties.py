@@ -222,7 +222,10 @@ def _machine_for(backend: str, url: str | None) -> type[IndexModel]:
             assert url is not None
             # A fresh prefix per run keeps hypothesis' examples from seeing each other.
             self.run_prefix = f"{self.prefix}-{uuid.uuid4().hex[:6]}"
-            return open_redis_index(backend, url, self.run_prefix)
+            # Directories in one group, so that lookups search several members at once
+            # (the model's few workers would fall in groups of their own).
+            groups = {"groups": 1} if backend.endswith("directory") else {}
+            return open_redis_index(backend, url, self.run_prefix, **groups)
 
         async def close_backend(self) -> None:
             if backend != "memory":

@@ -808,13 +808,17 @@ async def _assert_same_lookups(
     rng: random.Random, chains: list[list[int]], index: LocationIndex, reference: LocationIndex
 ) -> None:
     requests = [list(keys) for keys in chains]
+    requests += [keys[:length] for keys in chains for length in (1, 2)]  # the shortest spans
     requests += [keys[: rng.randint(1, 40)] + chain(rng.randrange(10**6), 5) for keys in chains]
     for request in requests:
         assert await index.lookup(request) == await reference.lookup(request)
 
 
-async def test_many_workers_ending_at_different_places_on_one_long_prompt(redises: Redises) -> None:
-    index = redises.index()
+@pytest.mark.parametrize("groups", [1, 16])  # all in one directory, or mostly alone
+async def test_many_workers_ending_at_different_places_on_one_long_prompt(
+    redises: Redises, groups: int
+) -> None:
+    index = redises.index(groups=groups)
     prompt = chain(13, 600)
     ends = [600, 600, 1, 2, 3, 32, 32, 32, 33, 299, 300, 301, 511, 512, 513, 599, 0, 32]
     for n, end in enumerate(ends):

@@ -157,12 +157,23 @@ end
 -- Lua strings are interned) no searchable member ends between them. The spans where
 -- they differ are halved, one HMGET a round for all of them, down to single steps. A
 -- round reads a position per place some member ends, not one per member, and nothing
--- here is done per member: the router reads each member's end from its bit.
+-- here is done per member: the router reads each member's end from its bit. The first
+-- read adds the place where ends were most common in the groups searched before, and
+-- the position after it: members that share a system prompt end there in every group,
+-- and the span before it then needs no halving.
 -- Also returns the bit sets read, by position.
+local ends_seen = {} -- position -> groups so far in this call with an end there
+local common_end -- the most common of them: where a shared system prompt ends
 local function find_ends(directory)
   local floor = math.floor
   local bits, ends = {}, {}
-  read_bits(directory, total > 1 and {1, total} or {1}, bits)
+  local firsts = {1}
+  for _, position in ipairs(common_end and {common_end, common_end + 1, total} or {total}) do
+    if position > firsts[#firsts] and position <= total then
+      firsts[#firsts + 1] = position
+    end
+  end
+  read_bits(directory, firsts, bits)
   if bits[1] == '' then
     return ends, bits -- no member holds the first key
   end
@@ -170,8 +181,10 @@ local function find_ends(directory)
     ends[1], ends[2], ends[3] = total, bits[total], ''
   end
   local spans = {} -- flat pairs low, high: some member may end in low .. high - 1
-  if total > 1 and bits[1] ~= bits[total] then
-    spans = {1, total}
+  for i = 2, #firsts do
+    if bits[firsts[i - 1]] ~= bits[firsts[i]] then
+      spans[#spans + 1], spans[#spans + 2] = firsts[i - 1], firsts[i]
+    end
   end
   while #spans > 0 do
     local middles = {}
@@ -198,6 +211,13 @@ local function find_ends(directory)
       end
     end
     spans = halves
+  end
+  for e = 1, #ends, 3 do
+    local position = ends[e]
+    ends_seen[position] = (ends_seen[position] or 0) + 1
+    if ends_seen[position] > (ends_seen[common_end] or 0) then
+      common_end = position
+    end
   end
   return ends, bits
 end

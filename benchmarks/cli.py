@@ -165,6 +165,15 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
     )
 
 
+def _add_groups_option(parser: argparse.ArgumentParser, flag: str) -> None:
+    parser.add_argument(
+        flag,
+        type=_group_count,
+        default=IndexSettings().redis_groups,
+        help="the Redis index's groups (index.redis_groups)",
+    )
+
+
 def _group_count(text: str) -> int:
     """An index.redis_groups value, checked as the router's settings check it."""
     try:
@@ -200,12 +209,7 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         help="also run Dynamo's RadixTree on the same events and lookups (needs `make dynamo-env`)",
     )
     index.add_argument("--redis-entries", type=int, default=300_000)
-    index.add_argument(
-        "--redis-groups",
-        type=_group_count,
-        default=IndexSettings().redis_groups,
-        help="the Redis index's groups (index.redis_groups)",
-    )
+    _add_groups_option(index, "--redis-groups")
     index.add_argument(
         "--redis-directory",
         action="store_true",
@@ -279,12 +283,7 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         action="store_true",
         help="leave out the peer (sglang-router cache_aware, from make peers-env)",
     )
-    router_bench.add_argument(
-        "--groups",
-        type=_group_count,
-        default=IndexSettings().redis_groups,
-        help="the Redis index's groups (index.redis_groups)",
-    )
+    _add_groups_option(router_bench, "--groups")
     router_bench.add_argument(
         "--host-tier",
         action="store_true",
@@ -428,12 +427,7 @@ def build_parser(prog: str = "kvplane bench") -> argparse.ArgumentParser:
         action="store_true",
         help="the index's groups keep directories (index.redis_directory)",
     )
-    scale.add_argument(
-        "--groups",
-        type=_group_count,
-        default=IndexSettings().redis_groups,
-        help="the index's groups (index.redis_groups)",
-    )
+    _add_groups_option(scale, "--groups")
     scale.set_defaults(handler=_run_bench_scale)
     return parser
 

@@ -47,6 +47,8 @@ static const unsigned char *take(Reader *reader, Py_ssize_t bytes) {
     return taken;
 }
 
+static Py_ssize_t read_u16(const unsigned char *at) { return (Py_ssize_t)at[0] << 8 | at[1]; }
+
 static uint32_t read_u32(const unsigned char *at) {
     return (uint32_t)at[0] << 24 | (uint32_t)at[1] << 16 | (uint32_t)at[2] << 8 | at[3];
 }
@@ -165,7 +167,7 @@ static int read_directory_section(Reader *reader, PyObject *members, Matches *ma
     Py_ssize_t indexes = 0;
     for (Py_ssize_t w = 0; w < count; w++) {
         const unsigned char *record = records + w * MEMBER_BYTES;
-        Py_ssize_t index = (Py_ssize_t)record[0] << 8 | record[1];
+        Py_ssize_t index = read_u16(record);
         if (record[MEMBER_HEADER - 1] != 0 && read_double(record + 2) > now && index >= indexes)
             indexes = index + 1;
     }
@@ -179,11 +181,11 @@ static int read_directory_section(Reader *reader, PyObject *members, Matches *ma
     for (uint32_t e = 0, ends_read = read_u32(end_count); e < ends_read; e++) {
         const unsigned char *head = take(reader, 6);
         if (head == NULL) goto done;
-        Py_ssize_t held_bytes = (Py_ssize_t)head[4] << 8 | head[5];
+        Py_ssize_t held_bytes = read_u16(head + 4);
         const unsigned char *held = take(reader, held_bytes);
         const unsigned char *after_length = held ? take(reader, 2) : NULL;
         if (after_length == NULL) goto done;
-        Py_ssize_t after_bytes = (Py_ssize_t)after_length[0] << 8 | after_length[1];
+        Py_ssize_t after_bytes = read_u16(after_length);
         const unsigned char *after = take(reader, after_bytes);
         if (after == NULL) goto done;
         uint32_t position = read_u32(head);
@@ -215,7 +217,7 @@ static int read_directory_section(Reader *reader, PyObject *members, Matches *ma
             if (walked[w] == NULL) continue; /* holds not even the first key */
             if (read_counts(walked[w], &blocks, by_tier) < 0) goto done;
         } else if (search_tier <= TIERS) {
-            Py_ssize_t index = (Py_ssize_t)record[0] << 8 | record[1];
+            Py_ssize_t index = read_u16(record);
             blocks = index < indexes ? ends[index] : 0; /* always below: counted above */
             if (blocks > INT32_MAX) {
                 PyErr_SetString(PyExc_ValueError, "a lookup reply's end is out of range");

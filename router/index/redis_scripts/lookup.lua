@@ -97,7 +97,7 @@ end
 
 -- The probes: position 1, and the most often found length (the hint) and the one after
 -- it; ascending and distinct. Rebuilt when the hint has changed, before a group.
-local found = {} -- prefix length -> workers found with it
+local found = {} -- prefix length -> workers (with directories: groups) found ending there
 local hint = 0
 local probes, probe_fields, probed_hint
 local function set_probes()
@@ -158,20 +158,19 @@ end
 -- they differ are halved, one HMGET a round for all of them, down to single steps. A
 -- round reads a position per place some member ends, not one per member, and nothing
 -- here is done per member: the router reads each member's end from its bit. The first
--- read adds the place where ends were most common in the groups searched before, and
--- the position after it: members that share a system prompt end there in every group,
--- and the span before it then needs no halving.
+-- read is the probes (the place where ends were most common in the groups searched
+-- before, and the position after it: members that share a system prompt end there in
+-- every group, and the span before it then needs no halving) and the last position.
 -- Also returns the bit sets read, by position.
-local ends_seen = {} -- position -> groups so far in this call with an end there
-local common_end -- the most common of them: where a shared system prompt ends
 local function find_ends(directory)
   local floor = math.floor
   local bits, ends = {}, {}
-  local firsts = {1}
-  for _, position in ipairs(common_end and {common_end, common_end + 1, total} or {total}) do
-    if position > firsts[#firsts] and position <= total then
-      firsts[#firsts + 1] = position
-    end
+  if probed_hint ~= hint then
+    set_probes()
+  end
+  local firsts = {unpack(probes)}
+  if total > firsts[#firsts] then
+    firsts[#firsts + 1] = total
   end
   read_bits(directory, firsts, bits)
   if bits[1] == '' then
@@ -213,11 +212,7 @@ local function find_ends(directory)
     spans = halves
   end
   for e = 1, #ends, 3 do
-    local position = ends[e]
-    ends_seen[position] = (ends_seen[position] or 0) + 1
-    if ends_seen[position] > (ends_seen[common_end] or 0) then
-      common_end = position
-    end
+    remember(ends[e])
   end
   return ends, bits
 end

@@ -289,6 +289,16 @@ async def test_a_worker_is_one_hash_with_a_ttl_beyond_its_lease(redises: Redises
     assert 75_000 < await redises.admin.pttl(redises.worker_key("a")) <= 80_000
 
 
+@pytest.mark.parametrize("groups", [0, 257])
+def test_a_group_count_out_of_range_is_refused_by_the_settings_and_the_index(
+    redis_url: str, groups: int
+) -> None:
+    with pytest.raises(ValueError, match="redis_groups"):
+        IndexSettings(backend="redis", redis_url=redis_url, redis_groups=groups)
+    with pytest.raises(ValueError, match=r"groups must be within 1\.\.256"):
+        RedisLocationIndex.from_url(redis_url, prefix="kvptest", groups=groups)
+
+
 async def test_the_layout_comes_from_the_settings_and_layouts_never_mix(
     redis_url: str,
 ) -> None:
